@@ -1,0 +1,1 @@
+"""The FSDP engine: sharding math, units, hooks and collectives."""

@@ -1,0 +1,168 @@
+"""Parameter-level helpers used at construction and by the public methods:
+deferred (meta) materialization, cross-rank consistency, gradient norms over
+shards, and full-parameter summoning.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+from . import collectives as C
+from . import flat as F
+
+
+def _has_meta(m: nn.Module) -> bool:
+    tensors = list(m._parameters.values()) + list(m._buffers.values())
+    return any(t is not None and t.is_meta for t in tensors)
+
+
+def materialize(modules: list[nn.Module], param_init_fn: Optional[Callable[[nn.Module], None]],
+                device: torch.device) -> None:
+    """Materialize the meta parameters/buffers that ``modules`` own directly.
+
+    Each module is handled alone (``recurse=False``) so peak memory is one
+    unit's full parameters. Tied parameters stay tied: once one owner is
+    materialized, every other owner of the same meta tensor gets the new one.
+
+    Raises:
+        ValueError: a meta module with neither ``param_init_fn`` nor
+            ``reset_parameters``, or meta tensors left after ``param_init_fn``.
+    """
+    ties: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in modules:
+        for attr, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                ties.setdefault(id(p), []).append((m, attr))
+    for m in modules:
+        if not _has_meta(m):
+            continue
+        before = {attr: id(p) for attr, p in m._parameters.items() if p is not None}
+        if param_init_fn is not None:
+            param_init_fn(m)
+        elif hasattr(m, "reset_parameters"):
+            m.to_empty(device=device, recurse=False)
+            with torch.no_grad():
+                m.reset_parameters()
+        else:
+            raise ValueError(
+                f"module {type(m).__name__} has meta-device parameters but no reset_parameters(); "
+                "pass param_init_fn=fn(module) to FullyShardedDataParallel to materialize it")
+        if _has_meta(m):
+            raise ValueError(f"param_init_fn left meta-device tensors on {type(m).__name__}; it must "
+                             "materialize the module's own parameters and buffers")
+        for attr, old in before.items():
+            for other, other_attr in ties.get(old, ()):
+                if other is not m or other_attr != attr:
+                    other._parameters[other_attr] = m._parameters[attr]
+
+
+def buffers_of(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
+    return [b for m in modules for b in m._buffers.values() if b is not None]
+
+
+def move_buffers(modules: Iterable[nn.Module], device: torch.device) -> None:
+    for m in modules:
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device:
+                m._buffers[name] = b.to(device)
+
+
+@torch.no_grad()
+def broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
+    """Overwrite every rank's tensors with rank 0's (``sync_module_states``)."""
+    for t in tensors:
+        C.broadcast(t.data, 0, group)
+
+
+@torch.no_grad()
+def check_same_across_ranks(named: list[tuple[str, torch.Tensor]], group, unit: str) -> None:
+    """Compare two position-weighted fp64 checksums per parameter across ranks
+    with one small all-reduce (max of [v, -v]).
+
+    Raises:
+        ValueError: naming the first parameter whose checksums differ.
+    """
+    if not named or C.group_size(group) == 1:
+        return
+    sums = []
+    for _, p in named:
+        t = p.detach().reshape(-1).to(torch.float64)
+        w = torch.arange(1, t.numel() + 1, dtype=torch.float64, device=t.device).remainder_(97).add_(1)
+        sums += [t.sum(), (t * w).sum()]
+    v = torch.stack(sums).cpu()
+    both = torch.cat([v, -v])
+    C.all_reduce(both, group, "max")
+    hi, lo = both[:v.numel()], -both[v.numel():]
+    bad = (hi != lo).nonzero()
+    if bad.numel():
+        name = named[int(bad[0]) // 2][0]
+        raise ValueError(
+            f"[rank {C.rank()}] unit '{unit}': parameter '{name}' differs across ranks at construction; "
+            "initialize with the same seed on every rank or pass sync_module_states=True")
+
+
+def grads_by_kind(units, params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(gradients of sharded parameters, gradients of unmanaged parameters)."""
+    sharded_ids, sharded = set(), []
+    for rt in units:
+        for sp in rt.unit.sharded_params:
+            sharded_ids.add(id(sp))
+            if sp.grad is not None:
+                sharded.append(sp.grad)
+    local = [p.grad for p in params if id(p) not in sharded_ids and p.grad is not None]
+    return sharded, local
+
+
+def _norm_part(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type).cpu() for g in grads])
+    return norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
+
+
+def global_norm(sharded: list[torch.Tensor], local: list[torch.Tensor], group, norm_type: float) -> torch.Tensor:
+    """Total ``norm_type`` norm of all gradients: shard contributions are
+    summed (max for inf) over the shard group; unmanaged ones are replicated
+    and counted once."""
+    is_inf = norm_type == float("inf")
+    part = _norm_part(sharded, norm_type)
+    C.all_reduce(part, group, "max" if is_inf else "sum")
+    rest = _norm_part(local, norm_type)
+    if is_inf:
+        return torch.maximum(part, rest)
+    return (part + rest).pow(1.0 / norm_type)
+
+
+@contextlib.contextmanager
+def full_params(units: list, writeback: bool):
+    """Gather every unit's full-precision parameters and register them on
+    their modules for the duration of the context (see
+    ``FullyShardedDataParallel.summon_full_params``)."""
+    gathered = []
+    with torch.no_grad():
+        for unit in units:
+            lay, dev = unit.layout, unit.cfg.compute_device
+            buf = torch.empty(lay.unsharded_numel, dtype=unit.flat_shard.dtype, device=dev)
+            C.all_gather(buf, unit.flat_shard.to(dev), unit.cfg.shard_group, async_op=False)
+            full = torch.empty_like(buf)
+            F.copy_out(full, buf, lay)
+            views = F.unsharded_views(full, lay)
+            unit.hide_full_params()
+            for slot, view in zip(unit.slots, views):
+                fp = nn.Parameter(view, requires_grad=slot.param.requires_grad)
+                for module, attr in slot.owners:
+                    module._parameters[attr] = fp
+            gathered.append((unit, views))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for unit, views in gathered:
+                if writeback:
+                    F.shard_into(unit.flat_shard, unit.layout, views, unit.rank)
+                for slot, sp in zip(unit.slots, unit.sharded_params):
+                    for module, attr in slot.owners:
+                        module._parameters[attr] = sp

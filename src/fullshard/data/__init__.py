@@ -1,0 +1,27 @@
+"""Tokenizer, corpora, binarized token datasets and data-parallel batch sampling.
+
+Public API: :func:`load_gpt2_tokenizer` / :class:`GPT2Tokenizer`,
+:func:`builtin_corpus_documents`, :func:`preprocess`, :func:`read_meta`,
+:class:`TokenBlockDataset`, :class:`ShardedBatchSampler`, :class:`DataError`.
+"""
+
+from .corpus import builtin_corpus_documents, read_text_documents, split_documents
+from .dataset import TokenBlockDataset, read_meta
+from .errors import DataError
+from .binarize import PreprocessResult, preprocess
+from .sampler import ShardedBatchSampler
+from .tokenizer import GPT2Tokenizer, load_gpt2_tokenizer
+
+__all__ = [
+    "DataError",
+    "GPT2Tokenizer",
+    "PreprocessResult",
+    "ShardedBatchSampler",
+    "TokenBlockDataset",
+    "builtin_corpus_documents",
+    "load_gpt2_tokenizer",
+    "preprocess",
+    "read_meta",
+    "read_text_documents",
+    "split_documents",
+]

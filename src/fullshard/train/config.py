@@ -1,0 +1,81 @@
+"""The validated training configuration handed to every rank.
+
+`TrainConfig` is built once, on the launching process, from the parsed and
+checked command line (see `options.py`); it is a frozen, picklable dataclass so
+the elastic launcher can hand it to spawned ranks unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one rank needs to train. Field names follow fairseq-train flags."""
+
+    data_dir: str
+    """Directory written by `fullshard preprocess` (holds meta.json and the splits)."""
+    arch: str
+    """Model architecture name, a key of `fullshard.models.ARCHS`."""
+    max_positions: int
+    """Positions the architecture supports (size of its positional table), tokens."""
+    vocab_size: int
+    """Vocabulary size read from the data directory's meta.json."""
+    ddp_backend: str
+    """'fully_sharded' (fullshard FSDP) or 'c10d' (torch DistributedDataParallel)."""
+    reshard_after_forward: bool
+    """FULL_SHARD when True, SHARD_GRAD_OP when False (--no-reshard-after-forward)."""
+    tokens_per_sample: int
+    """Sequence length T of one sample, tokens."""
+    batch_size: int
+    """Sequences per rank per micro-batch."""
+    update_freq: int
+    """Micro-batches accumulated per optimizer update (gradient accumulation)."""
+    dropout: float
+    """Dropout probability inside the model."""
+    adam_betas: Tuple[float, float]
+    """AdamW (beta1, beta2)."""
+    adam_eps: float
+    """AdamW epsilon."""
+    weight_decay: float
+    """Decoupled weight decay, applied to >=2-D weights only."""
+    lr: float
+    """Peak learning rate."""
+    lr_scheduler: str
+    """One of polynomial_decay, inverse_sqrt, cosine, fixed."""
+    warmup_updates: int
+    """Linear warmup length, updates."""
+    total_num_update: int
+    """Updates over which polynomial_decay / cosine anneal (0 = use max_update)."""
+    end_learning_rate: float
+    """Final learning rate of polynomial_decay / cosine."""
+    power: float
+    """Exponent of polynomial_decay."""
+    max_update: int
+    """Stop after this many updates (0 = no limit)."""
+    max_epoch: int
+    """Stop after this many epochs (0 = no limit)."""
+    clip_norm: float
+    """Clip the global gradient L2 norm to this value (0 = off; gnorm still computed)."""
+    seed: int
+    """Seed for model initialization, data order and dropout."""
+    log_format: str
+    """Resolved log format: json, simple or tqdm."""
+    log_interval: int
+    """Log a train_inner record every this many updates."""
+    log_file: Optional[str]
+    """Also write the log lines to this file (rank 0), or None."""
+    validate_interval_updates: int
+    """Validate every this many updates (0 = only at end of epoch / training)."""
+    save_dir: str
+    """Directory for checkpoint_last*.pt."""
+    no_save: bool
+    """Write no checkpoint when True."""
+    nproc_per_node: int
+    """Ranks to launch on this machine."""
+
+    def to_dict(self) -> dict:
+        """Plain-Python copy (for checkpoints)."""
+        return dataclasses.asdict(self)

@@ -1,0 +1,211 @@
+"""The per-rank entry point: set up the rank, run epochs, validate, log like fairseq, save.
+
+`train_main(cfg)` is what the launcher runs in every rank. Only rank 0 logs.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+import time
+from typing import List
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from fullshard.train.config import TrainConfig
+from fullshard.train.launcher import threads_per_rank
+from fullshard.train.progress import UpdateMeters, progress_bar, valid_stats
+from fullshard.train.trainer import Trainer
+
+LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
+LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
+logger = logging.getLogger("fullshard.train")
+
+
+def setup_logging(rank: int, log_file) -> None:
+    """Rank 0: INFO to stdout (and --log-file). Other ranks: warnings only."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    if rank != 0:
+        root.setLevel(logging.WARNING)
+        return
+    formatter = logging.Formatter(LOG_FORMAT, datefmt=LOG_DATEFMT)
+    handlers = [logging.StreamHandler(sys.stdout)]
+    if log_file:
+        handlers.append(logging.FileHandler(log_file))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def setup_rank(cfg: TrainConfig) -> torch.device:
+    """Init the process group (env://), pick the device, threads and seeds."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    torch.set_num_threads(threads_per_rank(local_world))
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    try:
+        import numpy as np
+
+        np.random.seed(cfg.seed)
+    except ImportError:  # pragma: no cover
+        pass
+    return device
+
+
+def collate(dataset, indices) -> tuple:
+    """Stack dataset items (input (T,), target (T,)) into (B, T) LongTensors."""
+    items = [dataset[i] for i in indices]
+    return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+
+def epoch_updates(cfg: TrainConfig, dataset, epoch: int) -> List[List[list]]:
+    """This rank's micro-batch index lists for `epoch`, grouped `update_freq` per update.
+
+    A final short group (fewer than K micro-batches) is still one update, as in
+    fairseq's GroupedIterator.
+    """
+    from fullshard.data import ShardedBatchSampler
+
+    sampler = ShardedBatchSampler(len(dataset), cfg.batch_size, dist.get_rank(), dist.get_world_size(),
+                                  seed=cfg.seed, epoch=epoch, shuffle=True, drop_last=True)
+    batches = [list(b) for b in sampler]
+    k = cfg.update_freq
+    return [batches[i:i + k] for i in range(0, len(batches), k)]
+
+
+def valid_batches(cfg: TrainConfig, dataset) -> List[tuple]:
+    """This rank's share of the whole valid split as (input, target, counted) batches.
+
+    The sampler (no shuffle, drop_last=False) gives every rank the same number
+    of batches by wrapping around to the start; `counted` (B,) bool marks the
+    sequences at global positions < len(dataset), so each block counts once.
+    """
+    from fullshard.data import ShardedBatchSampler
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sampler = ShardedBatchSampler(len(dataset), cfg.batch_size, rank, world,
+                                  seed=cfg.seed, epoch=0, shuffle=False, drop_last=False)
+    out = []
+    for b, indices in enumerate(sampler):
+        first = b * cfg.batch_size * world + rank * cfg.batch_size
+        counted = torch.tensor([first + j < len(dataset) for j in range(len(indices))])
+        out.append(collate(dataset, list(indices)) + (counted,))
+    return out
+
+
+class Run:
+    """State of one training run on one rank (epochs, meters, stop conditions)."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device):
+        from fullshard.data import TokenBlockDataset
+
+        self.cfg = cfg
+        self.device = device
+        self.rank = dist.get_rank()
+        self.trainer = Trainer(cfg, device)
+        self.train_data = TokenBlockDataset(cfg.data_dir, "train", cfg.tokens_per_sample)
+        self.valid_data = TokenBlockDataset(cfg.data_dir, "valid", cfg.tokens_per_sample)
+        self.valid_set = valid_batches(cfg, self.valid_data)
+        self.start = time.perf_counter()
+        self.inner = UpdateMeters()  # train_inner: reset after each log, not per epoch (as fairseq)
+
+    def log_header(self) -> None:
+        n = self.trainer.num_params
+        kind = "GPUs" if self.device.type == "cuda" else "CPUs"
+        logger.info(f"model {self.cfg.arch}, ddp-backend {self.cfg.ddp_backend}"
+                    + ("" if self.cfg.ddp_backend == "c10d" else
+                       f" ({'FULL_SHARD' if self.cfg.reshard_after_forward else 'SHARD_GRAD_OP'})"))
+        logger.info(f"num. model params: {n:,} (num. trained: {n:,})")
+        logger.info(f"loaded {len(self.train_data):,} blocks from {self.cfg.data_dir} train, "
+                    f"{len(self.valid_data):,} from valid")
+        logger.info(f"training on {dist.get_world_size()} devices ({kind})")
+        logger.info(f"max tokens per device = None and batch size per device = {self.cfg.batch_size}")
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.start
+
+    def should_stop(self) -> bool:
+        return self.cfg.max_update > 0 and self.trainer.num_updates >= self.cfg.max_update
+
+    def validate(self, epoch: int) -> None:
+        logger.info('begin validation on "valid" subset')
+        start = time.perf_counter()
+        out = self.trainer.valid_step(self.valid_set)
+        stats = valid_stats(out["loss_sum"], out["ntokens"], out["nsentences"], out["steps"],
+                            time.perf_counter() - start, self.trainer.num_updates)
+        progress_bar(self.cfg.log_format, epoch, 1, 1, prefix="valid on 'valid' subset").print(stats, tag="valid")
+
+    def train_epoch(self, epoch: int) -> bool:
+        """Train one epoch; returns True when --max-update was reached."""
+        cfg = self.cfg
+        groups = epoch_updates(cfg, self.train_data, epoch)
+        logger.info(f"begin training epoch {epoch}")
+        bar = progress_bar(cfg.log_format, epoch, len(groups), cfg.log_interval)
+        inner, whole = self.inner, UpdateMeters()
+        stop = False
+        for i, group in enumerate(groups):
+            out = self.trainer.train_step([collate(self.train_data, idx) for idx in group])
+            for meters in (inner, whole):
+                meters.add(out["loss_sum"], out["ntokens"], out["nsentences"], out["gnorm"], out["seconds"])
+            bar.update(i)
+            n = self.trainer.num_updates
+            if n % cfg.log_interval == 0:
+                bar.log(inner.stats(n, self.trainer.get_lr(), self.device, self.wall()), tag="train_inner")
+                inner.reset()
+            stop = self.should_stop()
+            end_of_epoch = i == len(groups) - 1
+            if stop:
+                logger.info(f"Stopping training due to num_updates: {n} >= max_update: {cfg.max_update}")
+            periodic = cfg.validate_interval_updates > 0 and n % cfg.validate_interval_updates == 0
+            if stop or end_of_epoch or periodic:
+                self.validate(epoch)
+            if stop:
+                break
+        bar.close()
+        logger.info(f"end of epoch {epoch} (average epoch stats below)")
+        stats = whole.stats(self.trainer.num_updates, self.trainer.get_lr(), self.device, self.wall())
+        progress_bar(cfg.log_format, epoch, len(groups), cfg.log_interval).print(stats, tag="train")
+        return stop
+
+    def run(self) -> None:
+        self.log_header()
+        epoch = 0  # last epoch trained
+        while self.cfg.max_epoch == 0 or epoch < self.cfg.max_epoch:
+            epoch += 1
+            if self.train_epoch(epoch):
+                break
+        if not self.cfg.no_save:
+            state = dict(epoch=epoch, num_updates=self.trainer.num_updates)
+            path = self.trainer.save_checkpoint(self.cfg.save_dir, state)
+            if self.cfg.ddp_backend == "fully_sharded":
+                path = path.replace("-shard0.pt", f"-shard{{0..{dist.get_world_size() - 1}}}.pt")
+            logger.info(f"saved checkpoint {path} (epoch {epoch} @ {self.trainer.num_updates} updates)")
+        logger.info("done training in {:.1f} seconds".format(self.wall()))
+
+
+@record
+def train_main(cfg: TrainConfig) -> None:
+    """Entry point of one rank (run by the elastic launcher or directly under torchrun)."""
+    setup_logging(int(os.environ.get("RANK", "0")), cfg.log_file)
+    device = setup_rank(cfg)
+    try:
+        Run(cfg, device).run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,230 @@
+"""Command-line flags of `fullshard train` (fairseq-train names) and their validation.
+
+Validation runs on the launching process before any rank starts. Each bad input
+is reported as ONE line ``fullshard train: error: <what> ... <what to do>`` on
+stderr with exit code 2 (argparse's `error()` convention), and nothing is
+written: no save directory, no log file.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from typing import NoReturn, Optional, Sequence
+
+from fullshard.train.config import TrainConfig
+from fullshard.train.lr_scheduler import SCHEDULERS
+
+# Fallback when an ArchSpec carries no `max_positions` of its own: fairseq's
+# GPT-3 family uses 2048 positions; the CPU-sized archs fewer.
+_FALLBACK_MAX_POSITIONS = {"transformer_lm_gpt_tiny": 1024, "transformer_lm_gpt_mini": 512}
+_GPT3_MAX_POSITIONS = 2048
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """ArgumentParser whose `fail()` prints exactly one ``prog: error: msg`` line."""
+
+    def fail(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def _betas(text: str):
+    try:
+        value = ast.literal_eval(text)
+        betas = tuple(float(b) for b in value)
+    except (ValueError, SyntaxError, TypeError):
+        raise argparse.ArgumentTypeError(f"expected a pair like '(0.9,0.98)', got {text!r}")
+    if len(betas) != 2:
+        raise argparse.ArgumentTypeError(f"expected two betas like '(0.9,0.98)', got {text!r}")
+    return betas
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """Register the fairseq-train style flags on `p`."""
+    p.add_argument("data", metavar="DATA_DIR", help="directory written by `fullshard preprocess`")
+    g = p.add_argument_group("model")
+    g.add_argument("--arch", "-a", default="transformer_lm_gpt_tiny", help="model architecture (default: %(default)s)")
+    g.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default: %(default)s)")
+    g = p.add_argument_group("distributed")
+    g.add_argument("--ddp-backend", choices=("fully_sharded", "c10d"), default="fully_sharded",
+                   help="fully_sharded = fullshard FSDP; c10d = torch DistributedDataParallel baseline")
+    g.add_argument("--no-reshard-after-forward", action="store_true",
+                   help="keep full params between forward and backward (SHARD_GRAD_OP, ZeRO-2-like)")
+    g.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine (default: 1)")
+    g = p.add_argument_group("dataset")
+    g.add_argument("--tokens-per-sample", type=int, default=1024, help="tokens per sample (default: %(default)s)")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch (default: %(default)s)")
+    g.add_argument("--update-freq", type=int, default=1, help="micro-batches accumulated per update (default: 1)")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--optimizer", choices=("adam",), default="adam", help="AdamW with decoupled weight decay")
+    g.add_argument("--adam-betas", type=_betas, default=(0.9, 0.999), help="betas, e.g. '(0.9,0.98)'")
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--weight-decay", "--wd", type=float, default=0.0, help="applied to >=2-D weights only")
+    g.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--lr-scheduler", choices=SCHEDULERS, default="fixed")
+    g.add_argument("--warmup-updates", type=int, default=0)
+    g.add_argument("--total-num-update", type=int, default=0,
+                   help="updates over which polynomial_decay/cosine anneal (default: --max-update)")
+    g.add_argument("--end-learning-rate", type=float, default=0.0)
+    g.add_argument("--power", type=float, default=1.0)
+    g.add_argument("--max-update", type=int, default=0, help="stop after N updates (0 = no limit)")
+    g.add_argument("--max-epoch", type=int, default=0, help="stop after N epochs (0 = no limit)")
+    g.add_argument("--clip-norm", type=float, default=0.0, help="clip gradient norm (0 = off)")
+    g.add_argument("--seed", type=int, default=1)
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--log-format", choices=("json", "simple", "tqdm"), default=None,
+                   help="default: tqdm on a terminal, else simple")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-file", default=None, help="also write the log to this file")
+    g.add_argument("--validate-interval-updates", type=int, default=0,
+                   help="validate every N updates (0 = end of epoch/training only)")
+    g.add_argument("--save-dir", default="checkpoints")
+    g.add_argument("--no-save", action="store_true", help="write no checkpoint")
+
+
+def arch_max_positions(arch: str) -> int:
+    """Positions supported by `arch` (the models package's, else the documented defaults)."""
+    from fullshard.models import ARCHS
+
+    spec = ARCHS[arch]
+    value = getattr(spec, "max_positions", None)
+    if value:
+        return int(value)
+    if arch in _FALLBACK_MAX_POSITIONS:
+        return _FALLBACK_MAX_POSITIONS[arch]
+    return _GPT3_MAX_POSITIONS
+
+
+def launched_world_size(nproc_per_node: int) -> int:
+    """World size: WORLD_SIZE under an existing torchrun, else --nproc-per-node."""
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return nproc_per_node
+
+
+def under_torchrun() -> bool:
+    """True when this process is already a rank started by torchrun / elastic."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def _resolve_log_format(fmt: Optional[str]) -> str:
+    tty = sys.stdout.isatty() and sys.stderr.isatty()
+    if fmt is None:
+        return "tqdm" if tty else "simple"
+    if fmt == "tqdm" and not tty:
+        return "simple"
+    return fmt
+
+
+def _check_positive(p: OneLineArgumentParser, args) -> None:
+    for flag in ("tokens_per_sample", "batch_size", "update_freq", "nproc_per_node", "log_interval"):
+        if getattr(args, flag) < 1:
+            p.fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("warmup_updates", "total_num_update", "max_update", "max_epoch",
+                 "validate_interval_updates", "weight_decay", "clip_norm", "end_learning_rate"):
+        if getattr(args, flag) < 0:
+            p.fail(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if args.lr <= 0:
+        p.fail(f"--lr must be > 0, got {args.lr}")
+    if not 0.0 <= args.dropout < 1.0:
+        p.fail(f"--dropout must be in [0, 1), got {args.dropout}")
+
+
+def _check_schedule(p: OneLineArgumentParser, args) -> None:
+    if args.lr_scheduler in ("polynomial_decay", "cosine"):
+        total = args.total_num_update or args.max_update
+        if total <= 0:
+            p.fail(f"--lr-scheduler {args.lr_scheduler} needs --total-num-update or --max-update")
+        if total <= args.warmup_updates:
+            p.fail(f"--total-num-update ({total}) must exceed --warmup-updates ({args.warmup_updates})")
+
+
+def _check_data(p: OneLineArgumentParser, args) -> dict:
+    from fullshard.data import DataError, read_meta
+
+    if not os.path.isdir(args.data):
+        p.fail(f"data directory {args.data!r} does not exist; create it with `fullshard preprocess --destdir {args.data} ...`")
+    if not os.path.isfile(os.path.join(args.data, "meta.json")):
+        p.fail(f"no meta.json in {args.data!r}; it is not a preprocessed data directory, run `fullshard preprocess --destdir {args.data} ...` first")
+    try:
+        meta = read_meta(args.data)
+    except (DataError, OSError, ValueError) as e:
+        p.fail(f"cannot read {os.path.join(args.data, 'meta.json')}: {e}; re-run `fullshard preprocess`")
+    return meta
+
+
+def _check_split_sizes(p: OneLineArgumentParser, args, meta: dict, world_size: int) -> None:
+    from fullshard.data import DataError, TokenBlockDataset
+
+    need = args.batch_size * world_size * (args.tokens_per_sample + 1)
+    for split in ("train", "valid"):
+        have = _split_tokens(meta, split)
+        if have is None:
+            p.fail(f"no {split!r} split in {args.data!r}; re-run `fullshard preprocess` to write train and valid splits")
+        if have < need:
+            p.fail(f"the {split!r} split of {args.data!r} has {have:,} tokens, fewer than one batch "
+                   f"(--batch-size {args.batch_size} x {world_size} ranks x (--tokens-per-sample "
+                   f"{args.tokens_per_sample} + 1) = {need:,}); lower --batch-size, --tokens-per-sample or "
+                   f"--nproc-per-node, or preprocess more text")
+        try:  # checks the split file against meta.json
+            TokenBlockDataset(args.data, split, args.tokens_per_sample)
+        except (DataError, ValueError) as e:
+            p.fail(str(e))
+
+
+def _split_tokens(meta: dict, split: str) -> Optional[int]:
+    """Token count of `split` from meta.json (``splits.<s>.num_tokens`` or ``<s>.num_tokens``)."""
+    for holder in (meta.get("splits", {}), meta):
+        entry = holder.get(split) if isinstance(holder, dict) else None
+        if isinstance(entry, dict) and "num_tokens" in entry:
+            return int(entry["num_tokens"])
+    num_tokens = meta.get("num_tokens")
+    if isinstance(num_tokens, dict) and split in num_tokens:
+        return int(num_tokens[split])
+    return None
+
+
+def validate(p: OneLineArgumentParser, args) -> TrainConfig:
+    """Check every input; on the first problem print one line and exit 2. Else a TrainConfig."""
+    from fullshard.models import ARCHS
+
+    _check_positive(p, args)
+    _check_schedule(p, args)
+    world_size = launched_world_size(args.nproc_per_node)
+    meta = _check_data(p, args)
+    if args.arch not in ARCHS:
+        p.fail(f"unknown --arch {args.arch!r}; known archs: {', '.join(ARCHS)}")
+    max_positions = arch_max_positions(args.arch)
+    if args.tokens_per_sample > max_positions:
+        p.fail(f"--tokens-per-sample {args.tokens_per_sample} exceeds the {max_positions} positions of "
+               f"--arch {args.arch}; use --tokens-per-sample <= {max_positions}")
+    _check_split_sizes(p, args, meta, world_size)
+    if args.log_file and os.path.isdir(args.log_file):
+        p.fail(f"--log-file {args.log_file!r} is a directory; give a file path")
+    log_dir = os.path.dirname(os.path.abspath(args.log_file)) if args.log_file else None
+    if log_dir and not os.path.isdir(log_dir):
+        p.fail(f"the directory of --log-file {args.log_file!r} does not exist; create it first")
+    if not args.no_save and os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
+        p.fail(f"--save-dir {args.save_dir!r} exists and is not a directory")
+    return TrainConfig(
+        data_dir=args.data, arch=args.arch, max_positions=max_positions, vocab_size=int(meta["vocab_size"]),
+        ddp_backend=args.ddp_backend, reshard_after_forward=not args.no_reshard_after_forward,
+        tokens_per_sample=args.tokens_per_sample, batch_size=args.batch_size, update_freq=args.update_freq,
+        dropout=args.dropout, adam_betas=tuple(args.adam_betas), adam_eps=args.adam_eps,
+        weight_decay=args.weight_decay, lr=args.lr, lr_scheduler=args.lr_scheduler,
+        warmup_updates=args.warmup_updates, total_num_update=args.total_num_update,
+        end_learning_rate=args.end_learning_rate, power=args.power, max_update=args.max_update,
+        max_epoch=args.max_epoch, clip_norm=args.clip_norm, seed=args.seed,
+        log_format=_resolve_log_format(args.log_format), log_interval=args.log_interval,
+        log_file=args.log_file, validate_interval_updates=args.validate_interval_updates,
+        save_dir=args.save_dir, no_save=args.no_save, nproc_per_node=world_size,
+    )
+
+
+def parse_train_args(argv: Optional[Sequence[str]] = None, prog: str = "fullshard train") -> TrainConfig:
+    """Parse and validate `fullshard train` arguments (exits 2 on bad input)."""
+    p = OneLineArgumentParser(prog=prog, description="Train a GPT language model (fairseq-train flags).")
+    add_train_args(p)
+    return validate(p, p.parse_args(argv))

@@ -1,0 +1,201 @@
+"""One rank's model, optimizer and steps: build + wrap, train_step, valid_step, save.
+
+Loss convention: each rank's loss is its own mean token cross entropy (nats),
+so the data-parallel gradient average done by FSDP / DDP gives the mean over
+all ranks' tokens (every rank sees the same number of tokens). With
+``update_freq`` K each micro-batch's mean is divided by K, which makes the
+accumulated gradient equal to that of one K-times larger batch. For logging,
+[loss_sum, ntokens, nsentences] are summed over micro-batches and ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import time
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fullshard.train.config import TrainConfig
+from fullshard.train.lr_scheduler import build_lr_scheduler
+
+logger = logging.getLogger("fullshard.train")
+
+Batch = Tuple[torch.Tensor, torch.Tensor]
+_WRAPPER_SEGMENTS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
+def original_name(name: str, known: Dict[str, torch.Size]) -> str:
+    """Map a wrapped parameter name to the unwrapped model's name (drops wrapper segments).
+
+    Raises:
+        KeyError: the name matches no parameter of the unwrapped model.
+    """
+    if name in known:
+        return name
+    stripped = ".".join(s for s in name.split(".") if s not in _WRAPPER_SEGMENTS)
+    if stripped in known:
+        return stripped
+    raise KeyError(f"parameter {name!r} of the wrapped model matches no parameter of the model")
+
+
+def param_groups(named_params, shapes: Dict[str, torch.Size], weight_decay: float) -> List[dict]:
+    """Two AdamW groups chosen by ORIGINAL name: >=2-D weights decay; biases / norms don't."""
+    decay, no_decay = [], []
+    for name, p in named_params:
+        if not p.requires_grad:
+            continue
+        full_shape = shapes[original_name(name, shapes)]
+        (decay if len(full_shape) >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class Trainer:
+    """Holds the wrapped model, the AdamW optimizer and the lr scheduler of one rank."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.model, shapes, self.num_params = self._build_model()
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.model.named_parameters(), shapes, cfg.weight_decay),
+            lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
+        )
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self.num_updates = 0
+
+    # ------------------------------------------------------------------ build
+    def _build_model(self):
+        """Build the GPT (same seed on every rank) and wrap it per --ddp-backend."""
+        from fullshard.models import TransformerBlock, build_model, make_param_init_fn, num_params
+
+        cfg = self.cfg
+        kwargs = dict(vocab_size=cfg.vocab_size, max_positions=cfg.max_positions, dropout=cfg.dropout)
+        if cfg.ddp_backend == "c10d":
+            model = build_model(cfg.arch, device=self.device, seed=cfg.seed, **kwargs)
+            shapes = {n: p.shape for n, p in model.named_parameters()}
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids), shapes, num_params(model)
+
+        from fullshard import FullyShardedDataParallel as FSDP
+        from fullshard import ShardingStrategy
+        from fullshard.wrap import ModuleWrapPolicy
+
+        deferred = _accepts(FSDP.__init__, "param_init_fn") and os.environ.get("FULLSHARD_NO_DEFERRED_INIT") != "1"
+        extra = {}
+        if deferred:
+            model = build_model(cfg.arch, device="meta", **kwargs)
+            extra["param_init_fn"] = make_param_init_fn(model, cfg.seed, self.device)
+        else:
+            model = build_model(cfg.arch, device=self.device, seed=cfg.seed, **kwargs)
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        total = num_params(model)
+        strategy = ShardingStrategy.FULL_SHARD if cfg.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+        wrapped = FSDP(model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+                       device_id=self.device, **extra)
+        return wrapped, shapes, total
+
+    # ------------------------------------------------------------------ steps
+    def _loss(self, batch: Batch) -> Tuple[torch.Tensor, int]:
+        """Summed token cross entropy (nats) of one micro-batch and its target-token count."""
+        inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
+        logits = self.model(inputs)
+        loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")
+        return loss_sum, targets.numel()
+
+    def _clip(self) -> float:
+        """Clip to --clip-norm (inf when 0, i.e. only measure); returns the pre-clip global norm."""
+        max_norm = self.cfg.clip_norm if self.cfg.clip_norm > 0 else float("inf")
+        if self.cfg.ddp_backend == "c10d":
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        else:
+            norm = self.model.clip_grad_norm_(max_norm)
+        return float(norm)
+
+    def train_step(self, micro_batches: Sequence[Batch]) -> dict:
+        """One optimizer update over K micro-batches; returns global stats of the update."""
+        start = time.perf_counter()
+        self.model.train()
+        k = len(micro_batches)
+        local = torch.zeros(3, dtype=torch.float64)
+        for j, batch in enumerate(micro_batches):
+            ctx = self.model.no_sync() if j < k - 1 else contextlib.nullcontext()
+            with ctx:
+                loss_sum, ntokens = self._loss(batch)
+                (loss_sum / (ntokens * k)).backward()
+            local += torch.tensor([loss_sum.item(), ntokens, batch[0].size(0)], dtype=torch.float64)
+        gnorm = self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        self.num_updates += 1
+        total = local.to(self.device)
+        dist.all_reduce(total)
+        loss_sum, ntokens, nsentences = total.tolist()
+        return dict(loss_sum=loss_sum, ntokens=int(ntokens), nsentences=int(nsentences), gnorm=gnorm,
+                    seconds=time.perf_counter() - start)
+
+    @torch.no_grad()
+    def valid_step(self, batches: List[tuple]) -> dict:
+        """Summed loss over this rank's (input, target, counted) valid batches, then over ranks.
+
+        Every rank runs the same number of forwards (FSDP's all-gathers need all
+        ranks); sequences with counted=False (wrap-around padding) add nothing.
+        """
+        self.model.eval()
+        local = torch.zeros(3, dtype=torch.float64)
+        for inputs, targets, counted in batches:
+            logits = self.model(inputs.to(self.device))
+            per_token = F.cross_entropy(logits.transpose(1, 2).float(), targets.to(self.device), reduction="none")
+            per_seq = per_token.sum(dim=1).cpu().double()
+            mask = counted.double()
+            local += torch.stack([(per_seq * mask).sum(), mask.sum() * targets.size(1), mask.sum()])
+        total = local.to(self.device)
+        dist.all_reduce(total)
+        loss_sum, ntokens, nsentences = total.tolist()
+        return dict(loss_sum=loss_sum, ntokens=int(ntokens), nsentences=int(nsentences), steps=len(batches))
+
+    def get_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # ------------------------------------------------------------------ save
+    def save_checkpoint(self, save_dir: str, train_state: dict) -> str:
+        """Write checkpoint_last*.pt atomically (tmp file + os.replace); returns the path.
+
+        fully_sharded: every rank writes ``checkpoint_last-shard{rank}.pt`` with its
+        local parameter shards (by original name), optimizer state, train state,
+        args and world size. c10d: rank 0 writes ``checkpoint_last.pt`` with the
+        model's full state_dict.
+        """
+        os.makedirs(save_dir, exist_ok=True)
+        common = dict(optimizer=self.optimizer.state_dict(), lr_scheduler=self.lr_scheduler.state_dict(),
+                      train_state=train_state, args=self.cfg.to_dict(), world_size=self.world_size)
+        if self.cfg.ddp_backend == "c10d":
+            path = os.path.join(save_dir, "checkpoint_last.pt")
+            if self.rank == 0:
+                _atomic_save(dict(model=self.model.module.state_dict(), **common), path)
+        else:
+            path = os.path.join(save_dir, f"checkpoint_last-shard{self.rank}.pt")
+            shards = {n: p.detach().clone().cpu() for n, p in self.model.named_parameters()}
+            _atomic_save(dict(model=shards, rank=self.rank, format="fullshard-local-shards-v1", **common), path)
+        dist.barrier()
+        return path
+
+
+def _atomic_save(obj, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)

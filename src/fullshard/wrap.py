@@ -1,0 +1,174 @@
+"""Auto-wrap policies and manual nested wrapping.
+
+A policy is called as ``policy(module=m, recurse=bool, nonwrapped_numel=int)``
+(the signature ``torch.distributed.fsdp.wrap`` uses): with ``recurse=True`` it
+answers "may units be made inside ``m``?", with ``recurse=False`` "should
+``m`` itself become a unit?", given the numel of ``m``'s parameters not
+already inside a nested unit.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterable, Optional
+
+import torch.nn as nn
+
+
+def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                                min_num_params: int = int(1e8),
+                                force_leaf_modules: Optional[set] = None,
+                                exclude_wrap_modules: Optional[set] = None) -> bool:
+    """Wrap a module once at least ``min_num_params`` of its parameters are not
+    yet in a nested unit. Use with ``functools.partial(..., min_num_params=N)``.
+
+    ``force_leaf_modules`` classes are never recursed into (default:
+    ``nn.MultiheadAttention``); ``exclude_wrap_modules`` classes are never
+    wrapped (default: ``nn.ModuleList``, ``nn.ModuleDict``).
+    """
+    force_leaf = (nn.MultiheadAttention,) if force_leaf_modules is None else tuple(force_leaf_modules)
+    exclude = (nn.ModuleList, nn.ModuleDict) if exclude_wrap_modules is None else tuple(exclude_wrap_modules)
+    if recurse:
+        return not isinstance(module, force_leaf)
+    return nonwrapped_numel >= min_num_params and not isinstance(module, exclude)
+
+
+def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                                 transformer_layer_cls: Iterable[type]) -> bool:
+    """One unit per instance of the given layer classes (e.g. a transformer block)."""
+    if recurse:
+        return True
+    return isinstance(module, tuple(transformer_layer_cls))
+
+
+def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                            lambda_fn: Callable[[nn.Module], bool]) -> bool:
+    """A unit for every module for which ``lambda_fn(module)`` is true."""
+    if recurse:
+        return True
+    return bool(lambda_fn(module))
+
+
+class ModuleWrapPolicy:
+    """A unit for every instance of the given module classes.
+
+    Args:
+        module_classes: classes whose instances become units.
+    Raises:
+        TypeError: if an entry is not an ``nn.Module`` subclass.
+    """
+
+    def __init__(self, module_classes: Iterable[type]):
+        classes = tuple(module_classes)
+        for c in classes:
+            if not (isinstance(c, type) and issubclass(c, nn.Module)):
+                raise TypeError(f"ModuleWrapPolicy takes nn.Module subclasses, got {c!r}")
+        self.module_classes = classes
+
+    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return transformer_auto_wrap_policy(module, recurse, nonwrapped_numel, self.module_classes)
+
+    def __repr__(self) -> str:
+        return f"ModuleWrapPolicy({[c.__name__ for c in self.module_classes]})"
+
+
+def _owners(root: nn.Module) -> dict[int, set[int]]:
+    """param id -> ids of every module holding it (to keep tied weights in one unit)."""
+    owners: dict[int, set[int]] = {}
+    for m in root.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(id(m))
+    return owners
+
+
+def recursive_wrap(module: nn.Module, policy: Callable, wrap_fn: Callable[..., nn.Module],
+                   ignored: set[int], is_wrapped: Callable[[nn.Module], bool],
+                   prefix: str = "") -> nn.Module:
+    """Replace ``module``'s descendants chosen by ``policy`` with units, bottom-up.
+
+    ``wrap_fn(child, name=..., skip_param_ids=...)`` builds a unit;
+    ``skip_param_ids`` are parameters the child shares with modules outside it,
+    which stay with an enclosing unit so tied weights stay tied. ``module``
+    itself is not wrapped (its caller is the wrapper).
+    """
+    owners = _owners(module)
+
+    def numel_of(m: nn.Module) -> int:
+        seen, n = set(), 0
+        for sub in _unwrapped_modules(m, is_wrapped, ignored):
+            for p in sub._parameters.values():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    n += p.numel()
+        return n
+
+    def visit(m: nn.Module, name: str) -> None:
+        for child_name, child in list(m.named_children()):
+            if id(child) in ignored or is_wrapped(child):
+                continue
+            full = f"{name}.{child_name}" if name else child_name
+            if not policy(module=child, recurse=True, nonwrapped_numel=numel_of(child)):
+                continue
+            visit(child, full)
+            if policy(module=child, recurse=False, nonwrapped_numel=numel_of(child)):
+                inside = {id(s) for s in child.modules()}
+                skip = {pid for sub in child.modules() for pid in
+                        (id(p) for p in sub._parameters.values() if p is not None)
+                        if not owners[pid] <= inside}
+                setattr(m, child_name, wrap_fn(child, name=full, skip_param_ids=skip))
+
+    visit(module, prefix)
+    return module
+
+
+def _unwrapped_modules(m: nn.Module, is_wrapped: Callable[[nn.Module], bool], ignored: set[int]):
+    """``m`` and its descendants, not descending into units or ignored modules."""
+    stack = [m]
+    while stack:
+        cur = stack.pop()
+        yield cur
+        for child in cur.children():
+            if not is_wrapped(child) and id(child) not in ignored:
+                stack.append(child)
+
+
+# ------------------------------------------------------------ manual wrapping
+@dataclasses.dataclass
+class _WrapContext:
+    wrapper_cls: Any
+    kwargs: dict
+
+
+_CONTEXT: list[_WrapContext] = []
+
+
+@contextlib.contextmanager
+def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any):
+    """Within this context, :func:`wrap` turns a module into ``wrapper_cls(module, **wrapper_kwargs)``.
+
+    Example::
+
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel, sharding_strategy=ShardingStrategy.FULL_SHARD):
+            model = wrap(nn.Sequential(wrap(nn.Linear(8, 4)), wrap(nn.Linear(4, 16))))
+    """
+    _CONTEXT.append(_WrapContext(wrapper_cls, dict(wrapper_kwargs)))
+    try:
+        yield
+    finally:
+        _CONTEXT.pop()
+
+
+def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
+    """Wrap ``module`` as a unit inside :func:`enable_wrap`; outside it, return
+    ``module`` unchanged (so model code can call ``wrap`` unconditionally)."""
+    if not _CONTEXT:
+        return module
+    ctx = _CONTEXT[-1]
+    return ctx.wrapper_cls(module, **{**ctx.kwargs, **overrides})
+
+
+__all__ = [
+    "size_based_auto_wrap_policy", "transformer_auto_wrap_policy", "lambda_auto_wrap_policy",
+    "ModuleWrapPolicy", "enable_wrap", "wrap",
+]

@@ -1,0 +1,7 @@
+import os
+import sys
+
+# Make `tests.*` importable in spawned ranks.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)

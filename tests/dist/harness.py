@@ -1,0 +1,78 @@
+"""Spawn gloo ranks on CPU and re-raise a child's failure with its rank.
+
+``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in
+``world_size`` fresh processes (spawn) joined to one gloo process group, and
+returns the list of the ranks' return values. A child's exception is raised
+in the parent as ``RankFailure`` carrying the rank and the child's traceback;
+a hang is killed after ``timeout_s`` and reported, never waited on forever.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+
+class RankFailure(AssertionError):
+    """A spawned rank raised; the message holds its rank and traceback."""
+
+
+def _worker(rank, world_size, init_file, fn, args, results):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        outs, failures = {}, []
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(outs) < world_size and not failures:
+                try:
+                    rank, ok, payload = results.get(timeout=1.0)
+                except queue.Empty:
+                    missing = [r for r in range(world_size) if r not in outs]
+                    dead = [r for r in missing if procs[r].exitcode is not None]
+                    if dead:
+                        failures.append((dead[0], f"exited with code {procs[dead[0]].exitcode} "
+                                                  "before reporting a result"))
+                    elif time.monotonic() > deadline:
+                        failures.append((-1, f"timed out after {timeout_s}s waiting for ranks {missing}"))
+                    continue
+                if ok:
+                    outs[rank] = payload
+                else:
+                    failures.append((rank, payload))  # the others may now hang in a collective
+        finally:
+            for p in procs:
+                p.join(timeout=5 if failures else 60)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if failures:
+            rank, tb = failures[0]
+            raise RankFailure(f"rank {rank} of {world_size} failed:\n{tb}")
+        return [outs[r] for r in range(world_size)]

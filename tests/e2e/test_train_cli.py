@@ -1,0 +1,205 @@
+"""`fullshard train` / `fullshard plot` as a user runs them: 2 gloo ranks on CPU, tiny GPT."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+
+ARCH = "transformer_lm_gpt_mini"
+UPDATES = 20
+COMMON = ["--nproc-per-node", "2", "--arch", ARCH, "--tokens-per-sample", "64", "--lr", "0.001",
+          "--lr-scheduler", "polynomial_decay", "--warmup-updates", "5", "--max-update", str(UPDATES),
+          "--clip-norm", "1.0", "--weight-decay", "0.01", "--adam-betas", "(0.9,0.98)", "--seed", "3",
+          "--log-interval", "1"]
+TRAIN_INNER_KEYS = ["epoch", "update", "loss", "ppl", "wps", "ups", "wpb", "bsz", "num_updates", "lr",
+                    "gnorm", "loss_scale", "train_wall", "gb_free", "wall"]
+VALID_KEYS = ["epoch", "valid_loss", "valid_ppl", "valid_wps", "valid_wpb", "valid_bsz", "valid_num_updates"]
+TRAIN_KEYS = ["epoch"] + ["train_" + k for k in TRAIN_INNER_KEYS[2:]]
+
+
+def json_records(text: str) -> dict:
+    """{'train_inner': [...], 'valid': [...], 'train': [...]} from a json-format log."""
+    out = {"train_inner": [], "valid": [], "train": []}
+    for line in text.splitlines():
+        parts = line.split(" | ", 3)
+        if len(parts) == 4 and parts[2] in out:
+            out[parts[2]].append(json.loads(parts[3]))
+    return out
+
+
+def simple_losses(text: str) -> list:
+    """train_inner losses of a simple-format log, in order."""
+    losses = []
+    for line in text.splitlines():
+        if "| train_inner | epoch" in line:
+            fields = dict(kv.split("=", 1) for kv in line.split(" / ", 1)[1].split(" ", 1)[1].split(", "))
+            losses.append(float(fields["loss"]))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def runs(cli, corpus_dir, tmp_path_factory):
+    """The same 20-update run on fully_sharded and on c10d (json logs, checkpoints)."""
+    out = {}
+    for backend in ("fully_sharded", "c10d"):
+        root = tmp_path_factory.mktemp(backend)
+        proc = cli("train", str(corpus_dir), *COMMON, "--ddp-backend", backend, "--batch-size", "4",
+                       "--log-format", "json", "--log-file", str(root / "train.log"),
+                       "--save-dir", str(root / "ckpt"))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        out[backend] = dict(proc=proc, root=root, records=json_records(proc.stdout))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["fully_sharded", "c10d"])
+def test_log_records_have_every_field(runs, backend):
+    run = runs[backend]
+    stdout, records = run["proc"].stdout, run["records"]
+    assert "num. model params: " in stdout and "(num. trained: " in stdout
+    assert "training on 2 devices (CPUs)" in stdout
+    assert "max tokens per device = None and batch size per device = 4" in stdout
+    assert f"Stopping training due to num_updates: {UPDATES} >= max_update: {UPDATES}" in stdout
+    assert "done training in " in stdout
+    assert len(records["train_inner"]) == UPDATES
+    for rec in records["train_inner"]:
+        assert list(rec) == TRAIN_INNER_KEYS
+        assert all(isinstance(rec[k], str) for k in TRAIN_INNER_KEYS[2:])
+        assert float(rec["ppl"]) == pytest.approx(2 ** float(rec["loss"]), rel=1e-2)
+        assert rec["wpb"] == str(4 * 2 * 64) and rec["bsz"] == "8" and rec["loss_scale"] == "1"
+    assert [int(r["num_updates"]) for r in records["train_inner"]] == list(range(1, UPDATES + 1))
+    assert [r["lr"] for r in records["train_inner"][:5]] == ["0.0002", "0.0004", "0.0006", "0.0008", "0.001"]
+    assert records["train_inner"][-1]["lr"] == "0"
+    assert len(records["valid"]) == 1 and list(records["valid"][0]) == VALID_KEYS
+    assert records["valid"][0]["valid_num_updates"] == str(UPDATES)
+    assert len(records["train"]) == 1 and list(records["train"][0]) == TRAIN_KEYS
+    # --log-file holds the same lines as stdout (rank 0 only: no duplicates).
+    logged = (run["root"] / "train.log").read_text().splitlines()
+    assert logged == [l for l in stdout.splitlines() if " | INFO | " in l]
+
+
+@pytest.mark.parametrize("backend", ["fully_sharded", "c10d"])
+def test_loss_falls(runs, backend):
+    losses = [float(r["loss"]) for r in runs[backend]["records"]["train_inner"]]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
+    valid = float(runs[backend]["records"]["valid"][0]["valid_loss"])
+    assert valid < losses[0]
+
+
+def test_fully_sharded_matches_c10d(runs):
+    """Same seed and data: the same per-update losses, grad norms and final parameters."""
+    fsdp, ddp = (runs[b]["records"]["train_inner"] for b in ("fully_sharded", "c10d"))
+    for a, b in zip(fsdp, ddp):
+        # The log keeps 3 decimals, so allow one unit in the last logged place.
+        assert math.isclose(float(a["loss"]), float(b["loss"]), rel_tol=1e-5, abs_tol=1.01e-3), (a, b)
+        assert math.isclose(float(a["gnorm"]), float(b["gnorm"]), rel_tol=1e-5, abs_tol=1.01e-3), (a, b)
+    shards = [torch.load(runs["fully_sharded"]["root"] / "ckpt" / f"checkpoint_last-shard{r}.pt",
+                         weights_only=False) for r in range(2)]
+    full = torch.load(runs["c10d"]["root"] / "ckpt" / "checkpoint_last.pt", weights_only=False)
+    assert full["world_size"] == 2 and all(s["world_size"] == 2 for s in shards)
+    assert [s["rank"] for s in shards] == [0, 1]
+    assert shards[0]["train_state"]["num_updates"] == UPDATES
+    for name, shard0 in shards[0]["model"].items():
+        joined = torch.cat([shard0, shards[1]["model"][name]])[: full["model"][name].shape[0]]
+        torch.testing.assert_close(joined, full["model"][name], rtol=1e-4, atol=1e-4, msg=name)
+    leftovers = [p.name for b in runs for p in (runs[b]["root"] / "ckpt").iterdir() if ".tmp" in p.name]
+    assert leftovers == []
+
+
+def test_update_freq_equals_larger_batch(cli, corpus_dir, runs, tmp_path):
+    """--batch-size 2 --update-freq 2 takes the same 8 sequences per update as --batch-size 4."""
+    save_dir = tmp_path / "ckpt"
+    proc = cli("train", str(corpus_dir), *COMMON, "--ddp-backend", "fully_sharded", "--batch-size", "2",
+                   "--update-freq", "2", "--log-format", "simple", "--no-save", "--save-dir", str(save_dir))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "epoch 001:      1 / 27 loss=" in proc.stdout
+    assert "wpb=512, bsz=8" in proc.stdout
+    losses = simple_losses(proc.stdout)
+    reference = [float(r["loss"]) for r in runs["c10d"]["records"]["train_inner"]]
+    assert len(losses) == UPDATES
+    for a, b in zip(losses, reference):
+        assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1.01e-3), (losses, reference)
+    assert not save_dir.exists()
+
+
+BAD_INPUTS = {
+    "missing data dir": (["{missing}"], "does not exist"),
+    "no meta.json": (["{empty}"], "fullshard preprocess"),
+    "unknown arch": (["{data}", "--arch", "transformer_lm_gpt_huge"], "transformer_lm_gpt3_small"),
+    "tokens beyond positions": (["{data}", "--tokens-per-sample", "513"], "512"),
+    "split smaller than a batch": (["{data}", "--batch-size", "500"], "fewer than one batch"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_exit_2_nothing_written(cli, corpus_dir, tmp_path, case):
+    argv, expected = BAD_INPUTS[case]
+    (tmp_path / "empty").mkdir()
+    paths = dict(missing=str(tmp_path / "nope"), empty=str(tmp_path / "empty"), data=str(corpus_dir))
+    argv = [a.format(**paths) for a in argv]
+    if "--arch" not in argv:
+        argv += ["--arch", ARCH]
+    for flag, value in (("--batch-size", "4"), ("--tokens-per-sample", "64")):
+        if flag not in argv:
+            argv += [flag, value]
+    save_dir, log_file = tmp_path / "ckpt", tmp_path / "train.log"
+    proc = cli("train", *argv, "--nproc-per-node", "2", "--save-dir", str(save_dir), "--log-file", str(log_file))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("fullshard train: error: ") and expected in lines[0], lines[0]
+    assert not save_dir.exists() and not log_file.exists()
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("flag", ["--fp16", "--bf16", "--cpu-offload", "--checkpoint-activations"])
+def test_not_yet_supported_flags_are_rejected(cli, corpus_dir, flag):
+    proc = cli("train", str(corpus_dir), "--arch", ARCH, flag)
+    assert proc.returncode == 2
+    assert f"unrecognized arguments: {flag}" in proc.stderr
+
+
+def test_rank_failure_surfaces_error(corpus_dir):
+    """A rank that raises makes launch() raise RankFailed naming the rank and the error."""
+    code = textwrap.dedent(f"""
+        import dataclasses
+        from fullshard.train.launcher import RankFailed, launch
+        from fullshard.train.loop import train_main
+        from fullshard.train.options import parse_train_args
+        cfg = parse_train_args([{str(corpus_dir)!r}, "--arch", {ARCH!r}, "--tokens-per-sample", "64",
+                                "--batch-size", "4", "--nproc-per-node", "2", "--no-save"])
+        try:
+            launch(dataclasses.replace(cfg, arch="broken_arch"), train_main)
+        except RankFailed as e:
+            print("RANKFAILED", e)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "RANKFAILED rank " in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "unknown arch 'broken_arch'" in proc.stdout
+
+
+def test_plot_two_logs(cli, runs, tmp_path):
+    logs = []
+    for backend in ("fully_sharded", "c10d"):
+        path = tmp_path / f"{backend}.log"
+        path.write_text(runs[backend]["proc"].stdout)
+        logs.append(str(path))
+    out = tmp_path / "curve.png"
+    proc = cli("plot", *logs, "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_rejects_log_without_records(cli, tmp_path):
+    empty = tmp_path / "empty.log"
+    empty.write_text("nothing to see\n")
+    proc = cli("plot", str(empty), "-o", str(tmp_path / "x.png"))
+    assert proc.returncode == 2
+    assert "fullshard plot: error: no train_inner or valid records" in proc.stderr
+    assert not (tmp_path / "x.png").exists()
