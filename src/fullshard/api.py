@@ -1,7 +1,11 @@
 """Public enums and frozen config dataclasses. No logic lives here."""
 from __future__ import annotations
 
+import dataclasses
 import enum
+from typing import Optional
+
+import torch
 
 
 class ShardingStrategy(enum.Enum):
@@ -54,3 +58,40 @@ class ShardedState(enum.Enum):
     SHARDED = "SHARDED"
     UNSHARDING = "UNSHARDING"  # all-gather issued, not yet waited on
     UNSHARDED = "UNSHARDED"
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Mixed-precision policy; the sharded (master) parameters stay in their
+    original dtype (fp32) and are what the optimizer updates.
+
+    Attributes:
+        param_dtype: dtype of full parameters: the all-gather moves it and
+            forward/backward compute in it (None = the master dtype).
+        reduce_dtype: dtype gradients are reduce-scattered in (None =
+            param_dtype); the result is accumulated into fp32 gradient shards.
+        buffer_dtype: dtype module buffers are cast to (None = unchanged).
+        cast_forward_inputs: cast floating-point tensors passed to each unit's
+            forward to ``param_dtype``.
+    Source: Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    buffer_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUOffload:
+    """Keep parameter shards, gradient shards (and so the optimizer state and
+    step) in host memory; each unit's shard is copied to the compute device
+    for its all-gather and gradient shards are copied back.
+
+    Attributes:
+        offload_params: True to offload; False ("off") keeps shards on the
+            compute device.
+    Source: ZeRO-Offload, Ren et al., USENIX ATC 2021, §4.
+    """
+
+    offload_params: bool = False

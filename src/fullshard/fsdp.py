@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from .api import BackwardPrefetch, ShardingStrategy, TrainingState
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, TrainingState
 from .core import collectives as C
 from .core import state as S
 from .core.unit import ParamSlot, Unit, UnitConfig
@@ -65,6 +65,8 @@ class FullyShardedDataParallel(nn.Module):
             module's own (``recurse=False``) meta parameters and buffers; called
             once per such module, one unit at a time, so no rank ever holds more
             than one unit's full parameters.
+        mixed_precision: a :class:`MixedPrecision` policy (None = full precision).
+        cpu_offload: a :class:`CPUOffload` policy (None = off).
 
     Raises:
         RuntimeError: no initialized process group.
@@ -80,6 +82,8 @@ class FullyShardedDataParallel(nn.Module):
                  forward_prefetch: bool = False, device_id=None,
                  sync_module_states: bool = False, ignored_modules=None,
                  param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+                 mixed_precision: Optional[MixedPrecision] = None,
+                 cpu_offload: Optional[CPUOffload] = None,
                  _unit_name: Optional[str] = None, _skip_param_ids: frozenset = frozenset()):
         super().__init__()
         if not C.is_initialized():
@@ -91,14 +95,21 @@ class FullyShardedDataParallel(nn.Module):
         _check_not_wrapped(module, name)
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         if not isinstance(strategy, ShardingStrategy):
-            raise ValueError(f"sharding_strategy must be a fullshard.ShardingStrategy, got {strategy!r}")
-        shard_group, replicate_group = _resolve_groups(strategy, process_group)
+            raise ValueError(f"[rank {C.rank()}] unit '{name}': sharding_strategy must be a "
+                             f"fullshard.ShardingStrategy, got {strategy!r}")
+        mp = mixed_precision or MixedPrecision()
+        offload = cpu_offload or CPUOffload()
+        if not isinstance(mp, MixedPrecision) or not isinstance(offload, CPUOffload):
+            raise ValueError("mixed_precision must be a fullshard.MixedPrecision and cpu_offload a "
+                             f"fullshard.CPUOffload; got {type(mp).__name__}, {type(offload).__name__}")
+        shard_group, replicate_group = _resolve_groups(strategy, process_group, f"[rank {C.rank()}] unit '{name}'")
         device = _resolve_device(device_id, module)
         ignored = _ignored_ids(module, ignored_modules)
         kwargs = dict(process_group=process_group, sharding_strategy=strategy,
                       backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
                       device_id=device, sync_module_states=sync_module_states,
-                      ignored_modules=ignored_modules, param_init_fn=param_init_fn)
+                      ignored_modules=ignored_modules, param_init_fn=param_init_fn,
+                      mixed_precision=mixed_precision, cpu_offload=cpu_offload)
         if auto_wrap_policy is not None:
             W.recursive_wrap(
                 module, auto_wrap_policy,
@@ -107,7 +118,7 @@ class FullyShardedDataParallel(nn.Module):
                 ignored, lambda m: isinstance(m, FullyShardedDataParallel), prefix="")
         own = list(W._unwrapped_modules(module, lambda m: isinstance(m, FullyShardedDataParallel), ignored))
         FU.materialize(own, param_init_fn, device)
-        FU.move_buffers(own, device)
+        FU.move_buffers(own, device, mp.buffer_dtype)
         slots = _collect_slots(module, ignored, _skip_param_ids, name)
         world = C.world_group()
         if sync_module_states:
@@ -118,7 +129,8 @@ class FullyShardedDataParallel(nn.Module):
             shard_group=shard_group, replicate_group=replicate_group,
             dp_world_size=C.group_size(shard_group) * (
                 C.group_size(replicate_group) if replicate_group is not None else 1),
-            compute_device=device,
+            compute_device=device, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+            offload_params=offload.offload_params,
             reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD))
         with torch.no_grad():
             unit = Unit(name, slots, cfg)
@@ -130,7 +142,8 @@ class FullyShardedDataParallel(nn.Module):
         self._ignored_ids = ignored
         self._runtime = S.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
                                       backward_prefetch=backward_prefetch,
-                                      forward_prefetch=forward_prefetch)
+                                      forward_prefetch=forward_prefetch,
+                                      forward_input_caster=FU.input_caster(mp))
 
     # ------------------------------------------------------------ structure
     @property
@@ -199,8 +212,11 @@ class FullyShardedDataParallel(nn.Module):
         """Accumulate unsharded gradients locally, without communication.
 
         Backward passes inside the context keep each unit's full gradient
-        (Ψ elements per rank, in the compute dtype); the first backward after
-        it reduce-scatters the sum. Results equal one larger batch.
+        (Ψ elements per rank, in the reduce dtype); the first backward after
+        it reduce-scatters the sum. Results equal one larger batch. The
+        alternative, less memory and more communication, is to run every
+        micro-batch's backward outside ``no_sync``: each reduce-scatters and
+        adds into the gradient shards.
         """
         root = self._require_root_idle("no_sync()")
         prev, root.no_sync = root.no_sync, True
@@ -276,7 +292,7 @@ def _collect_slots(module: nn.Module, ignored: set[int], skip: frozenset, unit: 
                     "using it sits in one unit, or let auto_wrap_policy place it")
             slot = by_id.get(id(p))
             if slot is None:
-                slot = by_id[id(p)] = ParamSlot(f"{unit}:{fqn}" if unit else fqn, p, [])
+                slot = by_id[id(p)] = ParamSlot(fqn, p, [])
             if (m, attr) not in [(o, a) for o, a in slot.owners]:
                 slot.owners.append((m, attr))
     return [s for s in by_id.values() if not _under_ignored(module, s, ignored)]
@@ -308,24 +324,24 @@ def _resolve_device(device_id, module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _resolve_groups(strategy: ShardingStrategy, process_group):
+def _resolve_groups(strategy: ShardingStrategy, process_group, where: str):
     """(shard_group, replicate_group) for the strategy; None means the world."""
     pair = isinstance(process_group, (tuple, list))
     if strategy is ShardingStrategy.HYBRID_SHARD:
         if process_group is None:
-            return _default_hybrid_groups()
+            return _default_hybrid_groups(where)
         if not pair or len(process_group) != 2:
-            raise ValueError("HYBRID_SHARD takes process_group=(shard_group, replicate_group) or None "
-                             f"(groups by LOCAL_WORLD_SIZE); got {type(process_group).__name__}")
+            raise ValueError(f"{where}: HYBRID_SHARD takes process_group as a (shard_group, replicate_group) "
+                             f"pair, or None to group by LOCAL_WORLD_SIZE; got {type(process_group).__name__}")
         shard, rep = process_group
         if C.group_size(shard) * C.group_size(rep) != C.world_size():
             raise ValueError(
-                f"HYBRID_SHARD: shard group size {C.group_size(shard)} x replicate group size "
-                f"{C.group_size(rep)} != world size {C.world_size()}")
+                f"{where}: HYBRID_SHARD shard group size {C.group_size(shard)} x replicate group size "
+                f"{C.group_size(rep)} != world size {C.world_size()}; pass groups that tile the world")
         return shard, rep
     if pair:
-        raise ValueError(f"{strategy.value} takes a single process group; a (shard, replicate) pair "
-                         "is only for HYBRID_SHARD")
+        raise ValueError(f"{where}: {strategy.value} takes a single process group; a (shard, replicate) "
+                         "pair is only for HYBRID_SHARD")
     group = process_group if process_group is not None else C.world_group()
     if strategy is ShardingStrategy.NO_SHARD:
         # Hybrid sharding with shards of one rank: gradients are all-reduced.
@@ -333,11 +349,12 @@ def _resolve_groups(strategy: ShardingStrategy, process_group):
     return group, None
 
 
-def _default_hybrid_groups():
+def _default_hybrid_groups(where: str):
     world = C.world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % local:
-        raise ValueError(f"HYBRID_SHARD: world size {world} is not a multiple of LOCAL_WORLD_SIZE {local}")
+        raise ValueError(f"{where}: HYBRID_SHARD world size {world} is not a multiple of LOCAL_WORLD_SIZE "
+                         f"{local}; pass process_group=(shard_group, replicate_group)")
     key = (local, world)
     if key not in _HYBRID_GROUPS:
         me = C.rank()

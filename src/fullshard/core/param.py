@@ -9,6 +9,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 
 from . import collectives as C
 from . import flat as F
@@ -63,11 +64,38 @@ def buffers_of(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
     return [b for m in modules for b in m._buffers.values() if b is not None]
 
 
-def move_buffers(modules: Iterable[nn.Module], device: torch.device) -> None:
+def move_buffers(modules: Iterable[nn.Module], device: torch.device,
+                 dtype: Optional[torch.dtype] = None) -> None:
+    """Move buffers to ``device``; cast floating-point ones to ``dtype`` if given."""
     for m in modules:
         for name, b in m._buffers.items():
-            if b is not None and b.device != device:
-                m._buffers[name] = b.to(device)
+            if b is None:
+                continue
+            to_dtype = dtype if dtype is not None and b.is_floating_point() else b.dtype
+            if b.device != device or b.dtype != to_dtype:
+                m._buffers[name] = b.to(device, to_dtype)
+
+
+class _InputCaster:
+    """Casts floating-point tensors in a unit's forward inputs to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def _cast(self, x):
+        if torch.is_tensor(x) and x.is_floating_point() and x.dtype != self.dtype:
+            return x.to(self.dtype)
+        return x
+
+    def __call__(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tree_map(self._cast, args), tree_map(self._cast, kwargs)
+
+
+def input_caster(mp) -> Optional[_InputCaster]:
+    """The forward-input caster for a MixedPrecision policy, or None."""
+    if mp.param_dtype is None or not mp.cast_forward_inputs:
+        return None
+    return _InputCaster(mp.param_dtype)
 
 
 @torch.no_grad()

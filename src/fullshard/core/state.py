@@ -202,10 +202,12 @@ class PostBackwardHook:
             return  # already reduced this iteration (reentrant use)
         rt.transition(TrainingState.POST_BACKWARD)
         unit, root = rt.unit, rt.root
-        if not root.no_sync:
-            grad = unit.take_full_grad()
-            if grad is not None:
-                root.pending.append(unit.reduce_grads(grad))
+        grad = unit.take_full_grad()
+        if grad is not None:
+            if root.no_sync:
+                unit.stash_grad(grad)
+            else:
+                root.pending.append(unit.reduce_grads(unit.pop_stashed(grad)))
         unit.reshard()
         if rt.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             _prefetch_backward(rt)

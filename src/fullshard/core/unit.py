@@ -80,6 +80,7 @@ class Unit:
         self._views: Optional[list[torch.Tensor]] = None
         self._gather_buf: Optional[torch.Tensor] = None
         self._gather_work = None
+        self._stashed_grad: Optional[torch.Tensor] = None
         self._shard()
 
     # ------------------------------------------------------------------ setup
@@ -88,7 +89,11 @@ class Unit:
         cfg = self.cfg
         master_dtype = self.slots[0].param.dtype if self.slots else torch.float32
         shard_device = torch.device("cpu") if cfg.offload_params else cfg.compute_device
-        self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=master_dtype, device=shard_device)
+        # Pinned host memory makes the per-unit host<->device copies
+        # asynchronous; only meaningful (and only allowed) with an accelerator.
+        pin = cfg.offload_params and cfg.compute_device.type != "cpu"
+        self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=master_dtype, device=shard_device,
+                                      pin_memory=pin)
         F.shard_into(self.flat_shard, self.layout, [s.param for s in self.slots], self.rank)
         self.sharded_params: list[nn.Parameter] = []
         for slot, view in zip(self.slots, F.shard_views(self.flat_shard, self.layout, self.rank)):
@@ -203,6 +208,26 @@ class Unit:
         g = self.flat_full.grad
         self.flat_full.grad = None
         return g
+
+    def stash_grad(self, full_grad: torch.Tensor) -> None:
+        """Keep a micro-batch's unsharded gradient for a later reduce
+        (``no_sync``), summed in ``reduce_dtype`` so bf16/fp16 compute does
+        not also mean bf16/fp16 accumulation."""
+        if self._stashed_grad is None:
+            self._stashed_grad = full_grad.to(self.reduce_dtype)  # taken from .grad: ours to keep
+        else:
+            self._stashed_grad.add_(full_grad)
+
+    def pop_stashed(self, full_grad: torch.Tensor) -> torch.Tensor:
+        """``full_grad`` plus whatever :meth:`stash_grad` collected."""
+        if self._stashed_grad is None:
+            return full_grad
+        total, self._stashed_grad = self._stashed_grad, None
+        return total.add_(full_grad.to(total.dtype))
+
+    def stashed_grad_bytes(self) -> int:
+        g = self._stashed_grad
+        return 0 if g is None else g.numel() * g.element_size()
 
     def reduce_grads(self, full_grad: torch.Tensor) -> "PendingReduce":
         """Reduce-scatter ``full_grad`` (param-major, ``N·S`` elements) into a

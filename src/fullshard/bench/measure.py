@@ -1,0 +1,110 @@
+"""What the comparison measures on one rank: bytes of model state, peak RSS,
+and the ZeRO formula it is checked against. No ``torch.distributed`` here.
+"""
+from __future__ import annotations
+
+import re
+import resource
+import statistics
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+def storage_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (None and empty storages skipped).
+
+    Views of one flat buffer (a unit's shard, a DDP bucket) are counted once,
+    with the whole storage, padding included.
+    """
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if st.nbytes() == 0:
+            continue
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    return sum(seen.values())
+
+
+def param_bytes(model: nn.Module) -> int:
+    """Bytes of the storages of ``model.parameters()`` on this rank (shards when sharded)."""
+    return storage_bytes(model.parameters())
+
+
+def grad_bytes(model: nn.Module) -> int:
+    """Bytes of the storages of the parameters' ``.grad`` on this rank."""
+    return storage_bytes(p.grad for p in model.parameters())
+
+
+def optim_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Sum of ``numel * element_size`` over every tensor in ``optimizer.state``
+    (AdamW: ``exp_avg``, ``exp_avg_sq`` and the 0-dim fp32 ``step`` per parameter)."""
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values()
+               for v in s.values() if torch.is_tensor(v))
+
+
+def zero_model_state_bytes(psi: int, world_size: int, sharded: bool) -> int:
+    """Per-rank model-state bytes of fp32 AdamW training, ZeRO formula.
+
+    fp32 parameters (4 B) + fp32 gradients (4 B) + Adam ``m`` and ``v`` (8 B)
+    = 16 B per parameter. Sharded over N ranks (ZeRO stage 3 / FULL_SHARD,
+    Rajbhandari et al., "ZeRO", SC 2020, §5): 16Ψ/N. Replicated (DDP): 16Ψ.
+    SHARD_GRAD_OP at rest (after the optimizer step) holds the same shards as
+    FULL_SHARD, so it is also 16Ψ/N; its full parameters live only between a
+    unit's forward and its backward.
+    """
+    return 16 * psi // world_size if sharded else 16 * psi
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _status_kib(key: str) -> Optional[int]:
+    try:
+        with open(_STATUS) as f:
+            m = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M)
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+class PeakRSS:
+    """Peak resident-set growth of this process over a window.
+
+    Preferred method ``VmHWM``: :meth:`start` reads ``VmRSS`` and resets the
+    kernel's high-water mark (``echo 5 > /proc/self/clear_refs``, Linux ≥ 4.0);
+    :meth:`growth_bytes` is ``VmHWM - VmRSS(start)``. So each backend run in
+    the same process gets its own peak. Fallback ``ru_maxrss`` (when
+    ``/proc`` cannot be reset): ``getrusage`` max RSS, which never resets, so
+    the growth of a later backend only shows above an earlier one's peak.
+    """
+
+    def __init__(self) -> None:
+        self.method = "VmHWM"
+        self._start_kib = 0
+
+    def start(self) -> None:
+        rss = _status_kib("VmRSS")
+        try:
+            with open(_CLEAR_REFS, "w") as f:
+                f.write("5")
+        except OSError:
+            rss = None
+        if rss is None:
+            self.method = "ru_maxrss"
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        self._start_kib = rss
+
+    def growth_bytes(self) -> int:
+        if self.method == "VmHWM":
+            peak = _status_kib("VmHWM") or 0
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return max(0, peak - self._start_kib) * 1024
