@@ -158,13 +158,6 @@ def test_bad_input_is_one_line_exit_2_nothing_written(cli, corpus_dir, tmp_path,
     assert proc.stdout == ""
 
 
-@pytest.mark.parametrize("flag", ["--fp16", "--bf16", "--cpu-offload", "--checkpoint-activations"])
-def test_not_yet_supported_flags_are_rejected(cli, corpus_dir, flag):
-    proc = cli("train", str(corpus_dir), "--arch", ARCH, flag)
-    assert proc.returncode == 2
-    assert f"unrecognized arguments: {flag}" in proc.stderr
-
-
 def test_rank_failure_surfaces_error(corpus_dir):
     """A rank that raises makes launch() raise RankFailed naming the rank and the error."""
     code = textwrap.dedent(f"""

@@ -75,6 +75,30 @@ class TrainConfig:
     """Write no checkpoint when True."""
     nproc_per_node: int
     """Ranks to launch on this machine."""
+    fp16: bool = False
+    """Compute in float16 with dynamic loss scaling (fully_sharded: MixedPrecision(fp16, fp32 reduce,
+    fp16 buffers); c10d: torch.autocast). Master parameters and optimizer state stay fp32."""
+    bf16: bool = False
+    """Compute in bfloat16 (fully_sharded: MixedPrecision(bf16, fp32 reduce, bf16 buffers); c10d:
+    torch.autocast). No loss scaling: bf16 has fp32's exponent range."""
+    fp16_init_scale: float = 128.0
+    """Initial loss scale with fp16 (fairseq --fp16-init-scale)."""
+    fp16_scale_window: int = 2**14
+    """Clean updates before the loss scale doubles (fairseq --fp16-scale-window; resolved from
+    fairseq's 2**14 / world size / update_freq rule when not given)."""
+    min_loss_scale: float = 1e-4
+    """Backing the loss scale off to this or below stops training with FloatingPointError."""
+    cpu_offload: bool = False
+    """fully_sharded only: keep parameter and gradient shards and the optimizer step on the host
+    (CPUOffload(offload_params=True))."""
+    checkpoint_activations: bool = False
+    """Recompute each transformer block's activations in backward instead of storing them."""
+    offload_activations: bool = False
+    """Also keep the checkpointed block inputs in host memory (implies checkpoint_activations)."""
+    accumulate_mode: str = "no_sync"
+    """How --update-freq accumulates: 'no_sync' (micro-batches keep unsharded gradients locally;
+    one reduce-scatter per update; Psi more gradient elements per rank) or 'reduce_scatter'
+    (every micro-batch reduce-scatters into the gradient shards; K times the communication)."""
 
     def to_dict(self) -> dict:
         """Plain-Python copy (for checkpoints)."""

@@ -132,6 +132,19 @@ class Run:
                     + ("" if self.cfg.ddp_backend == "c10d" else
                        f" ({'FULL_SHARD' if self.cfg.reshard_after_forward else 'SHARD_GRAD_OP'})"))
         logger.info(f"num. model params: {n:,} (num. trained: {n:,})")
+        cfg, parts = self.cfg, []
+        if cfg.fp16:
+            parts.append(f"fp16 (loss scale {cfg.fp16_init_scale:g}, scale window {cfg.fp16_scale_window}, "
+                         f"min loss scale {cfg.min_loss_scale:g})")
+        if cfg.bf16:
+            parts.append("bf16")
+        parts += [flag for flag, on in (("cpu-offload", cfg.cpu_offload),
+                                        ("checkpoint-activations", cfg.checkpoint_activations),
+                                        ("offload-activations", cfg.offload_activations)) if on]
+        if cfg.update_freq > 1:
+            parts.append(f"update-freq {cfg.update_freq} accumulated by {cfg.accumulate_mode}")
+        if parts:
+            logger.info("precision and memory: " + ", ".join(parts))
         logger.info(f"loaded {len(self.train_data):,} blocks from {self.cfg.data_dir} train, "
                     f"{len(self.valid_data):,} from valid")
         logger.info(f"training on {dist.get_world_size()} devices ({kind})")
@@ -161,25 +174,30 @@ class Run:
         stop = False
         for i, group in enumerate(groups):
             out = self.trainer.train_step([collate(self.train_data, idx) for idx in group])
-            for meters in (inner, whole):
-                meters.add(out["loss_sum"], out["ntokens"], out["nsentences"], out["gnorm"], out["seconds"])
             bar.update(i)
             n = self.trainer.num_updates
-            if n % cfg.log_interval == 0:
-                bar.log(inner.stats(n, self.trainer.get_lr(), self.device, self.wall()), tag="train_inner")
-                inner.reset()
+            # An fp16 overflow skipped the update (fairseq: no stats, no update counted).
+            updated = not out["overflow"]
+            if updated:
+                for meters in (inner, whole):
+                    meters.add(out["loss_sum"], out["ntokens"], out["nsentences"], out["gnorm"], out["seconds"])
+                if n % cfg.log_interval == 0:
+                    bar.log(inner.stats(n, self.trainer.get_lr(), self.device, self.wall(), out["loss_scale"]),
+                            tag="train_inner")
+                    inner.reset()
             stop = self.should_stop()
             end_of_epoch = i == len(groups) - 1
             if stop:
                 logger.info(f"Stopping training due to num_updates: {n} >= max_update: {cfg.max_update}")
-            periodic = cfg.validate_interval_updates > 0 and n % cfg.validate_interval_updates == 0
+            periodic = updated and cfg.validate_interval_updates > 0 and n % cfg.validate_interval_updates == 0
             if stop or end_of_epoch or periodic:
                 self.validate(epoch)
             if stop:
                 break
         bar.close()
         logger.info(f"end of epoch {epoch} (average epoch stats below)")
-        stats = whole.stats(self.trainer.num_updates, self.trainer.get_lr(), self.device, self.wall())
+        stats = whole.stats(self.trainer.num_updates, self.trainer.get_lr(), self.device, self.wall(),
+                            self.trainer.scaler.get_scale())
         progress_bar(cfg.log_format, epoch, len(groups), cfg.log_interval).print(stats, tag="train")
         return stop
 

@@ -53,6 +53,26 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-reshard-after-forward", action="store_true",
                    help="keep full params between forward and backward (SHARD_GRAD_OP, ZeRO-2-like)")
     g.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine (default: 1)")
+    g.add_argument("--cpu-offload", action="store_true",
+                   help="fully_sharded: keep parameter/gradient shards and the optimizer step on the CPU")
+    g.add_argument("--accumulate-mode", choices=("no_sync", "reduce_scatter"), default="no_sync",
+                   help="with --update-freq > 1: no_sync accumulates unsharded gradients locally and "
+                        "reduce-scatters once per update (faster, more memory); reduce_scatter "
+                        "reduce-scatters every micro-batch into the gradient shards (less memory). "
+                        "c10d: whether DDP all-reduces every micro-batch (default: %(default)s)")
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each transformer block's activations in backward")
+    g.add_argument("--offload-activations", action="store_true",
+                   help="keep checkpointed activations in host memory (implies --checkpoint-activations)")
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true", help="float16 compute with dynamic loss scaling")
+    g.add_argument("--bf16", action="store_true", help="bfloat16 compute (no loss scaling)")
+    g.add_argument("--fp16-init-scale", type=float, default=128.0, help="initial loss scale (default: 128)")
+    g.add_argument("--fp16-scale-window", type=int, default=None,
+                   help="updates without overflow before the loss scale doubles "
+                        "(default: 2**14 / world size / update freq, as fairseq)")
+    g.add_argument("--min-loss-scale", type=float, default=1e-4,
+                   help="stop training when the loss scale falls to this (default: %(default)s)")
     g = p.add_argument_group("dataset")
     g.add_argument("--tokens-per-sample", type=int, default=1024, help="tokens per sample (default: %(default)s)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch (default: %(default)s)")
@@ -141,6 +161,24 @@ def _check_schedule(p: OneLineArgumentParser, args) -> None:
             p.fail(f"--total-num-update ({total}) must exceed --warmup-updates ({args.warmup_updates})")
 
 
+def _check_memory_flags(p: OneLineArgumentParser, args, world_size: int) -> int:
+    """Check the mixed-precision / offload / checkpointing flags; returns the loss-scale window."""
+    if args.fp16 and args.bf16:
+        p.fail("--fp16 and --bf16 are mutually exclusive; pick one")
+    if args.cpu_offload and args.ddp_backend != "fully_sharded":
+        p.fail("--cpu-offload needs --ddp-backend fully_sharded (c10d keeps whole parameters on the device)")
+    if args.fp16_init_scale <= 0:
+        p.fail(f"--fp16-init-scale must be > 0, got {args.fp16_init_scale}")
+    if args.min_loss_scale < 0:
+        p.fail(f"--min-loss-scale must be >= 0, got {args.min_loss_scale}")
+    if args.fp16_scale_window is None:
+        # fairseq's rule (trainer.py): the window shrinks as more gradients are summed per update.
+        return max(1, int(2**14 / world_size / args.update_freq))
+    if args.fp16_scale_window < 1:
+        p.fail(f"--fp16-scale-window must be >= 1, got {args.fp16_scale_window}")
+    return args.fp16_scale_window
+
+
 def _check_data(p: OneLineArgumentParser, args) -> dict:
     from fullshard.data import DataError, read_meta
 
@@ -193,6 +231,7 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     _check_positive(p, args)
     _check_schedule(p, args)
     world_size = launched_world_size(args.nproc_per_node)
+    scale_window = _check_memory_flags(p, args, world_size)
     meta = _check_data(p, args)
     if args.arch not in ARCHS:
         p.fail(f"unknown --arch {args.arch!r}; known archs: {', '.join(ARCHS)}")
@@ -220,6 +259,10 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
         log_format=_resolve_log_format(args.log_format), log_interval=args.log_interval,
         log_file=args.log_file, validate_interval_updates=args.validate_interval_updates,
         save_dir=args.save_dir, no_save=args.no_save, nproc_per_node=world_size,
+        fp16=args.fp16, bf16=args.bf16, fp16_init_scale=args.fp16_init_scale, fp16_scale_window=scale_window,
+        min_loss_scale=args.min_loss_scale, cpu_offload=args.cpu_offload,
+        checkpoint_activations=args.checkpoint_activations or args.offload_activations,
+        offload_activations=args.offload_activations, accumulate_mode=args.accumulate_mode,
     )
 
 

@@ -87,8 +87,13 @@ class UpdateMeters:
         self.gnorm_sum += gnorm
         self.train_wall_seconds += seconds
 
-    def stats(self, num_updates: int, lr: float, device: torch.device, wall_seconds: float) -> "OrderedDict[str, float]":
-        """The fairseq train record, values already rounded like fairseq's meters."""
+    def stats(self, num_updates: int, lr: float, device: torch.device, wall_seconds: float,
+              loss_scale: float = 1.0) -> "OrderedDict[str, float]":
+        """The fairseq train record, values already rounded like fairseq's meters.
+
+        ``loss_scale`` is the current fp16 loss scale (1 without --fp16), logged
+        as its latest value like fairseq's weight-0 meter.
+        """
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         updates = max(self.updates, 1)
         loss = self.loss_sum_nats / max(self.ntokens, 1) / LN2
@@ -102,7 +107,7 @@ class UpdateMeters:
             num_updates=num_updates,
             lr=lr,
             gnorm=safe_round(self.gnorm_sum / updates, 3),
-            loss_scale=1,
+            loss_scale=safe_round(loss_scale, 4),
             train_wall=safe_round(self.train_wall_seconds, 0),
             gb_free=safe_round(gb_free(device), 1),
             wall=safe_round(wall_seconds, 0),

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fullshard.amp import ShardedGradScaler
 from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import build_lr_scheduler
 
@@ -70,12 +71,20 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.model, shapes, self.num_params = self._build_model()
+        # --cpu-offload: the shards the optimizer steps on live on the host; foreach
+        # batches the per-parameter Adam math there into a few multi-tensor kernels.
+        foreach = {"foreach": True} if cfg.cpu_offload else {}
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model.named_parameters(), shapes, cfg.weight_decay),
-            lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
+            lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, **foreach,
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.num_updates = 0
+        self.scaler = ShardedGradScaler(init_scale=cfg.fp16_init_scale, growth_interval=cfg.fp16_scale_window,
+                                        min_loss_scale=cfg.min_loss_scale, enabled=cfg.fp16)
+        # c10d computes in low precision through autocast; fully_sharded through MixedPrecision.
+        self.autocast_dtype = (torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None) \
+            if cfg.ddp_backend == "c10d" else None
 
     # ------------------------------------------------------------------ build
     def _build_model(self):
@@ -87,11 +96,12 @@ class Trainer:
         if cfg.ddp_backend == "c10d":
             model = build_model(cfg.arch, device=self.device, seed=cfg.seed, **kwargs)
             shapes = {n: p.shape for n, p in model.named_parameters()}
+            self._checkpoint_blocks(model)
             ids = [self.device.index] if self.device.type == "cuda" else None
             return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids), shapes, num_params(model)
 
+        from fullshard import CPUOffload, MixedPrecision, ShardingStrategy
         from fullshard import FullyShardedDataParallel as FSDP
-        from fullshard import ShardingStrategy
         from fullshard.wrap import ModuleWrapPolicy
 
         deferred = _accepts(FSDP.__init__, "param_init_fn") and os.environ.get("FULLSHARD_NO_DEFERRED_INIT") != "1"
@@ -103,16 +113,41 @@ class Trainer:
             model = build_model(cfg.arch, device=self.device, seed=cfg.seed, **kwargs)
         shapes = {n: p.shape for n, p in model.named_parameters()}
         total = num_params(model)
+        # Checkpoint first, then shard: CheckpointWrapper(FSDP(block)); recomputation
+        # reuses the gather made for the block's backward (fullshard/checkpointing.py).
+        self._checkpoint_blocks(model)
+        low = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
+        if low is not None:
+            extra["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
+        if cfg.cpu_offload:
+            extra["cpu_offload"] = CPUOffload(offload_params=True)
         strategy = ShardingStrategy.FULL_SHARD if cfg.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
         wrapped = FSDP(model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
                        device_id=self.device, **extra)
         return wrapped, shapes, total
 
+    def _checkpoint_blocks(self, model) -> None:
+        """--checkpoint-activations / --offload-activations: wrap every TransformerBlock."""
+        if not self.cfg.checkpoint_activations:
+            return
+        from fullshard.checkpointing import apply_activation_checkpointing
+        from fullshard.models import TransformerBlock
+
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, TransformerBlock),
+                                       offload_to_cpu=self.cfg.offload_activations)
+
     # ------------------------------------------------------------------ steps
+    def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Model forward (B, T) -> (B, T, V); under autocast for c10d --fp16/--bf16."""
+        if self.autocast_dtype is None:
+            return self.model(inputs)
+        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
+            return self.model(inputs)
+
     def _loss(self, batch: Batch) -> Tuple[torch.Tensor, int]:
         """Summed token cross entropy (nats) of one micro-batch and its target-token count."""
         inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
-        logits = self.model(inputs)
+        logits = self._logits(inputs)
         loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")
         return loss_sum, targets.numel()
 
@@ -126,27 +161,46 @@ class Trainer:
         return float(norm)
 
     def train_step(self, micro_batches: Sequence[Batch]) -> dict:
-        """One optimizer update over K micro-batches; returns global stats of the update."""
+        """One optimizer update over K micro-batches; returns global stats of the update.
+
+        With --fp16 the loss is multiplied by the loss scale before backward and
+        the gradient shards divided by it before clipping. When any rank finds
+        inf/NaN the update is skipped on every rank, as fairseq does: no
+        optimizer or lr-scheduler step, ``num_updates`` unchanged, the returned
+        ``overflow`` is True and the scale is backed off.
+
+        Raises:
+            FloatingPointError: the loss scale fell to --min-loss-scale.
+        """
         start = time.perf_counter()
         self.model.train()
         k = len(micro_batches)
         local = torch.zeros(3, dtype=torch.float64)
         for j, batch in enumerate(micro_batches):
-            ctx = self.model.no_sync() if j < k - 1 else contextlib.nullcontext()
-            with ctx:
+            # no_sync: keep unsharded gradients until the last micro-batch;
+            # reduce_scatter: every backward reduce-scatters into the gradient shards.
+            local_accumulate = j < k - 1 and self.cfg.accumulate_mode == "no_sync"
+            with self.model.no_sync() if local_accumulate else contextlib.nullcontext():
                 loss_sum, ntokens = self._loss(batch)
-                (loss_sum / (ntokens * k)).backward()
+                self.scaler.scale(loss_sum / (ntokens * k)).backward()
             local += torch.tensor([loss_sum.item(), ntokens, batch[0].size(0)], dtype=torch.float64)
+        self.scaler.unscale_(self.optimizer)
         gnorm = self._clip()
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        self.num_updates += 1
+        overflow = self.scaler.last_step_skipped
+        if overflow:
+            logger.info(f"NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: "
+                        f"{self.scaler.get_scale()}")
+        else:
+            self.lr_scheduler.step()
+            self.num_updates += 1
         total = local.to(self.device)
         dist.all_reduce(total)
         loss_sum, ntokens, nsentences = total.tolist()
         return dict(loss_sum=loss_sum, ntokens=int(ntokens), nsentences=int(nsentences), gnorm=gnorm,
-                    seconds=time.perf_counter() - start)
+                    seconds=time.perf_counter() - start, overflow=overflow, loss_scale=self.scaler.get_scale())
 
     @torch.no_grad()
     def valid_step(self, batches: List[tuple]) -> dict:
@@ -158,7 +212,7 @@ class Trainer:
         self.model.eval()
         local = torch.zeros(3, dtype=torch.float64)
         for inputs, targets, counted in batches:
-            logits = self.model(inputs.to(self.device))
+            logits = self._logits(inputs.to(self.device))
             per_token = F.cross_entropy(logits.transpose(1, 2).float(), targets.to(self.device), reduction="none")
             per_seq = per_token.sum(dim=1).cpu().double()
             mask = counted.double()
@@ -182,6 +236,7 @@ class Trainer:
         """
         os.makedirs(save_dir, exist_ok=True)
         common = dict(optimizer=self.optimizer.state_dict(), lr_scheduler=self.lr_scheduler.state_dict(),
+                      loss_scaler=self.scaler.state_dict(),
                       train_state=train_state, args=self.cfg.to_dict(), world_size=self.world_size)
         if self.cfg.ddp_backend == "c10d":
             path = os.path.join(save_dir, "checkpoint_last.pt")
