@@ -132,10 +132,10 @@ class FullyShardedDataParallel(nn.Module):
             compute_device=device, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
             offload_params=offload.offload_params,
             reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD))
-        with torch.no_grad():
-            unit = Unit(name, slots, cfg)
         for s in slots:
             _register(_TAKEN, s.param, name)
+        with torch.no_grad():
+            unit = Unit(name, slots, cfg)
         _register(_WRAPPED, module, name)
         self._fsdp_wrapped_module = module
         self._strategy = strategy

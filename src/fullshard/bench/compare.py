@@ -18,8 +18,10 @@ rank and are identical across backends. Backends (``--backends``):
   (``gradient_as_bucket_view=True``; the stock all-reduce comm hook, wrapped
   to count bytes).
 * ``torch_fsdp``: ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1),
-  FULL_SHARD, the same wrap policy, ``use_orig_params=True``. Used only here,
-  as a baseline.
+  FULL_SHARD, the same wrap policy, ``use_orig_params=True``,
+  ``device_id=cpu`` (without it FSDP1 refuses to run on a CPU-only host).
+  Used only here, as a baseline. Warnings it raises while wrapping (e.g. its
+  switch to NO_SHARD at N=1) are printed under the table.
 
 A backend that raises prints ``ERROR rank R: <reason>`` in its row; the command
 exits 0 iff every fullshard row ran at every N.
@@ -51,6 +53,10 @@ Columns (bytes are per rank, the max over ranks; MiB = 2^20 bytes):
   parameters. Falls back to ``getrusage`` ``ru_maxrss`` (never reset) when
   ``/proc`` is unavailable; the method is printed. ``MALLOC_MMAP_THRESHOLD_``
   is pinned so freed tensors go back to the OS between backends.
+* Above the table: intra-op threads per rank (cores // N, at least 1, as
+  the trainer) and the 1-minute load average before/after the launch; times
+  on a shared or oversubscribed machine (N > cores) are only indicative,
+  the byte columns are exact.
 * ``last loss``: mean over ranks of the last step's cross entropy (nats);
   backends must agree (printed: the largest difference to DDP).
 """
@@ -142,6 +148,7 @@ def merge_rows(results: list[dict]) -> list[dict]:
                     row[k] = max(r[k] for r in per_rank)
             row["last_loss"] = sum(r["last_loss"] for r in per_rank) / len(per_rank)
             row["rss_method"] = first["rss_method"]
+            row["notes"] = first.get("notes", [])
         merged.append(row)
     return merged
 
@@ -194,6 +201,7 @@ def format_details(rows: list[dict], n: int) -> list[str]:
                      f"reduce_scatter {r['rs_calls_per_step']:g} calls {r['rs_bytes_per_step']:.0f} B/step")
         lines.append(f"  {r['backend']:<24} model state {total} B = params {r['param_bytes']} + grads "
                      f"{r['grad_bytes']} + optim {r['optim_bytes']}; measured/ZeRO = {total / zero:.4f}{extra}")
+        lines += [f"  {r['backend']:<24} note from torch: {note}" for note in r.get("notes", [])]
     ddp = next((r for r in ok if r["backend"] == DDP), None)
     if ddp is not None:
         diffs = ", ".join(f"{r['backend']} {abs(r['last_loss'] - ddp['last_loss']):.2e}"
@@ -216,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
     for n in args.world_sizes:
         t0 = time.perf_counter()
         print(f"\n=== N = {n} ranks ===", flush=True)
+        load0 = os.getloadavg()[0]
         try:
             results = launch(cfg, n)
         except Exception as e:
@@ -223,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
             ours_ok = False
             continue
         rows = merge_rows(results)
-        print(f"threads per rank: {results[0]['threads']}")
+        print(f"threads per rank: {results[0]['threads']}; load average (1 min) before/after: "
+              f"{load0:.2f}/{os.getloadavg()[0]:.2f}")
         print("\n".join(format_table(rows, n, cfg) + format_details(rows, n)))
         print(f"N = {n} took {time.perf_counter() - t0:.1f} s", flush=True)
         ours_ok &= all("error" not in r for r in rows if r["backend"] in OURS)

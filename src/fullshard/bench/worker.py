@@ -29,6 +29,8 @@ TORCH_FSDP = "torch FSDP1 FULL_SHARD"
 BACKENDS = {"full": FULL_SHARD, "grad_op": SHARD_GRAD_OP, "ddp": DDP, "torch_fsdp": TORCH_FSDP}
 """``--backends`` keys -> row names, in the order they run."""
 OURS = (FULL_SHARD, SHARD_GRAD_OP)
+_NOTES: dict[str, list[str]] = {}
+"""Warnings a backend emitted while wrapping, reported under the table."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +91,16 @@ def _wrap(name: str, model: torch.nn.Module):
         from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # FSDP1 deprecation notice
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             # device_id=cpu: without it FSDP1 looks for an accelerator and refuses.
-            return TorchFSDP(model, sharding_strategy=TorchStrategy.FULL_SHARD,
-                             auto_wrap_policy=TorchPolicy({TransformerBlock}),
-                             use_orig_params=True, device_id=torch.device("cpu")), None
+            wrapped = TorchFSDP(model, sharding_strategy=TorchStrategy.FULL_SHARD,
+                                auto_wrap_policy=TorchPolicy({TransformerBlock}),
+                                use_orig_params=True, device_id=torch.device("cpu"))
+        # Surface what torch changed (e.g. NO_SHARD at N=1), not its deprecation notice.
+        _NOTES[name] = sorted({str(w.message).splitlines()[0] for w in caught
+                               if not issubclass(w.category, FutureWarning)})
+        return wrapped, None
     raise ValueError(f"unknown backend {name!r}")
 
 
@@ -153,6 +159,8 @@ def _train(name: str, cfg: BenchConfig, batches) -> dict:
         out["rs_calls_per_step"] = C.COUNTS["reduce_scatter"] / steps
     if ddp_counter is not None:
         out["ar_bytes_per_step"] = ddp_counter.bytes / steps
+    if _NOTES.get(name):
+        out["notes"] = _NOTES[name]
     return out
 
 

@@ -19,10 +19,11 @@ from . import flat as F
 @dataclasses.dataclass
 class ParamSlot:
     """One original parameter and every ``(module, attribute)`` that holds it
-    (more than one when weights are tied)."""
+    (more than one when weights are tied). ``param`` is dropped once the unit
+    has taken its shard, so the full tensor can be freed."""
 
     fqn: str
-    param: nn.Parameter
+    param: Optional[nn.Parameter]
     owners: list[tuple[nn.Module, str]]
 
 
@@ -101,6 +102,7 @@ class Unit:
             self.sharded_params.append(sp)
             for module, attr in slot.owners:
                 module._parameters[attr] = sp
+            slot.param = None  # the full tensor is no longer ours to keep
         self.compute_dtype = cfg.param_dtype or master_dtype
         self.reduce_dtype = cfg.reduce_dtype or self.compute_dtype
         # With one rank per shard and nothing to cast or move, the unsharded
