@@ -36,7 +36,7 @@ def test_peak_rss_sees_an_allocation():
 
 
 def _row(backend, total_scale, loss, **extra):
-    return dict(backend=backend, psi=1000, step_ms=10.0, last_loss=loss, param_bytes=4000 // total_scale,
+    return dict(backend=backend, psi=1000, step_ms=10.0, first_loss=loss, last_loss=loss, param_bytes=4000 // total_scale,
                 grad_bytes=4000 // total_scale, optim_bytes=8000 // total_scale, rss_growth_bytes=2 ** 20,
                 rss_method="VmHWM", **extra)
 

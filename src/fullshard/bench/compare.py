@@ -58,7 +58,8 @@ Columns (bytes are per rank, the max over ranks; MiB = 2^20 bytes):
   on a shared or oversubscribed machine (N > cores) are only indicative,
   the byte columns are exact.
 * ``last loss``: mean over ranks of the last step's cross entropy (nats);
-  backends must agree (printed: the largest difference to DDP).
+  backends must agree (printed: each one's difference to DDP, and the
+  first step's loss to show training moved).
 """
 from __future__ import annotations
 
@@ -144,9 +145,10 @@ def merge_rows(results: list[dict]) -> list[dict]:
             row["error"] = f"rank {own[0][0]}: {own[0][1]}"
         else:
             for k, v in first.items():
-                if isinstance(v, (int, float)) and k != "last_loss":
+                if isinstance(v, (int, float)) and not k.endswith("_loss"):
                     row[k] = max(r[k] for r in per_rank)
-            row["last_loss"] = sum(r["last_loss"] for r in per_rank) / len(per_rank)
+            for k in ("first_loss", "last_loss"):
+                row[k] = sum(r[k] for r in per_rank) / len(per_rank)
             row["rss_method"] = first["rss_method"]
             row["notes"] = first.get("notes", [])
         merged.append(row)
@@ -207,6 +209,8 @@ def format_details(rows: list[dict], n: int) -> list[str]:
         diffs = ", ".join(f"{r['backend']} {abs(r['last_loss'] - ddp['last_loss']):.2e}"
                           for r in ok if r is not ddp)
         lines.append(f"  |last loss - DDP last loss|: {diffs or '-'}")
+    lines.append("  loss first -> last step: " + ", ".join(
+        f"{r['backend']} {r['first_loss']:.6f} -> {r['last_loss']:.6f}" for r in ok))
     lines.append(f"  RSS method: {ok[0]['rss_method']}")
     return lines
 

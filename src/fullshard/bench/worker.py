@@ -14,7 +14,6 @@ import os
 import time
 import traceback
 import warnings
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -148,7 +147,7 @@ def _train(name: str, cfg: BenchConfig, batches) -> dict:
         if i >= cfg.warmup_steps:
             times.append(dt)
     steps = cfg.timed_steps
-    out = dict(psi=psi, step_ms=M.median(times) * 1e3, last_loss=losses[-1],
+    out = dict(psi=psi, step_ms=M.median(times) * 1e3, first_loss=losses[0], last_loss=losses[-1],
                param_bytes=M.param_bytes(wrapped), grad_bytes=M.grad_bytes(wrapped),
                optim_bytes=M.optim_state_bytes(opt), rss_growth_bytes=rss.growth_bytes(),
                rss_method=rss.method)

@@ -28,6 +28,11 @@ from ..api import BackwardPrefetch, ShardedState, TrainingState
 from . import collectives as C
 from .unit import PendingReduce, Unit
 
+# Reduce-scatters allowed in flight before the oldest is waited on: each holds
+# a unit-sized input buffer, so an unbounded queue would keep a full model's
+# worth of gradients alive until the end of backward.
+MAX_INFLIGHT_REDUCES = 2
+
 _LEGAL = {
     TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.PRE_BACKWARD},
     TrainingState.FORWARD: {TrainingState.IDLE},
@@ -208,6 +213,8 @@ class PostBackwardHook:
                 unit.stash_grad(grad)
             else:
                 root.pending.append(unit.reduce_grads(unit.pop_stashed(grad)))
+                while len(root.pending) > MAX_INFLIGHT_REDUCES:
+                    root.pending.pop(0).finish()
         unit.reshard()
         if rt.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             _prefetch_backward(rt)
