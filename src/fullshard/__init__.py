@@ -8,7 +8,10 @@ Drop-in names for ``torch.distributed.fsdp``::
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .fsdp import FSDP, FullyShardedDataParallel
 from . import wrap
+from .amp import ShardedGradScaler
+from .checkpointing import CheckpointWrapper, apply_activation_checkpointing, offload_activations
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
-           "CPUOffload", "wrap"]
+           "CPUOffload", "ShardedGradScaler", "apply_activation_checkpointing", "CheckpointWrapper",
+           "offload_activations", "wrap"]
 __version__ = "0.1.0"

@@ -171,9 +171,5 @@ def _recompute_casts_inputs(rank, world):
 
 
 
-@pytest.mark.xfail(reason="engine: core/state.py pre_forward's rt.in_backward (recomputation) branch returns "
-                          "args without forward_input_caster, so a unit that got fp32 inputs cast to "
-                          "param_dtype in forward recomputes with fp32 inputs: 'mat1 and mat2 must have "
-                          "the same dtype'", raises=Exception, strict=False)
 def test_recomputation_casts_inputs_like_forward():
     run_ranks(_recompute_casts_inputs, 1)

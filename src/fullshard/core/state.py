@@ -119,10 +119,10 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
     """Before the unit's forward: unshard and expose full parameters."""
     if rt.in_backward:
         # Recomputation under activation checkpointing: the unit is already
-        # gathered for its backward; expose it, change nothing else.
+        # gathered for its backward; expose it and cast inputs as forward did.
         rt.unit.ensure_unsharded()
         rt.unit.use_full_params()
-        return args, kwargs
+        return _cast_inputs(rt, args, kwargs)
     if rt.is_root:
         _start_iteration(rt.root)
     rt.transition(TrainingState.FORWARD)
@@ -137,9 +137,13 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
             nxt = root.prev_order[i + 1].unit
             if nxt.state is ShardedState.SHARDED:
                 nxt.unshard()
-    if rt.forward_input_caster is not None:
-        args, kwargs = rt.forward_input_caster(args, kwargs)
-    return args, kwargs
+    return _cast_inputs(rt, args, kwargs)
+
+
+def _cast_inputs(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if rt.forward_input_caster is None:
+        return args, kwargs
+    return rt.forward_input_caster(args, kwargs)
 
 
 def post_forward(rt: UnitRuntime, output: Any) -> Any:

@@ -10,7 +10,6 @@ accumulated gradient equal to that of one K-times larger batch. For logging,
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
 import time
@@ -55,13 +54,6 @@ def param_groups(named_params, shapes: Dict[str, torch.Size], weight_decay: floa
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _accepts(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 class Trainer:
     """Holds the wrapped model, the AdamW optimizer and the lr scheduler of one rank."""
 
@@ -104,13 +96,10 @@ class Trainer:
         from fullshard import FullyShardedDataParallel as FSDP
         from fullshard.wrap import ModuleWrapPolicy
 
-        deferred = _accepts(FSDP.__init__, "param_init_fn") and os.environ.get("FULLSHARD_NO_DEFERRED_INIT") != "1"
-        extra = {}
-        if deferred:
-            model = build_model(cfg.arch, device="meta", **kwargs)
-            extra["param_init_fn"] = make_param_init_fn(model, cfg.seed, self.device)
-        else:
-            model = build_model(cfg.arch, device=self.device, seed=cfg.seed, **kwargs)
+        # Deferred init: build on meta; each unit is materialized and
+        # initialized inside the wrapper, so no rank holds the full model.
+        model = build_model(cfg.arch, device="meta", **kwargs)
+        extra = {"param_init_fn": make_param_init_fn(model, cfg.seed, self.device)}
         shapes = {n: p.shape for n, p in model.named_parameters()}
         total = num_params(model)
         # Checkpoint first, then shard: CheckpointWrapper(FSDP(block)); recomputation
