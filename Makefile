@@ -27,7 +27,7 @@ train: $(STAMP)
 	    --weight-decay 0.01 --lr 0.001 --lr-scheduler polynomial_decay \
 	    --warmup-updates 30 --total-num-update 300 --max-update 300 --clip-norm 1.0 \
 	    --log-format simple --log-interval 25 --validate-interval-updates 100 \
-	    --save-dir checkpoints/tiny --seed 1
+	    --save-dir checkpoints/tiny --log-file checkpoints/tiny/train.log --seed 1
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
