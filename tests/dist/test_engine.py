@@ -69,6 +69,11 @@ def _counts_and_memory(rank, world):
         for u in units:  # after backward every unit is resharded
             assert u.unit.full_storage_bytes() == 0, u.unit.name
         out[strategy.value] = dict(C.COUNTS)
+        # Evaluation without grad keeps nothing gathered, root included.
+        with torch.no_grad():
+            model(x)
+        for u in units:
+            assert u.unit.full_storage_bytes() == 0, (strategy, u.unit.name)
     # Model-state bytes per rank after a step: ≈ 1/N of DDP's (plus padding).
     ddp = DDP(M.clone(base))
     fsdp = FSDP(M.clone(base), auto_wrap_policy=M.unit_policy("gpt"))

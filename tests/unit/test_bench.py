@@ -1,4 +1,6 @@
 """Fast single-process checks of the benchmark's measurements and table (no ranks launched)."""
+import mmap
+
 import torch
 
 from fullshard.bench import compare, measure
@@ -29,10 +31,15 @@ def test_zero_formula():
 def test_peak_rss_sees_an_allocation():
     rss = measure.PeakRSS()
     rss.start()
-    x = torch.ones(8 * 2 ** 20)  # 32 MiB, touched
-    assert x.sum() > 0
+    # A fresh anonymous mapping, touched page by page: new resident memory
+    # for sure (a tensor could reuse heap that earlier tests freed).
+    size = 32 * 2 ** 20
+    buf = mmap.mmap(-1, size)
+    for off in range(0, size, 4096):
+        buf[off] = 1
     if rss.method == "VmHWM":
         assert rss.growth_bytes() >= 16 * 2 ** 20
+    buf.close()
 
 
 def _row(backend, total_scale, loss, **extra):
@@ -58,3 +65,32 @@ def test_merge_and_table_report_errors_and_ratios():
     text = "\n".join(compare.format_table(rows, 2, cfg) + compare.format_details(rows, 2))
     assert "0.500" in text and "ERROR rank 0: boom" in text
     assert "measured/ZeRO = 1.0000" in text
+
+
+def test_memory_report_ratios_errors_and_footnote():
+    from fullshard.bench import memory
+
+    args = memory.parse_args(["--configs", "fp32,bf16,cpu_offload", "--seq-len", "8", "--vocab-size", "10"])
+    cfg = memory.run_config(args)
+
+    def row(name, peak, loss=2.0):
+        return dict(config=name, psi=100, peak_bytes=peak, warm_loss=3.0, loss=loss, step_s=0.1, param_bytes=200,
+                    grad_bytes=200, optim_bytes=408, where="params cpu float32; grads cpu float32; optim cpu float32")
+
+    results = [{"rank": 0, "rows": [row("fp32", 1000), row("bf16", 500), {"config": "cpu_offload", "error": "boom"}]},
+               {"rank": 1, "rows": [row("fp32", 800, 4.0), row("bf16", 600, 4.0),
+                                    {"config": "cpu_offload", "error": "another rank failed"}]}]
+    text = "\n".join(memory.format_report(results, cfg))
+    assert "0.600" in text  # bf16 max peak 600 / fp32 max peak 1000
+    assert "ERROR rank 0: boom" in text
+    assert "3.000000" in text  # loss averaged over ranks
+    assert "host memory IS device memory" in text
+
+
+def test_memory_rejects_odd_batch_for_micro_batches():
+    import pytest
+
+    from fullshard.bench import memory
+
+    with pytest.raises(SystemExit):
+        memory.parse_args(["--batch-size", "3"])

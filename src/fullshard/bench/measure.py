@@ -108,3 +108,31 @@ class PeakRSS:
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return max(0, peak - self._start_kib) * 1024
+
+
+def peak_allocated_bytes(fn) -> tuple[object, int]:
+    """Run ``fn()`` and return ``(its result, peak bytes torch allocated on the CPU during it)``.
+
+    The peak is above what was allocated when ``fn`` started: the torch
+    profiler's allocator events (``profile_memory=True``; each allocation
+    +bytes, each free -bytes, storage ``resize_`` included) replayed in time
+    order, and the running sum's maximum. The method of
+    ``tests/dist/test_checkpointing.py::_peak_bytes``. Tensors already live at
+    the start (parameter shards, optimizer state) are not in it.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+        stack.extend(e.children)
+    live = peak = 0
+    for _, nbytes in sorted(events):
+        live += nbytes
+        peak = max(peak, live)
+    return out, peak

@@ -108,6 +108,10 @@ def _start_iteration(root: RootRuntime) -> None:
         # The previous forward had no backward (e.g. its loss was discarded).
         end_of_backward(root)
     for rt in root.units:
+        # A unit still gathered here (a forward with no backward, e.g. eval
+        # under SHARD_GRAD_OP) may hold stale full parameters: gather afresh.
+        if rt.unit.state is not ShardedState.SHARDED:
+            rt.unit.reshard()
         rt.unit.reset_views()
         rt.pre_backward_done = False
     if root.order:
@@ -151,10 +155,9 @@ def post_forward(rt: UnitRuntime, output: Any) -> Any:
     if rt.in_backward:
         return output
     grad_on = torch.is_grad_enabled()
-    if rt.reshard_after_forward and (not rt.is_root or not grad_on):
+    # Without grad no backward follows, so nothing is worth keeping gathered.
+    if not grad_on or (rt.reshard_after_forward and not rt.is_root):
         rt.unit.reshard()
-    elif rt.is_root and not grad_on and rt.unit.state is not ShardedState.SHARDED:
-        rt.unit.reshard()  # no backward follows: don't keep the root gathered
     rt.transition(TrainingState.IDLE)
     if grad_on:
         hook = PreBackwardHook(rt)
