@@ -312,7 +312,8 @@ def format_report(results: list[dict], cfg: RunConfig) -> list[str]:
     if base_peak:
         lines.append(f"* one (B, T, V) fp32 logits tensor is {logits} B = {logits / MiB:.2f} MiB; the fp32 peak is "
                      f"{base_peak / logits:.2f}x that. What the logits and the loss need is not inside the "
-                     f"checkpointed blocks, so checkpointing cannot shrink it (try a smaller --vocab-size).")
+                     f"checkpointed blocks, so checkpointing cannot shrink it"
+                     + (" (try a smaller --vocab-size)." if base_peak < 8 * logits else "."))
     return lines
 
 
