@@ -36,6 +36,9 @@ def setup_logging(rank: int, log_file) -> None:
     formatter = logging.Formatter(LOG_FORMAT, datefmt=LOG_DATEFMT)
     handlers = [logging.StreamHandler(sys.stdout)]
     if log_file:
+        # Arguments were validated before launch, so creating the folder now
+        # cannot leave anything behind for a rejected command.
+        os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
     for handler in handlers:
         handler.setFormatter(formatter)

@@ -243,8 +243,8 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     if args.log_file and os.path.isdir(args.log_file):
         p.fail(f"--log-file {args.log_file!r} is a directory; give a file path")
     log_dir = os.path.dirname(os.path.abspath(args.log_file)) if args.log_file else None
-    if log_dir and not os.path.isdir(log_dir):
-        p.fail(f"the directory of --log-file {args.log_file!r} does not exist; create it first")
+    if log_dir and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        p.fail(f"the directory of --log-file {args.log_file!r} is a file; give a path in a directory")
     if not args.no_save and os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
         p.fail(f"--save-dir {args.save_dir!r} exists and is not a directory")
     return TrainConfig(
