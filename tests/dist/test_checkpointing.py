@@ -20,6 +20,7 @@ from fullshard.core import collectives as C
 from fullshard.models import GPT, GPTConfig, TransformerBlock, build_model
 from fullshard.wrap import ModuleWrapPolicy
 from tests.dist import models as M
+from fullshard.bench.measure import peak_allocated_bytes
 from tests.dist.harness import run_ranks
 
 RTOL, ATOL = 1.3e-6, 1e-5
@@ -92,23 +93,11 @@ def _peak_bytes(model, x, y) -> int:
     (``export_memory_timeline`` gives the same numbers on a plain model but
     its data-flow analysis rejects FSDP's storage resizing.)
     """
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    def step():
         out = model(x)
         F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1)).backward()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
-        stack.extend(e.children)
-    live = peak = 0
-    for _, nbytes in sorted(events):
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+
+    return peak_allocated_bytes(step)[1]
 
 
 def _memory(rank, world):

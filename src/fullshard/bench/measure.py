@@ -116,8 +116,7 @@ def peak_allocated_bytes(fn) -> tuple[object, int]:
     The peak is above what was allocated when ``fn`` started: the torch
     profiler's allocator events (``profile_memory=True``; each allocation
     +bytes, each free -bytes, storage ``resize_`` included) replayed in time
-    order, and the running sum's maximum. The method of
-    ``tests/dist/test_checkpointing.py::_peak_bytes``. Tensors already live at
+    order, and the running sum's maximum. Tensors already live at
     the start (parameter shards, optimizer state) are not in it.
     """
     from torch._C._profiler import _EventType

@@ -126,6 +126,12 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group, async_op: bool =
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
+def barrier(group=None) -> None:
+    """Block until every rank of ``group`` (None = the world) gets here."""
+    if group_size(group) > 1:
+        dist.barrier(group=group)
+
+
 def new_group(ranks: list[int]):
     """Create a process group over ``ranks``; every rank must call it in the same order."""
     return dist.new_group(ranks=ranks)

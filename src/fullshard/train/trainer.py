@@ -16,10 +16,10 @@ import time
 from typing import Dict, List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from fullshard.amp import ShardedGradScaler
+from fullshard.core import collectives as C
 from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import build_lr_scheduler
 
@@ -60,8 +60,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, device: torch.device):
         self.cfg = cfg
         self.device = device
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.rank = C.rank()
+        self.world_size = C.world_size()
         self.model, shapes, self.num_params = self._build_model()
         # --cpu-offload: the shards the optimizer steps on live on the host; foreach
         # batches the per-parameter Adam math there into a few multi-tensor kernels.
@@ -186,7 +186,7 @@ class Trainer:
             self.lr_scheduler.step()
             self.num_updates += 1
         total = local.to(self.device)
-        dist.all_reduce(total)
+        C.all_reduce(total, C.world_group(), "sum")
         loss_sum, ntokens, nsentences = total.tolist()
         return dict(loss_sum=loss_sum, ntokens=int(ntokens), nsentences=int(nsentences), gnorm=gnorm,
                     seconds=time.perf_counter() - start, overflow=overflow, loss_scale=self.scaler.get_scale())
@@ -207,7 +207,7 @@ class Trainer:
             mask = counted.double()
             local += torch.stack([(per_seq * mask).sum(), mask.sum() * targets.size(1), mask.sum()])
         total = local.to(self.device)
-        dist.all_reduce(total)
+        C.all_reduce(total, C.world_group(), "sum")
         loss_sum, ntokens, nsentences = total.tolist()
         return dict(loss_sum=loss_sum, ntokens=int(ntokens), nsentences=int(nsentences), steps=len(batches))
 
@@ -235,7 +235,7 @@ class Trainer:
             path = os.path.join(save_dir, f"checkpoint_last-shard{self.rank}.pt")
             shards = {n: p.detach().clone().cpu() for n, p in self.model.named_parameters()}
             _atomic_save(dict(model=shards, rank=self.rank, format="fullshard-local-shards-v1", **common), path)
-        dist.barrier()
+        C.barrier()
         return path
 
 
