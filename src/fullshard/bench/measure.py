@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import resource
 import statistics
+import traceback
 from typing import Iterable, Optional
 
 import torch
@@ -135,3 +136,24 @@ def peak_allocated_bytes(fn) -> tuple[object, int]:
         live += nbytes
         peak = max(peak, live)
     return out, peak
+
+
+def run_guarded(row: dict, fn) -> dict:
+    """Fill ``row`` with ``fn()``'s dict; an exception becomes a one-line
+    ``row["error"]`` (plus ``row["traceback"]``), never hidden. Then one MAX
+    all-reduce of a failure flag tells every rank whether any rank failed, so
+    ranks leave a failed configuration in step.
+    """
+    import torch.distributed as dist
+
+    try:
+        row.update(fn())
+    except Exception as e:  # reported in the row
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        row["error"] = f"{type(e).__name__}: {first}"[:200]
+        row["traceback"] = traceback.format_exc()
+    flag = torch.tensor([0.0 if "error" not in row else 1.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() and "error" not in row:
+        row["error"] = "another rank failed"
+    return row

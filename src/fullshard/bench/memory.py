@@ -49,7 +49,6 @@ import gc
 import os
 import sys
 import time
-import traceback
 import uuid
 
 MiB = float(2 ** 20)
@@ -185,20 +184,9 @@ def _measure(cfg: RunConfig, mc: MemConfig, batches) -> dict:
 
 
 def _run_config(cfg: RunConfig, mc: MemConfig, batches) -> dict:
-    import torch
-    import torch.distributed as dist
+    from fullshard.bench import measure as M
 
-    row: dict = {"config": mc.name}
-    try:
-        row.update(_measure(cfg, mc, batches))
-    except Exception as e:  # reported in the row, never hidden
-        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:200]
-        row["traceback"] = traceback.format_exc()
-    flag = torch.tensor([0.0 if "error" not in row else 1.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() and "error" not in row:
-        row["error"] = "another rank failed"
-    return row
+    return M.run_guarded({"config": mc.name}, lambda: _measure(cfg, mc, batches))
 
 
 def rank_main(cfg: RunConfig) -> dict:

@@ -12,7 +12,6 @@ import datetime
 import gc
 import os
 import time
-import traceback
 import warnings
 
 import torch
@@ -111,11 +110,6 @@ def _batches(cfg: BenchConfig, rank: int) -> list[tuple[torch.Tensor, torch.Tens
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tok]
 
 
-def _one_line(e: BaseException) -> str:
-    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:160]
-
-
 def _train(name: str, cfg: BenchConfig, batches) -> dict:
     from fullshard.core import collectives as C
     from fullshard.models import build_model, num_params
@@ -165,17 +159,8 @@ def _train(name: str, cfg: BenchConfig, batches) -> dict:
 
 def _run_backend(name: str, cfg: BenchConfig, batches) -> dict:
     row: dict = {"backend": name}
-    try:
-        row.update(_train(name, cfg, batches))
-    except Exception as e:  # reported in the row, never hidden
-        row["error"] = _one_line(e)
-        row["traceback"] = traceback.format_exc()
+    M.run_guarded(row, lambda: _train(name, cfg, batches))
     gc.collect()
-    # Every rank learns whether any rank failed, and ranks leave in step.
-    flag = torch.tensor([0.0 if "error" not in row else 1.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() and "error" not in row:
-        row["error"] = "another rank failed"
     return row
 
 

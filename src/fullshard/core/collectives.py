@@ -12,7 +12,6 @@ under FULL_SHARD).
 from __future__ import annotations
 
 import collections
-from typing import Optional
 
 import torch
 import torch.distributed as dist
