@@ -8,6 +8,7 @@ PyTorch FSDP (Zhao et al., "PyTorch FSDP", VLDB 2023, §3).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 from typing import Any, Callable, Iterator, Optional
@@ -64,7 +65,11 @@ class FullyShardedDataParallel(nn.Module):
         param_init_fn: ``fn(module)`` that materializes and initializes the
             module's own (``recurse=False``) meta parameters and buffers; called
             once per such module, one unit at a time, so no rank ever holds more
-            than one unit's full parameters.
+            than one unit's full parameters. If it also has
+            ``init_rows(param, row_start, row_end, device) -> Tensor`` (rows of a
+            meta parameter, initialized; e.g. ``fullshard.models.make_param_init_fn``),
+            each rank creates only its own rows of each parameter instead and
+            never materializes a full one.
         mixed_precision: a :class:`MixedPrecision` policy (None = full precision).
         cpu_offload: a :class:`CPUOffload` policy (None = off).
 
@@ -117,14 +122,21 @@ class FullyShardedDataParallel(nn.Module):
                     child, _unit_name=name, _skip_param_ids=frozenset(skip_param_ids), **kwargs),
                 ignored, lambda m: isinstance(m, FullyShardedDataParallel), prefix="")
         own = list(W._unwrapped_modules(module, lambda m: isinstance(m, FullyShardedDataParallel), ignored))
-        FU.materialize(own, param_init_fn, device)
+        rowwise = FU.rowwise_init(param_init_fn)
+        # Row-wise init leaves meta parameters to the unit, which creates only
+        # this rank's rows; modules with meta buffers are materialized whole.
+        FU.materialize([m for m in own if FU.has_meta_buffers(m)] if rowwise else own, param_init_fn, device)
         FU.move_buffers(own, device, mp.buffer_dtype)
         slots = _collect_slots(module, ignored, _skip_param_ids, name)
+        for s in slots:
+            if s.param.is_meta:  # only reachable with row-wise init
+                s.init_rows = functools.partial(param_init_fn.init_rows, s.param, device=device)
+        real = [s for s in slots if not s.param.is_meta]  # deferred rows are identical by construction
         world = C.world_group()
         if sync_module_states:
-            FU.broadcast_from_rank0([s.param for s in slots] + FU.buffers_of(own), world)
+            FU.broadcast_from_rank0([s.param for s in real] + FU.buffers_of(own), world)
         else:
-            FU.check_same_across_ranks([(s.fqn, s.param) for s in slots], world, name)
+            FU.check_same_across_ranks([(s.fqn, s.param) for s in real], world, name)
         cfg = UnitConfig(
             shard_group=shard_group, replicate_group=replicate_group,
             dp_world_size=C.group_size(shard_group) * (

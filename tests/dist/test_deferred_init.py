@@ -35,36 +35,48 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _deferred(rank, world):
+def _wrap_deferred(init_fn_of):
+    """Wrap a meta-built GPT; returns (model, Ψ, peak RSS growth in bytes or None)."""
     with torch.device("meta"):
         meta_model = GPT(CONFIG)
     assert all(p.is_meta for p in meta_model.parameters())
     psi = sum(p.numel() for p in meta_model.parameters())
-    share_bytes = psi * 4 / world
-    unit_bytes = sum(p.numel() for p in meta_model.layers[0].parameters()) * 4
-    init_fn = make_param_init_fn(meta_model, SEED, torch.device("cpu"))
+    init_fn = init_fn_of(make_param_init_fn(meta_model, SEED, torch.device("cpu")))
     can_measure = _reset_peak_rss()
     rss0 = _status_kb("VmRSS")
     model = FSDP(meta_model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
                  param_init_fn=init_fn, device_id=torch.device("cpu"))
-    peak_growth = (_status_kb("VmHWM") - rss0) * 1024
-    held = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert not any(p.is_meta for p in model.parameters())
-    assert held <= share_bytes + 4 * 4096, (held, share_bytes)
-    if can_measure:
-        # Peak while wrapping: this rank's shards plus one unit's full
-        # parameters (and the init's fp32 draw of it), never the whole model.
-        assert peak_growth < share_bytes + 3 * unit_bytes, (peak_growth, share_bytes, unit_bytes)
-        assert peak_growth < 0.6 * psi * 4, (peak_growth, psi)
-    assert model.output_projection.weight is model.embed_tokens.weight
+    peak_growth = (_status_kb("VmHWM") - rss0) * 1024 if can_measure else None
+    return model, psi, peak_growth
+
+
+def _deferred(rank, world):
     reference = GPT(CONFIG)
     reference.init_weights(SEED)
-    with model.summon_full_params():
-        got = dict(model.named_parameters())
-        for n, p in reference.named_parameters():
-            assert torch.equal(got[n], p), n
-    return {"psi": psi, "share_bytes": share_bytes, "unit_bytes": unit_bytes, "held_bytes": held,
-            "peak_rss_growth_bytes": peak_growth if can_measure else None}
+    unit_bytes = sum(p.numel() for p in reference.layers[0].parameters()) * 4
+    out = {}
+    # "rows": the init fn's init_rows gives each rank only its own rows of
+    # each parameter. "modules": a plain fn(module) materializes one module
+    # at a time, so a rank holds at most one unit's full parameters.
+    for path, init_fn_of, bound_units in (("rows", lambda fn: fn, 0.5),
+                                          ("modules", lambda fn: (lambda m: fn(m)), 3)):
+        model, psi, peak = _wrap_deferred(init_fn_of)
+        share_bytes = psi * 4 / world
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert not any(p.is_meta for p in model.parameters())
+        assert held <= share_bytes + 4 * 4096, (path, held, share_bytes)
+        if peak is not None:
+            assert peak < share_bytes + bound_units * unit_bytes, (path, peak, share_bytes, unit_bytes)
+            assert peak < 0.6 * psi * 4, (path, peak, psi)
+        assert model.output_projection.weight is model.embed_tokens.weight
+        with model.summon_full_params():
+            got = dict(model.named_parameters())
+            for n, p in reference.named_parameters():
+                assert torch.equal(got[n], p), (path, n)
+        out[path] = {"psi": psi, "share_bytes": share_bytes, "unit_bytes": unit_bytes, "held_bytes": held,
+                     "peak_rss_growth_bytes": peak}
+        del model
+    return out
 
 
 def test_deferred_init_matches_full_init_and_stays_near_the_share(monkeypatch):

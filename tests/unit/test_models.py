@@ -181,3 +181,24 @@ def test_models_never_import_the_rest_of_fullshard():
                 assert not (node.module or "").startswith("fullshard"), path.name
             elif isinstance(node, ast.Import):
                 assert not any(a.name.startswith("fullshard") for a in node.names), path.name
+
+
+def test_init_rows_equal_the_same_rows_of_a_full_init():
+    from fullshard.models import GPT, make_config
+
+    cfg = make_config("transformer_lm_gpt_mini", vocab_size=97, max_positions=16)
+    full = GPT(cfg)
+    full.init_weights(3)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    fn = make_param_init_fn(meta, 3, "cpu")
+    full_params = dict(full.named_parameters())
+    for name, p in meta.named_parameters():
+        rows = p.shape[0] if p.dim() else 1
+        for lo, hi in ((0, rows), (rows // 3, rows - 1), (rows - 1, rows), (rows, rows)):
+            got = fn.init_rows(p, lo, hi, "cpu")
+            assert torch.equal(got, full_params[name][lo:hi]), (name, lo, hi)
+    # The tied weight resolves through either owner to its canonical rows.
+    assert torch.equal(fn.init_rows(meta.output_projection.weight, 5, 9, "cpu"), full.embed_tokens.weight[5:9])
+    with pytest.raises(ValueError, match="not part of the model"):
+        fn.init_rows(torch.nn.Parameter(torch.empty(2, 2, device="meta")), 0, 1, "cpu")

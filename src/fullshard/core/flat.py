@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -126,19 +126,21 @@ def make_layout(named_shapes: Sequence[tuple[str, torch.Size, bool]], world: int
     return FlatLayout(tuple(params), world)
 
 
-def shard_into(flat_shard: torch.Tensor, layout: FlatLayout, full: Sequence[torch.Tensor], rank: int) -> None:
+def shard_into(flat_shard: torch.Tensor, layout: FlatLayout,
+               full: Sequence[torch.Tensor | Callable[[int, int], torch.Tensor]], rank: int) -> None:
     """Copy ``rank``'s chunk of each full tensor into ``flat_shard``; zero the padding.
 
     Args:
         flat_shard: 1-D tensor of ``layout.shard_numel`` elements.
-        full: full parameters, in layout order.
+        full: in layout order, each a full parameter or ``fn(row_start,
+            row_end)`` returning just those rows (deferred init of a shard).
     """
     flat_shard.zero_()
     for p, t in zip(layout.params, full):
         lo, hi = p.local_row_range(rank)
         if hi > lo:
-            src = t.detach().reshape(p.rows, p.row_numel)[lo:hi]
-            flat_shard[p.shard_offset:p.shard_offset + src.numel()].copy_(src.reshape(-1))
+            rows = t(lo, hi) if callable(t) else t.detach().reshape(p.rows, p.row_numel)[lo:hi]
+            flat_shard[p.shard_offset:p.shard_offset + (hi - lo) * p.row_numel].copy_(rows.reshape(-1))
 
 
 def shard_views(flat_shard: torch.Tensor, layout: FlatLayout, rank: int) -> list[torch.Tensor]:

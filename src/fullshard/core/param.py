@@ -20,6 +20,17 @@ def _has_meta(m: nn.Module) -> bool:
     return any(t is not None and t.is_meta for t in tensors)
 
 
+def has_meta_buffers(m: nn.Module) -> bool:
+    return any(b is not None and b.is_meta for b in m._buffers.values())
+
+
+def rowwise_init(param_init_fn) -> bool:
+    """Whether ``param_init_fn`` can initialize row ranges of a parameter
+    (``param_init_fn.init_rows(param, row_start, row_end, device)``), so each
+    rank materializes only its own shard."""
+    return param_init_fn is not None and callable(getattr(param_init_fn, "init_rows", None))
+
+
 def materialize(modules: list[nn.Module], param_init_fn: Optional[Callable[[nn.Module], None]],
                 device: torch.device) -> None:
     """Materialize the meta parameters/buffers that ``modules`` own directly.

@@ -6,7 +6,7 @@ See ``core/flat.py`` [Note: flat layouts] for how elements are placed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -25,6 +25,9 @@ class ParamSlot:
     fqn: str
     param: Optional[nn.Parameter]
     owners: list[tuple[nn.Module, str]]
+    init_rows: Optional[Callable[[int, int], torch.Tensor]] = None
+    """For a meta ``param``: ``fn(row_start, row_end)`` returning those rows
+    initialized, so the unit materializes only this rank's chunk."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +98,8 @@ class Unit:
         pin = cfg.offload_params and cfg.compute_device.type != "cpu"
         self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=master_dtype, device=shard_device,
                                       pin_memory=pin)
-        F.shard_into(self.flat_shard, self.layout, [s.param for s in self.slots], self.rank)
+        F.shard_into(self.flat_shard, self.layout,
+                     [s.init_rows if s.param.is_meta else s.param for s in self.slots], self.rank)
         self.sharded_params: list[nn.Parameter] = []
         for slot, view in zip(self.slots, F.shard_views(self.flat_shard, self.layout, self.rank)):
             sp = nn.Parameter(view, requires_grad=slot.param.requires_grad)

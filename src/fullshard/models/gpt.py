@@ -157,7 +157,7 @@ class GPT(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Initializes every parameter in place, deterministically from ``seed``.
 
-        See [Note: per-parameter generators] in :mod:`.init`: each parameter's
+        See [Note: per-row generators] in :mod:`.init`: each parameter's
         values depend only on ``seed`` and its qualified name, so this equals a
         deferred per-module init with :func:`make_param_init_fn`. The tied
         weight is initialized once, as ``embed_tokens.weight``.
