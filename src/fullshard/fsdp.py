@@ -151,7 +151,6 @@ class FullyShardedDataParallel(nn.Module):
         _register(_WRAPPED, module, name)
         self._fsdp_wrapped_module = module
         self._strategy = strategy
-        self._ignored_ids = ignored
         self._runtime = S.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
                                       backward_prefetch=backward_prefetch,
                                       forward_prefetch=forward_prefetch,
@@ -307,11 +306,7 @@ def _collect_slots(module: nn.Module, ignored: set[int], skip: frozenset, unit: 
                 slot = by_id[id(p)] = ParamSlot(fqn, p, [])
             if (m, attr) not in [(o, a) for o, a in slot.owners]:
                 slot.owners.append((m, attr))
-    return [s for s in by_id.values() if not _under_ignored(module, s, ignored)]
-
-
-def _under_ignored(root: nn.Module, slot: ParamSlot, ignored: set[int]) -> bool:
-    return all(id(m) in ignored for m, _ in slot.owners)
+    return list(by_id.values())
 
 
 def _ignored_ids(module: nn.Module, ignored_modules) -> set[int]:
