@@ -98,15 +98,7 @@ class FullyShardedDataParallel(nn.Module):
                 "torch.distributed.init_process_group() before wrapping")
         name = _unit_name or type(module).__name__
         _check_not_wrapped(module, name)
-        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
-        if not isinstance(strategy, ShardingStrategy):
-            raise ValueError(f"[rank {C.rank()}] unit '{name}': sharding_strategy must be a "
-                             f"fullshard.ShardingStrategy, got {strategy!r}")
-        mp = mixed_precision or MixedPrecision()
-        offload = cpu_offload or CPUOffload()
-        if not isinstance(mp, MixedPrecision) or not isinstance(offload, CPUOffload):
-            raise ValueError("mixed_precision must be a fullshard.MixedPrecision and cpu_offload a "
-                             f"fullshard.CPUOffload; got {type(mp).__name__}, {type(offload).__name__}")
+        strategy, mp, offload = _check_policies(name, sharding_strategy, mixed_precision, cpu_offload)
         shard_group, replicate_group = _resolve_groups(strategy, process_group, f"[rank {C.rank()}] unit '{name}'")
         device = _resolve_device(device_id, module)
         ignored = _ignored_ids(module, ignored_modules)
@@ -122,21 +114,9 @@ class FullyShardedDataParallel(nn.Module):
                     child, _unit_name=name, _skip_param_ids=frozenset(skip_param_ids), **kwargs),
                 ignored, lambda m: isinstance(m, FullyShardedDataParallel), prefix="")
         own = list(W._unwrapped_modules(module, lambda m: isinstance(m, FullyShardedDataParallel), ignored))
-        rowwise = FU.rowwise_init(param_init_fn)
-        # Row-wise init leaves meta parameters to the unit, which creates only
-        # this rank's rows; modules with meta buffers are materialized whole.
-        FU.materialize([m for m in own if FU.has_meta_buffers(m)] if rowwise else own, param_init_fn, device)
-        FU.move_buffers(own, device, mp.buffer_dtype)
+        _materialize(own, param_init_fn, device, mp.buffer_dtype)
         slots = _collect_slots(module, ignored, _skip_param_ids, name)
-        for s in slots:
-            if s.param.is_meta:  # only reachable with row-wise init
-                s.init_rows = functools.partial(param_init_fn.init_rows, s.param, device=device)
-        real = [s for s in slots if not s.param.is_meta]  # deferred rows are identical by construction
-        world = C.world_group()
-        if sync_module_states:
-            FU.broadcast_from_rank0([s.param for s in real] + FU.buffers_of(own), world)
-        else:
-            FU.check_same_across_ranks([(s.fqn, s.param) for s in real], world, name)
+        _prepare_values(slots, own, param_init_fn, device, sync_module_states, name)
         cfg = UnitConfig(
             shard_group=shard_group, replicate_group=replicate_group,
             dp_world_size=C.group_size(shard_group) * (
@@ -270,6 +250,48 @@ class FullyShardedDataParallel(nn.Module):
         del root
         with FU.full_params(units, writeback):
             yield
+
+
+def _check_policies(name: str, strategy, mp, offload):
+    """Validate and default the policy arguments: (strategy, MixedPrecision, CPUOffload)."""
+    strategy = strategy or ShardingStrategy.FULL_SHARD
+    if not isinstance(strategy, ShardingStrategy):
+        raise ValueError(f"[rank {C.rank()}] unit '{name}': sharding_strategy must be a "
+                         f"fullshard.ShardingStrategy, got {strategy!r}")
+    mp = mp or MixedPrecision()
+    offload = offload or CPUOffload()
+    if not isinstance(mp, MixedPrecision) or not isinstance(offload, CPUOffload):
+        raise ValueError(f"[rank {C.rank()}] unit '{name}': mixed_precision must be a fullshard.MixedPrecision "
+                         f"and cpu_offload a fullshard.CPUOffload; got {type(mp).__name__}, "
+                         f"{type(offload).__name__}")
+    return strategy, mp, offload
+
+
+def _materialize(own: list[nn.Module], param_init_fn, device: torch.device, buffer_dtype) -> None:
+    """Materialize this unit's meta tensors and place its buffers.
+
+    Row-wise init (see ``param.rowwise_init``) leaves meta parameters to the
+    unit, which creates only this rank's rows; modules with meta buffers are
+    then still materialized whole.
+    """
+    rowwise = FU.rowwise_init(param_init_fn)
+    FU.materialize([m for m in own if FU.has_meta_buffers(m)] if rowwise else own, param_init_fn, device)
+    FU.move_buffers(own, device, buffer_dtype)
+
+
+def _prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, device: torch.device,
+                    sync_module_states: bool, name: str) -> None:
+    """Attach row initializers to meta slots; make the other values agree
+    across ranks (broadcast from rank 0, or check and name the first that differs)."""
+    for s in slots:
+        if s.param.is_meta:  # only reachable with row-wise init
+            s.init_rows = functools.partial(param_init_fn.init_rows, s.param, device=device)
+    real = [s for s in slots if not s.param.is_meta]  # deferred rows are identical by construction
+    world = C.world_group()
+    if sync_module_states:
+        FU.broadcast_from_rank0([s.param for s in real] + FU.buffers_of(own), world)
+    else:
+        FU.check_same_across_ranks([(s.fqn, s.param) for s in real], world, name)
 
 
 def _check_not_wrapped(module: nn.Module, name: str) -> None:
