@@ -67,7 +67,6 @@ import argparse
 import os
 import sys
 import time
-import uuid
 from typing import Optional
 
 from fullshard.bench import measure as M
@@ -116,21 +115,10 @@ def launch(cfg: BenchConfig, nproc: int) -> list[dict]:
     Raises:
         RuntimeError: a rank died or raised outside a backend ("rank R failed: ...").
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from fullshard.train.launcher import launch_local
 
-    from fullshard.train.launcher import _describe_failure, threads_per_rank
-
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn")
-    try:
-        out = elastic_launch(config, rank_main)(cfg)
-    except ChildFailedError as e:
-        raise RuntimeError(_describe_failure(e)) from None
-    return [out[r] for r in sorted(out)]
+    return launch_local(rank_main, cfg, nproc)
 
 
 def merge_rows(results: list[dict]) -> list[dict]:

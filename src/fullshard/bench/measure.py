@@ -157,3 +157,22 @@ def run_guarded(row: dict, fn) -> dict:
     if flag.item() and "error" not in row:
         row["error"] = "another rank failed"
     return row
+
+
+def run_rank(timeout_s: float, rows_of_rank) -> dict:
+    """Body of one benchmark rank: set intra-op threads (cores // local ranks),
+    join the gloo group, and return ``{"rank", "threads", "rows": rows_of_rank(rank)}``."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from fullshard.train.launcher import threads_per_rank
+
+    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        rank = dist.get_rank()
+        return {"rank": rank, "threads": torch.get_num_threads(), "rows": rows_of_rank(rank)}
+    finally:
+        dist.destroy_process_group()

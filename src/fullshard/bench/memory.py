@@ -44,12 +44,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import gc
 import os
 import sys
 import time
-import uuid
 
 MiB = float(2 ** 20)
 
@@ -191,20 +189,13 @@ def _run_config(cfg: RunConfig, mc: MemConfig, batches) -> dict:
 
 def rank_main(cfg: RunConfig) -> dict:
     """Entry of one rank: ``{"rank", "threads", "rows": [...]}``."""
-    import torch
-    import torch.distributed as dist
+    from fullshard.bench import measure as M
 
-    from fullshard.train.launcher import threads_per_rank
-
-    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
-    try:
-        rank = dist.get_rank()
+    def rows(rank: int) -> list[dict]:
         batches = _batches(cfg, rank)
-        rows = [_run_config(cfg, mc, batches) for mc in cfg.configs]
-        return {"rank": rank, "threads": torch.get_num_threads(), "rows": rows}
-    finally:
-        dist.destroy_process_group()
+        return [_run_config(cfg, mc, batches) for mc in cfg.configs]
+
+    return M.run_rank(cfg.timeout_s, rows)
 
 
 # ---------------------------------------------------------------- launcher
@@ -214,20 +205,9 @@ def launch(cfg: RunConfig, nproc: int) -> list[dict]:
     Raises:
         RuntimeError: a rank died or raised outside a config ("rank R failed: ...").
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from fullshard.train.launcher import launch_local
 
-    from fullshard.train.launcher import _describe_failure, threads_per_rank
-
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn")
-    try:
-        out = elastic_launch(config, rank_main)(cfg)
-    except ChildFailedError as e:
-        raise RuntimeError(_describe_failure(e)) from None
-    return [out[r] for r in sorted(out)]
+    return launch_local(rank_main, cfg, nproc)
 
 
 # ---------------------------------------------------------------- report

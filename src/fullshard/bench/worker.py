@@ -8,9 +8,7 @@ the comparison baseline; the product never uses it.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
-import os
 import time
 import warnings
 
@@ -166,15 +164,8 @@ def _run_backend(name: str, cfg: BenchConfig, batches) -> dict:
 
 def rank_main(cfg: BenchConfig) -> dict:
     """Entry of one rank: returns ``{"rank", "threads", "rows": [...]}``."""
-    from fullshard.train.launcher import threads_per_rank
-
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(threads_per_rank(local_world))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
-    try:
-        rank = dist.get_rank()
+    def rows(rank: int) -> list[dict]:
         batches = _batches(cfg, rank)
-        rows = [_run_backend(name, cfg, batches) for name in cfg.backends]
-        return {"rank": rank, "threads": torch.get_num_threads(), "rows": rows}
-    finally:
-        dist.destroy_process_group()
+        return [_run_backend(name, cfg, batches) for name in cfg.backends]
+
+    return M.run_rank(cfg.timeout_s, rows)

@@ -60,6 +60,15 @@ def _count(name: str, t: torch.Tensor) -> None:
     BYTES[name] += t.numel() * t.element_size()
 
 
+def _check_blocks(op: str, what: str, full: torch.Tensor, block: torch.Tensor, group) -> int:
+    """Check ``full`` holds group-size blocks of ``block``'s numel and dtype; returns the group size."""
+    n = group_size(group)
+    if full.numel() != n * block.numel() or full.dtype != block.dtype:
+        raise ValueError(f"{op}: {what} has {full.numel()} {full.dtype} elements, expected "
+                         f"{n} x {block.numel()} {block.dtype}")
+    return n
+
+
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
     """All-gather equal-size 1-D shards into ``output`` (rank-major).
 
@@ -71,11 +80,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
     Raises:
         ValueError: on a size or dtype mismatch.
     """
-    n = group_size(group)
-    if output.numel() != n * shard.numel() or output.dtype != shard.dtype:
-        raise ValueError(
-            f"all_gather: output has {output.numel()} {output.dtype} elements, expected "
-            f"{n} x {shard.numel()} {shard.dtype}")
+    n = _check_blocks("all_gather", "output", output, shard, group)
     if n == 1:
         output.copy_(shard)
         return None
@@ -93,11 +98,7 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, async_op: bo
     Raises:
         ValueError: on a size or dtype mismatch.
     """
-    n = group_size(group)
-    if full.numel() != n * output.numel() or output.dtype != full.dtype:
-        raise ValueError(
-            f"reduce_scatter: input has {full.numel()} {full.dtype} elements, expected "
-            f"{n} x {output.numel()} {output.dtype}")
+    n = _check_blocks("reduce_scatter", "input", full, output, group)
     if n == 1:
         output.copy_(full)
         return None

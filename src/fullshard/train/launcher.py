@@ -40,19 +40,31 @@ def launch(cfg: TrainConfig, entry: Callable[[TrainConfig], object]) -> None:
     if under_torchrun():
         entry(cfg)
         return
+    launch_local(entry, cfg, cfg.nproc_per_node)
+
+
+def launch_local(entry: Callable[[object], object], arg: object, nproc: int) -> list:
+    """Run `entry(arg)` on `nproc` ranks of this machine with torch's elastic
+    launcher (standalone c10d rendezvous on a free port); their return values
+    by rank.
+
+    Raises:
+        RankFailed: a rank raised or died ("rank R failed: <its error>").
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(cfg.nproc_per_node)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc_per_node, run_id=str(uuid.uuid4()),
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
         start_method="spawn",
     )
     try:
-        elastic_launch(config, entry)(cfg)
+        out = elastic_launch(config, entry)(arg)
     except ChildFailedError as e:
         raise RankFailed(_describe_failure(e)) from None
+    return [out[r] for r in sorted(out)]
 
 
 def _describe_failure(e) -> str:
