@@ -6,6 +6,7 @@ import enum
 from typing import Optional
 
 import torch
+import torch.nn as nn
 
 
 class ShardingStrategy(enum.Enum):
@@ -72,7 +73,15 @@ class MixedPrecision:
             param_dtype); the result is accumulated into fp32 gradient shards.
         buffer_dtype: dtype module buffers are cast to (None = unchanged).
         cast_forward_inputs: cast floating-point tensors passed to each unit's
-            forward to ``param_dtype``.
+            forward (inside tensors, lists, tuples, dicts and dataclasses) to
+            ``param_dtype``.
+        full_precision_module_classes: modules of these classes run in full
+            precision when ``param_dtype`` is set: each becomes a unit of its
+            own whose parameters and buffers stay in the master dtype, whose
+            inputs are cast up to it and whose outputs are cast back to the
+            inputs' dtype. Default: norm layers with running statistics
+            (BatchNorm, InstanceNorm), whose statistics lose too much in
+            bf16/fp16 (torch FSDP1 does the same for BatchNorm).
     Source: Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.
     """
 
@@ -80,6 +89,7 @@ class MixedPrecision:
     reduce_dtype: Optional[torch.dtype] = None
     buffer_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
+    full_precision_module_classes: tuple[type, ...] = (nn.modules.batchnorm._NormBase,)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,13 @@ def _registered(reg: dict, obj) -> Optional[str]:
 
 
 def _register(reg: dict, obj, name: str) -> None:
-    reg[id(obj)] = (weakref.ref(obj), name)
+    key = id(obj)
+
+    def forget(ref, reg=reg, key=key):
+        if reg.get(key, (None,))[0] is ref:
+            del reg[key]
+
+    reg[key] = (weakref.ref(obj, forget), name)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -82,14 +88,16 @@ class FullyShardedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, process_group=None,
                  sharding_strategy: Optional[ShardingStrategy] = None,
-                 auto_wrap_policy: Optional[Callable] = None,
+                 auto_wrap_policy: Optional[Callable | set | frozenset] = None,
                  backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
                  forward_prefetch: bool = False, device_id=None,
                  sync_module_states: bool = False, ignored_modules=None,
                  param_init_fn: Optional[Callable[[nn.Module], None]] = None,
                  mixed_precision: Optional[MixedPrecision] = None,
                  cpu_offload: Optional[CPUOffload] = None,
-                 _unit_name: Optional[str] = None, _skip_param_ids: frozenset = frozenset()):
+                 use_orig_params: bool = False, ignored_states=None, device_mesh=None,
+                 _unit_name: Optional[str] = None, _skip_param_ids: frozenset = frozenset(),
+                 _full_precision: bool = False):
         super().__init__()
         if not C.is_initialized():
             raise RuntimeError(
@@ -97,25 +105,38 @@ class FullyShardedDataParallel(nn.Module):
                 "`torchrun --nproc-per-node N script.py` and call "
                 "torch.distributed.init_process_group() before wrapping")
         name = _unit_name or type(module).__name__
+        where = f"[rank {C.rank()}] unit '{name}'"
         _check_not_wrapped(module, name)
         strategy, mp, offload = _check_policies(name, sharding_strategy, mixed_precision, cpu_offload)
-        shard_group, replicate_group = _resolve_groups(strategy, process_group, f"[rank {C.rank()}] unit '{name}'")
+        process_group = _group_from_mesh(device_mesh, process_group, strategy, where)
+        shard_group, replicate_group = _resolve_groups(strategy, process_group, where)
         device = _resolve_device(device_id, module)
+        ignored_modules, ignored_params = _split_ignored(ignored_modules, ignored_states, where)
         ignored = _ignored_ids(module, ignored_modules)
         kwargs = dict(process_group=process_group, sharding_strategy=strategy,
                       backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
                       device_id=device, sync_module_states=sync_module_states,
                       ignored_modules=ignored_modules, param_init_fn=param_init_fn,
-                      mixed_precision=mixed_precision, cpu_offload=cpu_offload)
+                      mixed_precision=mixed_precision, cpu_offload=cpu_offload,
+                      ignored_states=ignored_params or None)
+
+        def unit_fn(**over):
+            return lambda child, name, skip_param_ids: FullyShardedDataParallel(
+                child, _unit_name=name, _skip_param_ids=frozenset(skip_param_ids), **{**kwargs, **over})
+
+        is_unit = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
+        if mp.param_dtype is not None and mp.full_precision_module_classes:
+            # Norm layers with running statistics first, as full-precision units.
+            full_mp = MixedPrecision(cast_forward_inputs=False, full_precision_module_classes=())
+            W.recursive_wrap(module, W.ModuleWrapPolicy(mp.full_precision_module_classes),
+                             unit_fn(mixed_precision=full_mp, _full_precision=True), ignored, is_unit)
+        if isinstance(auto_wrap_policy, (set, frozenset)):
+            auto_wrap_policy = W.ModuleWrapPolicy(auto_wrap_policy)
         if auto_wrap_policy is not None:
-            W.recursive_wrap(
-                module, auto_wrap_policy,
-                lambda child, name, skip_param_ids: FullyShardedDataParallel(
-                    child, _unit_name=name, _skip_param_ids=frozenset(skip_param_ids), **kwargs),
-                ignored, lambda m: isinstance(m, FullyShardedDataParallel), prefix="")
-        own = list(W._unwrapped_modules(module, lambda m: isinstance(m, FullyShardedDataParallel), ignored))
+            W.recursive_wrap(module, auto_wrap_policy, unit_fn(), ignored, is_unit)
+        own = list(W._unwrapped_modules(module, is_unit, ignored))
         _materialize(own, param_init_fn, device, mp.buffer_dtype)
-        slots = _collect_slots(module, ignored, _skip_param_ids, name)
+        slots = _collect_slots(module, ignored, _skip_param_ids | {id(p) for p in ignored_params}, name)
         _prepare_values(slots, own, param_init_fn, device, sync_module_states, name)
         cfg = UnitConfig(
             shard_group=shard_group, replicate_group=replicate_group,
@@ -131,10 +152,15 @@ class FullyShardedDataParallel(nn.Module):
         _register(_WRAPPED, module, name)
         self._fsdp_wrapped_module = module
         self._strategy = strategy
+        self.use_orig_params = use_orig_params  # informational: original parameters are always exposed
+        self._own_modules = own
+        self._in_forward = False
+        self._full_precision = FU.FullPrecisionRun(unit.flat_shard.dtype) if _full_precision else None
         self._runtime = S.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
                                       backward_prefetch=backward_prefetch,
                                       forward_prefetch=forward_prefetch,
                                       forward_input_caster=FU.input_caster(mp))
+        _hook_direct_calls(self, module)
 
     # ------------------------------------------------------------ structure
     @property
@@ -185,13 +211,43 @@ class FullyShardedDataParallel(nn.Module):
         self._lazy_init()
         rt = self._runtime
         args, kwargs = S.pre_forward(rt, args, kwargs)
-        out = self._fsdp_wrapped_module(*args, **kwargs)
-        return S.post_forward(rt, out)
+        before = self._stored_tensor_ids()
+        self._in_forward = True
+        try:
+            if self._full_precision is not None:
+                out = self._full_precision(self._fsdp_wrapped_module, args, kwargs)
+            else:
+                out = self._fsdp_wrapped_module(*args, **kwargs)
+        finally:
+            self._in_forward = False
+        return S.post_forward(rt, out, self._stored_tensors(before))
 
-    def _require_root_idle(self, what: str) -> S.RootRuntime:
+    def _stored_tensor_ids(self) -> set[int]:
+        return {id(v) for m in self._own_modules for v in m.__dict__.values() if torch.is_tensor(v)}
+
+    def _stored_tensors(self, before: set[int]) -> tuple:
+        """Tensors this unit's forward stored on its modules instead of
+        returning them (a loss kept as ``self.loss``): they get the same
+        pre-backward hook as outputs, so a backward from them is correct."""
+        if not torch.is_grad_enabled():
+            return ()
+        return tuple(v for m in self._own_modules for v in m.__dict__.values()
+                     if torch.is_tensor(v) and v.grad_fn is not None and id(v) not in before)
+
+    def _run_as_forward(self, fn, args: tuple, kwargs: dict) -> Any:
+        self._lazy_init()
+        args, kwargs = S.pre_forward(self._runtime, args, kwargs)
+        self._in_forward = True
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self._in_forward = False
+        return S.post_forward(self._runtime, out)
+
+    def _require_root_idle(self, what: str, root_only: bool = True) -> S.RootRuntime:
         self._lazy_init()
         root = self._runtime.root
-        if not self._runtime.is_root:
+        if root_only and not self._runtime.is_root:
             raise RuntimeError(f"{what} must be called on the root FullyShardedDataParallel instance")
         busy = [rt.unit.name for rt in root.units if rt.state is not TrainingState.IDLE]
         if busy:
@@ -237,19 +293,132 @@ class FullyShardedDataParallel(nn.Module):
         return total
 
     @contextlib.contextmanager
-    def summon_full_params(self, writeback: bool = True):
+    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
+                           rank0_only: bool = False, offload_to_cpu: bool = False,
+                           with_grads: bool = False):
         """Expose full parameters (full precision) through ``named_parameters()``
-        and module attributes.
+        and module attributes. Works as ``model.summon_full_params(...)`` and as
+        torch's ``FSDP.summon_full_params(model, ...)``; ``model`` may also be a
+        plain module holding units.
 
         Args:
+            recurse: also every unit nested below (False: only the units
+                that are not inside another unit of ``module``).
             writeback: copy this rank's chunk of any modification back into
                 its shard on exit.
+            rank0_only: only rank 0 exposes full parameters; the others keep
+                their shards (every rank still takes part in the all-gathers).
+            offload_to_cpu: place the full parameters in host memory.
+            with_grads: also expose full gradients as ``.grad`` (None where
+                no rank holds one).
+        Nested calls compose: a unit an enclosing call already summoned keeps
+        the enclosing call's full parameters (and its writeback).
+
+        Raises:
+            ValueError: ``writeback`` with ``rank0_only``.
+            RuntimeError: called during forward or backward; a forward run
+                inside the context.
         """
-        root = self._require_root_idle("summon_full_params()")
-        units = [u.unit for u in self.units()]
-        del root
-        with FU.full_params(units, writeback):
+        units = FullyShardedDataParallel.fsdp_modules(module)
+        if not recurse:
+            units = [u for u in units if not any(u is not o and u in o.modules() for o in units)]
+        for u in units:
+            u._require_root_idle("summon_full_params()", root_only=False)
+        with FU.full_params([u.unit for u in units], writeback, rank0_only, offload_to_cpu, with_grads):
             yield
+
+    # ------------------------------------------------- torch FSDP1 helpers
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
+        """Every unit in ``module`` (itself included), in module order; with
+        ``root_only`` only those not nested in another unit."""
+        units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if root_only:
+            nested = {id(n) for u in units for n in u.modules() if n is not u}
+            units = [u for u in units if id(u) not in nested]
+        return units
+
+    def check_is_root(self) -> bool:
+        """Whether this unit is the root (runs lazy initialization if needed)."""
+        self._lazy_init()
+        return self._runtime.is_root
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``; also discards every ``no_sync`` stash at once."""
+        super().zero_grad(set_to_none)
+        for u in self.units():
+            u.unit.drop_stash()
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()`` / ``.half()`` / ``.double()`` / ``.cuda()`` after wrapping:
+        allowed only when they change no parameter (the flat shard the
+        collectives use would silently stop matching the parameters).
+
+        Raises:
+            RuntimeError: naming the first parameter that would change.
+        """
+        for name, p in self.named_parameters():
+            probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+            if probe.dtype != p.dtype or probe.device != p.device:
+                raise RuntimeError(
+                    f"[rank {C.rank()}] unit '{self.unit.name}': converting parameter '{name}' from "
+                    f"{p.dtype}/{p.device} to {probe.dtype}/{probe.device} after wrapping is not supported; "
+                    "convert the model before FullyShardedDataParallel, pass device_id, or use "
+                    "MixedPrecision(param_dtype=...) for low-precision compute")
+        return super()._apply(fn, recurse)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.method_name(...)`` run like ``forward``: the unit's full
+    parameters are gathered for the call and freed after it.
+
+    Methods that call the wrapped module (Hugging Face ``generate()`` calls
+    ``self(...)``) need no registration: a call of the wrapped module that
+    does not come through the unit's ``forward`` is handled like one. This is
+    for methods that use the parameters without calling the module.
+
+    Raises:
+        ValueError: ``module`` is not a unit, or has no such method.
+    """
+    if not isinstance(module, FullyShardedDataParallel):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} is not a "
+                         "FullyShardedDataParallel unit")
+    inner = getattr(module.module, method_name, None)
+    if not callable(inner):
+        raise ValueError(f"register_fsdp_forward_method: the wrapped {type(module.module).__name__} has "
+                         f"no method {method_name!r}")
+    unit_ref = weakref.ref(module)
+
+    @functools.wraps(inner)
+    def run(*args, **kwargs):
+        unit = unit_ref()
+        return unit._run_as_forward(getattr(unit.module, method_name), args, kwargs)
+
+    object.__setattr__(module, method_name, run)
+
+
+def _hook_direct_calls(unit: FullyShardedDataParallel, module: nn.Module) -> None:
+    """Treat a call of the wrapped module that bypasses the unit's forward
+    (``generate()`` calling ``self(...)``) like a call of the unit."""
+    ref = weakref.ref(unit)
+
+    def pre(mod, args, kwargs):
+        u = ref()
+        if u is None or u._in_forward:
+            return None
+        u._lazy_init()
+        if u._runtime.state is TrainingState.FORWARD:  # a nested call of the same module
+            return None
+        return S.pre_forward(u._runtime, args, kwargs)
+
+    def post(mod, args, kwargs, output):
+        u = ref()
+        if u is None or u._in_forward or u._runtime.state is not TrainingState.FORWARD:
+            return None
+        return S.post_forward(u._runtime, output)
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post, with_kwargs=True)
 
 
 def _check_policies(name: str, strategy, mp, offload):
@@ -338,6 +507,33 @@ def _ignored_ids(module: nn.Module, ignored_modules) -> set[int]:
             raise ValueError(f"ignored_modules must hold nn.Module objects, got {type(m).__name__}")
         out.update(id(s) for s in m.modules())
     return out
+
+
+def _split_ignored(ignored_modules, ignored_states, where: str) -> tuple[list[nn.Module], list[nn.Parameter]]:
+    """``ignored_states`` (torch FSDP1): modules or parameters, not both kinds."""
+    modules = list(ignored_modules or ())
+    states = list(ignored_states or ())
+    if states and not (all(isinstance(s, nn.Parameter) for s in states)
+                       or all(isinstance(s, nn.Module) for s in states)):
+        raise ValueError(f"{where}: ignored_states must hold only nn.Parameter or only nn.Module objects")
+    params = [s for s in states if isinstance(s, nn.Parameter)]
+    modules += [s for s in states if isinstance(s, nn.Module)]
+    return modules, params
+
+
+def _group_from_mesh(device_mesh, process_group, strategy: ShardingStrategy, where: str):
+    """The process group(s) a ``DeviceMesh`` stands for: a 1-D mesh is the
+    shard group; a 2-D mesh (replicate, shard) gives HYBRID_SHARD's pair."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise ValueError(f"{where}: pass either process_group or device_mesh, not both")
+    if device_mesh.ndim == 1 and strategy is not ShardingStrategy.HYBRID_SHARD:
+        return device_mesh.get_group(0)
+    if device_mesh.ndim == 2 and strategy is ShardingStrategy.HYBRID_SHARD:
+        return device_mesh.get_group(1), device_mesh.get_group(0)
+    raise ValueError(f"{where}: {strategy.value} takes a {'2' if strategy is ShardingStrategy.HYBRID_SHARD else '1'}-D "
+                     f"device_mesh (HYBRID_SHARD: (replicate, shard)), got {device_mesh.ndim}-D")
 
 
 def _resolve_device(device_id, module: nn.Module) -> torch.device:

@@ -135,7 +135,9 @@ def _features(rank, world):
     before = {n: p.detach().clone() for n, p in frozen.named_parameters()}
     C.reset_counts()
     _step(frozen, "frozen", rank)
-    trainable_numel = sum(u.unit.layout.grad_shard_numel * world for u in frozen.units())
+    # Each rank's block: the trainable shard plus one used flag per parameter.
+    trainable_numel = sum((u.unit.layout.grad_shard_numel + len(u.unit.layout.params)) * world
+                          for u in frozen.units())
     assert C.BYTES["reduce_scatter"] == trainable_numel * 4
     for n, p in frozen.named_parameters():
         assert (p.grad is None) == (not p.requires_grad), n
@@ -282,8 +284,9 @@ def _errors(rank, world):
 
     # Illegal training-state transitions name the unit, the rank and both states.
     rt = FSDP(M.make_model("mlp"))._runtime
+    rt.transition(TrainingState.FORWARD)
     msgs["transition"] = expect(TrainingStateError, lambda: rt.transition(TrainingState.POST_BACKWARD),
-                                "IDLE -> POST_BACKWARD", "NestedMLP", f"rank {rank}")
+                                "FORWARD -> POST_BACKWARD", "NestedMLP", f"rank {rank}")
     return msgs
 
 

@@ -213,9 +213,12 @@ def copy_out(flat_full: torch.Tensor, gathered: torch.Tensor, layout: FlatLayout
     torch._foreach_copy_(dst, src)
 
 
-def copy_in(reduce_in: torch.Tensor, full_grad: torch.Tensor, layout: FlatLayout) -> None:
+def copy_in(reduce_in: torch.Tensor, full_grad: torch.Tensor, layout: FlatLayout,
+            block_numel: int | None = None) -> None:
     """Unsharded flat gradient (param-major) → reduce-scatter input (rank-major,
-    trainable parameters only, N · grad_shard_numel elements)."""
-    dst = _rank_major_blocks(reduce_in, layout, layout.grad_shard_numel, grad=True)
+    trainable parameters only). ``reduce_in`` holds N blocks of
+    ``block_numel`` elements (default ``grad_shard_numel``); the gradient
+    fills the first ``grad_shard_numel`` of each and the rest is untouched."""
+    dst = _rank_major_blocks(reduce_in, layout, block_numel or layout.grad_shard_numel, grad=True)
     src = _param_major_blocks(full_grad, layout, grad=True)
     torch._foreach_copy_(dst, src)

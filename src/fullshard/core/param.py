@@ -9,10 +9,9 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
-
 from . import collectives as C
 from . import flat as F
+from .tree import map_tensors, tensors_in
 
 
 def _has_meta(m: nn.Module) -> bool:
@@ -93,13 +92,13 @@ class _InputCaster:
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
 
-    def _cast(self, x):
-        if torch.is_tensor(x) and x.is_floating_point() and x.dtype != self.dtype:
+    def _cast(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.dtype != self.dtype:
             return x.to(self.dtype)
         return x
 
     def __call__(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return tree_map(self._cast, args), tree_map(self._cast, kwargs)
+        return map_tensors(self._cast, args), map_tensors(self._cast, kwargs)
 
 
 def input_caster(mp) -> Optional[_InputCaster]:
@@ -107,6 +106,22 @@ def input_caster(mp) -> Optional[_InputCaster]:
     if mp.param_dtype is None or not mp.cast_forward_inputs:
         return None
     return _InputCaster(mp.param_dtype)
+
+
+class FullPrecisionRun:
+    """Runs a full-precision unit inside a low-precision model: inputs cast up
+    to ``dtype``, floating-point outputs cast back to the dtype of the first
+    floating-point input (see ``MixedPrecision.full_precision_module_classes``)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.up = _InputCaster(dtype)
+
+    def __call__(self, fn, args: tuple, kwargs: dict):
+        dtypes = [t.dtype for t in tensors_in((args, kwargs)) if t.is_floating_point()]
+        out = fn(*self.up(args, kwargs))
+        if not dtypes or dtypes[0] == self.up.dtype:
+            return out
+        return map_tensors(_InputCaster(dtypes[0])._cast, out)
 
 
 @torch.no_grad()
@@ -176,27 +191,62 @@ def global_norm(sharded: list[torch.Tensor], local: list[torch.Tensor], group, n
     return (part + rest).pow(1.0 / norm_type)
 
 
+def _gather_full(unit, flat_shard: torch.Tensor) -> torch.Tensor:
+    """All-gather a unit-shaped flat shard; return it param-major (N·S elements)."""
+    lay, dev = unit.layout, unit.cfg.compute_device
+    buf = torch.empty(lay.unsharded_numel, dtype=flat_shard.dtype, device=dev)
+    C.all_gather(buf, flat_shard.to(dev), unit.cfg.shard_group, async_op=False)
+    full = torch.empty_like(buf)
+    F.copy_out(full, buf, lay)
+    return full
+
+
+def _gather_grads(unit) -> list[Optional[torch.Tensor]]:
+    """Full gradients of the unit's parameters (None where no rank has one)."""
+    lay = unit.layout
+    flat = torch.zeros_like(unit.flat_shard)
+    has = torch.tensor([float(sp.grad is not None) for sp in unit.sharded_params])
+    for view, sp in zip(F.shard_views(flat, lay, unit.rank), unit.sharded_params):
+        if sp.grad is not None:
+            view.copy_(sp.grad)
+    C.all_reduce(has, unit.cfg.shard_group, "max")
+    full = F.unsharded_views(_gather_full(unit, flat), lay)
+    return [g if h else None for g, h in zip(full, has.tolist())]
+
+
 @contextlib.contextmanager
-def full_params(units: list, writeback: bool):
+def full_params(units: list, writeback: bool = True, rank0_only: bool = False,
+                offload_to_cpu: bool = False, with_grads: bool = False):
     """Gather every unit's full-precision parameters and register them on
     their modules for the duration of the context (see
-    ``FullyShardedDataParallel.summon_full_params``)."""
+    ``FullyShardedDataParallel.summon_full_params``). Units an enclosing
+    call already summoned are left to it, so nested calls compose."""
+    if writeback and rank0_only:
+        raise ValueError("summon_full_params: writeback=True with rank0_only=True is not supported (the "
+                         "other ranks hold no full parameters to write back); pass writeback=False")
+    todo = [u for u in units if not u.summoned]
     gathered = []
-    with torch.no_grad():
-        for unit in units:
-            lay, dev = unit.layout, unit.cfg.compute_device
-            buf = torch.empty(lay.unsharded_numel, dtype=unit.flat_shard.dtype, device=dev)
-            C.all_gather(buf, unit.flat_shard.to(dev), unit.cfg.shard_group, async_op=False)
-            full = torch.empty_like(buf)
-            F.copy_out(full, buf, lay)
-            views = F.unsharded_views(full, lay)
-            unit.hide_full_params()
-            for slot, view, lay in zip(unit.slots, views, lay.params):
-                fp = nn.Parameter(view, requires_grad=lay.requires_grad)
-                for module, attr in slot.owners:
-                    module._parameters[attr] = fp
-            gathered.append((unit, views))
     try:
+        with torch.no_grad():
+            for unit in todo:
+                unit.summoned = True
+                if not unit.slots:
+                    continue
+                full = _gather_full(unit, unit.flat_shard)
+                grads = _gather_grads(unit) if with_grads else [None] * len(unit.slots)
+                if rank0_only and C.rank() != 0:
+                    continue
+                if offload_to_cpu:
+                    full = full.cpu()
+                    grads = [None if g is None else g.cpu() for g in grads]
+                views = F.unsharded_views(full, unit.layout)
+                unit.hide_full_params()
+                for slot, view, grad, lay in zip(unit.slots, views, grads, unit.layout.params):
+                    fp = nn.Parameter(view, requires_grad=lay.requires_grad)
+                    fp.grad = grad
+                    for module, attr in slot.owners:
+                        module._parameters[attr] = fp
+                gathered.append((unit, views))
         yield
     finally:
         with torch.no_grad():
@@ -206,3 +256,5 @@ def full_params(units: list, writeback: bool):
                 for slot, sp in zip(unit.slots, unit.sharded_params):
                     for module, attr in slot.owners:
                         module._parameters[attr] = sp
+        for unit in todo:
+            unit.summoned = False

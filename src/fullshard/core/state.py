@@ -15,17 +15,29 @@ backward: PreBackwardHook unshards the unit again and prefetches the next
           once the unit's full gradient is accumulated, issues its
           reduce-scatter and reshards; end_of_backward (queued on the
           autograd engine) waits for every reduce-scatter, writes gradient
-          shards and returns all units to IDLE.
+          shards and returns all units to IDLE. A unit whose parameters are
+          all frozen has no gradient to wait for: an identity autograd
+          function on its inputs reshards it once their gradients exist.
+next:     the root's pre_forward is the one place where leftovers of an
+          interrupted iteration are cleared (a backward that raised, a forward
+          that raised, a forward with no backward): pending reduce-scatters
+          are waited on and dropped, partial unsharded gradients and (after a
+          broken backward) no_sync stashes discarded, units resharded, states
+          IDLE. It also adopts requires_grad changes and notices gradients
+          the user zeroed after no_sync (core/grads.py).
+Hooks hold runtime objects through weak references: a hook on a tensor the
+autograd graph or the user keeps must not keep a deleted model alive.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from ..api import BackwardPrefetch, ShardedState, TrainingState
 from . import collectives as C
+from .tree import map_tensors, tensors_in
 from .unit import PendingReduce, Unit
 
 # Reduce-scatters allowed in flight before the oldest is waited on: each holds
@@ -33,16 +45,29 @@ from .unit import PendingReduce, Unit
 # worth of gradients alive until the end of backward.
 MAX_INFLIGHT_REDUCES = 2
 
+_BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 _LEGAL = {
-    TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.PRE_BACKWARD},
+    TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.PRE_BACKWARD,
+                         # no pre-backward hook fired: the loss came from a
+                         # tensor the unit did not return (the root keeps its
+                         # full parameters, so its gradient is still right)
+                         TrainingState.POST_BACKWARD},
     TrainingState.FORWARD: {TrainingState.IDLE},
     TrainingState.PRE_BACKWARD: {TrainingState.POST_BACKWARD, TrainingState.IDLE},
-    TrainingState.POST_BACKWARD: {TrainingState.IDLE},
+    # a unit used again after its post-backward (reentrant checkpointing runs
+    # one backward per use; a frozen unit called twice) is gathered again
+    TrainingState.POST_BACKWARD: {TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD,
+                                  TrainingState.IDLE},
 }
 
 
 class TrainingStateError(RuntimeError):
     """An illegal training-state transition of a unit."""
+
+
+def in_backward_pass() -> bool:
+    """Whether the autograd engine is executing a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class RootRuntime:
@@ -55,6 +80,9 @@ class RootRuntime:
         self.pending: list[PendingReduce] = []
         self.callback_queued = False
         self.no_sync = False
+        # A backward ran inside no_sync since the last synchronizing one.
+        # Symmetric across ranks, so it can gate a collective.
+        self.stash_window = False
 
     def position(self, rt: "UnitRuntime", order: list["UnitRuntime"]) -> int:
         for i, other in enumerate(order):
@@ -79,8 +107,13 @@ class UnitRuntime:
         self.is_root = False
         self.pre_backward_done = False
         self._grad_hook = None
-        if unit.needs_grad:
-            self._grad_hook = unit.flat_full.register_post_accumulate_grad_hook(PostBackwardHook(self))
+        self.arm_grad_hook()
+
+    def arm_grad_hook(self) -> None:
+        """Register the post-accumulate-grad hook once the unit has trainable parameters."""
+        if self.unit.needs_grad and self._grad_hook is None:
+            self._grad_hook = self.unit.flat_full.register_post_accumulate_grad_hook(
+                PostBackwardHook(weakref.ref(self)))
 
     def transition(self, new: TrainingState) -> None:
         if new not in _LEGAL[self.state]:
@@ -91,7 +124,7 @@ class UnitRuntime:
 
     @property
     def in_backward(self) -> bool:
-        return self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+        return self.state in _BACKWARD
 
 
 def lazy_init_root(root: UnitRuntime, all_units: list[UnitRuntime]) -> None:
@@ -102,35 +135,60 @@ def lazy_init_root(root: UnitRuntime, all_units: list[UnitRuntime]) -> None:
         rt.is_root = rt is root
 
 
-def _start_iteration(root: RootRuntime) -> None:
-    """Called by the root's pre_forward when no backward is in flight."""
-    if root.pending or root.callback_queued or any(rt.state is not TrainingState.IDLE for rt in root.units):
-        # The previous forward had no backward (e.g. its loss was discarded).
-        end_of_backward(root)
+def _backward_broken(root: RootRuntime) -> bool:
+    return bool(root.pending) or root.callback_queued or any(rt.state in _BACKWARD for rt in root.units)
+
+
+def start_iteration(root: RootRuntime) -> None:
+    """Begin a clean iteration: clear whatever an interrupted one left behind
+    (see [Note: one iteration]) and adopt changes the user made between
+    iterations (``requires_grad_()``, gradients zeroed after ``no_sync``)."""
+    broken = _backward_broken(root)
+    for pending in root.pending:
+        pending.abandon()
+    root.pending = []
+    root.callback_queued = False
+    if broken:
+        root.stash_window = False
     for rt in root.units:
-        # A unit still gathered here (a forward with no backward, e.g. eval
-        # under SHARD_GRAD_OP) may hold stale full parameters: gather afresh.
-        if rt.unit.state is not ShardedState.SHARDED:
-            rt.unit.reshard()
-        rt.unit.reset_views()
+        rt.state = TrainingState.IDLE
         rt.pre_backward_done = False
+        unit = rt.unit
+        unit.take_full_grad()  # a partial gradient of a backward that raised
+        if broken:
+            unit.drop_stash()
+        if unit.state is not ShardedState.SHARDED:
+            # Gathered by a forward with no backward: may hold stale values.
+            unit.reshard()
+        unit.reset_views()
+        unit.check_stash()
+        if unit.refresh_requires_grad():
+            rt.arm_grad_hook()
     if root.order:
         root.prev_order = root.order
     root.order = []
 
 
 def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Before the unit's forward: unshard and expose full parameters."""
-    if rt.in_backward:
+    """Before the unit's forward: unshard and expose full parameters.
+
+    Raises:
+        RuntimeError: called inside ``summon_full_params``.
+    """
+    in_bwd = in_backward_pass()
+    if rt.in_backward and in_bwd:
         # Recomputation under activation checkpointing: the unit is already
         # gathered for its backward; expose it and cast inputs as forward did.
         rt.unit.ensure_unsharded()
         rt.unit.use_full_params()
         return _cast_inputs(rt, args, kwargs)
-    if rt.is_root:
-        _start_iteration(rt.root)
-    rt.transition(TrainingState.FORWARD)
+    if rt.unit.summoned:
+        raise RuntimeError(f"[rank {C.rank()}] unit '{rt.unit.name}': forward inside summon_full_params(); "
+                           "leave the context before running the model")
     root = rt.root
+    if rt.is_root or (not in_bwd and _backward_broken(root)):
+        start_iteration(root)
+    rt.transition(TrainingState.FORWARD)
     if root.position(rt, root.order) < 0:
         root.order.append(rt)
     rt.unit.ensure_unsharded()
@@ -141,7 +199,10 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
             nxt = root.prev_order[i + 1].unit
             if nxt.state is ShardedState.SHARDED:
                 nxt.unshard()
-    return _cast_inputs(rt, args, kwargs)
+    args, kwargs = _cast_inputs(rt, args, kwargs)
+    if torch.is_grad_enabled() and not rt.unit.needs_grad and rt.unit.slots:
+        args, kwargs = _reshard_after_input_grads(rt, args, kwargs)
+    return args, kwargs
 
 
 def _cast_inputs(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -150,9 +211,39 @@ def _cast_inputs(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dic
     return rt.forward_input_caster(args, kwargs)
 
 
-def post_forward(rt: UnitRuntime, output: Any) -> Any:
-    """After the unit's forward: reshard (FULL_SHARD) and arm backward hooks."""
-    if rt.in_backward:
+class _FrozenPostBackward(torch.autograd.Function):
+    """Identity on a frozen unit's inputs; its backward runs once the unit's
+    backward has produced the inputs' gradients, the last moment the unit's
+    full parameters are needed."""
+
+    @staticmethod
+    def forward(ctx, rt_ref, *tensors):
+        ctx.rt_ref = rt_ref
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rt = ctx.rt_ref()
+        if rt is not None and rt.state is TrainingState.PRE_BACKWARD:
+            rt.transition(TrainingState.POST_BACKWARD)
+            _reshard_after_backward(rt)
+        return (None, *grads)
+
+
+def _reshard_after_input_grads(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    needing = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+    if not needing:
+        return args, kwargs
+    out = _FrozenPostBackward.apply(weakref.ref(rt), *needing)
+    swap = {id(t): o for t, o in zip(needing, out)}
+    return map_tensors(lambda t: swap.get(id(t), t), (args, kwargs))
+
+
+def post_forward(rt: UnitRuntime, output: Any, extra: tuple = ()) -> Any:
+    """After the unit's forward: reshard (FULL_SHARD) and arm backward hooks
+    on every tensor of ``output`` and of ``extra`` (tensors the unit stored
+    on its modules instead of returning them)."""
+    if rt.in_backward and in_backward_pass():
         return output
     grad_on = torch.is_grad_enabled()
     # Without grad no backward follows, so nothing is worth keeping gathered.
@@ -160,9 +251,9 @@ def post_forward(rt: UnitRuntime, output: Any) -> Any:
         rt.unit.reshard()
     rt.transition(TrainingState.IDLE)
     if grad_on:
-        hook = PreBackwardHook(rt)
-        for t in tree_flatten(output)[0]:
-            if torch.is_tensor(t) and t.requires_grad:
+        hook = PreBackwardHook(weakref.ref(rt))
+        for t in tensors_in((output, extra)):
+            if t.requires_grad:
                 t.register_hook(hook)
     return output
 
@@ -177,27 +268,34 @@ def _prefetch_backward(rt: UnitRuntime) -> None:
         target.unit.unshard()
 
 
+def _queue_end_of_backward(root: RootRuntime) -> None:
+    if not root.callback_queued:
+        root.callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(EndOfBackward(weakref.ref(root)))
+
+
 class PreBackwardHook:
     """Tensor hook on a unit's forward outputs: gathers the unit before its
-    backward runs. Fires once per output; only the first firing acts."""
+    backward runs. Fires once per output; the first firing prefetches."""
 
-    def __init__(self, rt: UnitRuntime):
-        self.rt = rt
+    def __init__(self, rt_ref: weakref.ref):
+        self.rt_ref = rt_ref
 
     def __call__(self, grad: torch.Tensor) -> None:
-        rt = self.rt
-        root = rt.root
-        if not root.callback_queued:
-            root.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(EndOfBackward(root))
-        if rt.pre_backward_done:
+        rt = self.rt_ref()
+        if rt is None:
             return None
-        rt.pre_backward_done = True
-        rt.transition(TrainingState.PRE_BACKWARD)
+        _queue_end_of_backward(rt.root)
+        if rt.state is not TrainingState.PRE_BACKWARD:
+            rt.transition(TrainingState.PRE_BACKWARD)
         rt.unit.ensure_unsharded()
-        rt.unit.use_full_params()
-        if rt.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-            _prefetch_backward(rt)
+        # Grad-mode views: a recomputation that bypasses our pre_forward (a
+        # checkpointed module inside the unit) must build a graph to them.
+        rt.unit.use_full_params(grad=True)
+        if not rt.pre_backward_done:
+            rt.pre_backward_done = True
+            if rt.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                _prefetch_backward(rt)
         return None
 
 
@@ -205,43 +303,73 @@ class PostBackwardHook:
     """Post-accumulate-grad hook on the unit's unsharded flat parameter: runs
     once the unit's whole full gradient exists."""
 
-    def __init__(self, rt: UnitRuntime):
-        self.rt = rt
+    def __init__(self, rt_ref: weakref.ref):
+        self.rt_ref = rt_ref
 
     def __call__(self, flat_full: torch.Tensor) -> None:
-        rt = self.rt
-        if rt.state is TrainingState.POST_BACKWARD:
-            return  # already reduced this iteration (reentrant use)
-        rt.transition(TrainingState.POST_BACKWARD)
+        rt = self.rt_ref()
+        if rt is None:
+            return
         unit, root = rt.unit, rt.root
-        grad = unit.take_full_grad()
+        _queue_end_of_backward(root)
+        rt.transition(TrainingState.POST_BACKWARD)
+        grad, used = unit.take_full_grad()
         if grad is not None:
             if root.no_sync:
-                unit.stash_grad(grad)
+                unit.stash_grad(grad, used)
+                root.stash_window = True
             else:
-                root.pending.append(unit.reduce_grads(unit.pop_stashed(grad)))
+                root.pending.append(unit.reduce_grads(*unit.pop_stashed(grad, used)))
                 while len(root.pending) > MAX_INFLIGHT_REDUCES:
                     root.pending.pop(0).finish()
-        unit.reshard()
-        if rt.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            _prefetch_backward(rt)
+        _reshard_after_backward(rt)
+
+
+def _reshard_after_backward(rt: UnitRuntime) -> None:
+    if rt.unit.state is not ShardedState.SHARDED:
+        rt.unit.reshard()
+    if rt.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        _prefetch_backward(rt)
 
 
 class EndOfBackward:
     """Autograd-engine callback at the end of backward: waits for every
     reduce-scatter, writes gradient shards, returns units to IDLE."""
 
-    def __init__(self, root: RootRuntime):
-        self.root = root
+    def __init__(self, root_ref: weakref.ref):
+        self.root_ref = root_ref
 
     def __call__(self) -> None:
-        end_of_backward(self.root)
+        root = self.root_ref()
+        if root is not None:
+            end_of_backward(root)
+
+
+def _reduce_leftover_stashes(root: RootRuntime) -> None:
+    """Reduce the no_sync stash of every unit the synchronizing backward did
+    not reach on some rank (DDP with ``find_unused_parameters=True`` reduces
+    such gradients too). One small all-reduce makes every rank agree on
+    which units those are."""
+    cfg = root.units[0].unit.cfg
+    for rt in root.units:
+        rt.unit.check_stash()
+    flags = torch.tensor([1.0 if rt.unit.has_stash else 0.0 for rt in root.units])
+    for group in (cfg.shard_group, cfg.replicate_group):
+        if group is not None:
+            C.all_reduce(flags, group, "max")
+    for rt, flag in zip(root.units, flags.tolist()):
+        if flag:
+            unit = rt.unit
+            unit.reduce_grads(*unit.pop_stashed(None, [False] * len(unit.layout.params))).finish()
 
 
 def end_of_backward(root: RootRuntime) -> None:
     for pending in root.pending:
         pending.finish()
     root.pending = []
+    if root.stash_window and not root.no_sync:
+        _reduce_leftover_stashes(root)
+        root.stash_window = False
     for rt in root.units:
         if rt.unit.state is not ShardedState.SHARDED:
             rt.unit.reshard()

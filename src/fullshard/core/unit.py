@@ -6,6 +6,7 @@ See ``core/flat.py`` [Note: flat layouts] for how elements are placed.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -14,6 +15,7 @@ import torch.nn as nn
 from ..api import ShardedState
 from . import collectives as C
 from . import flat as F
+from . import grads as G
 
 
 @dataclasses.dataclass
@@ -81,10 +83,17 @@ class Unit:
         self.layout = F.make_layout([(s.fqn, s.param.shape, s.param.requires_grad) for s in slots], self.world)
         self.state = ShardedState.SHARDED
         self.needs_grad = any(p.requires_grad for p in self.layout.params)
-        self._views: Optional[list[torch.Tensor]] = None
+        self._views: Optional[list[torch.Tensor]] = None  # grad-mode views, one set per iteration
         self._gather_buf: Optional[torch.Tensor] = None
         self._gather_work = None
-        self._stashed_grad: Optional[torch.Tensor] = None
+        self.summoned = False  # inside summon_full_params
+        # Trainable parameters whose full view received a gradient in the
+        # current backward (set by _MarkUsed hooks), in layout order.
+        self._used: list[bool] = [False] * len(self.layout.params)
+        self._stash: Optional[G.GradStash] = None
+        # Zero gradients a stash installed on sharded parameters (index ->
+        # weakref); see core/grads.py [Note: no_sync and zero_grad].
+        self.sentinels: dict[int, weakref.ref] = {}
         self._shard()
 
     # ------------------------------------------------------------------ setup
@@ -171,23 +180,46 @@ class Unit:
         if self.state is ShardedState.UNSHARDING:
             self.wait_unshard()
 
-    def use_full_params(self) -> None:
+    def use_full_params(self, grad: Optional[bool] = None) -> None:
         """Point every owning module attribute at its full-parameter view.
 
-        Views are made once per iteration (see ``reset_views``) and reused when
-        the unit runs again, so all uses feed one autograd node.
+        Under grad, views are made once per iteration (see ``reset_views``)
+        and reused when the unit runs again, so all uses feed one autograd
+        node; each trainable view carries a hook that marks its parameter as
+        used in the current backward. Without grad (``no_grad``,
+        ``inference_mode``) detached views are made afresh for that call and
+        never cached: a later call with grad in the same iteration must not
+        see them.
         """
         self._check((ShardedState.UNSHARDED,), "expose full parameters")
-        if self._views is None:
-            src = self.flat_full if torch.is_grad_enabled() else self.flat_full.detach()
-            full = F.unsharded_views(src, self.layout)
-            if self.needs_grad:
-                frozen = F.unsharded_views(self.flat_full.detach(), self.layout)
-                full = [v if p.requires_grad else fz for v, fz, p in zip(full, frozen, self.layout.params)]
-            self._views = full
-        for slot, view in zip(self.slots, self._views):
+        if torch.is_grad_enabled() if grad is None else grad:
+            if self._views is None:
+                self._views = self._grad_views()
+            views = self._views
+        else:
+            views = F.unsharded_views(self.flat_full.detach(), self.layout)
+        for slot, view in zip(self.slots, views):
             for module, attr in slot.owners:
                 module.__dict__[attr] = view
+
+    def _grad_views(self) -> list[torch.Tensor]:
+        if not self.needs_grad:
+            return F.unsharded_views(self.flat_full.detach(), self.layout)
+        with torch.enable_grad():  # also when called from a backward hook
+            live = F.unsharded_views(self.flat_full, self.layout)
+        frozen = F.unsharded_views(self.flat_full.detach(), self.layout)
+        me = weakref.ref(self)
+        views = []
+        for i, (v, fz, p) in enumerate(zip(live, frozen, self.layout.params)):
+            if p.requires_grad:
+                v.register_hook(G.MarkUsed(me, i))
+                views.append(v)
+            else:
+                views.append(fz)
+        return views
+
+    def mark_used(self, index: int) -> None:
+        self._used[index] = True
 
     def hide_full_params(self) -> None:
         """Make owning modules resolve attributes to the sharded parameters again."""
@@ -209,52 +241,116 @@ class Unit:
         self.state = ShardedState.SHARDED
 
     # ------------------------------------------------------------- gradients
-    def take_full_grad(self) -> Optional[torch.Tensor]:
-        """Detach and return the accumulated unsharded gradient (or None)."""
+    def refresh_requires_grad(self) -> bool:
+        """Adopt ``requires_grad`` flags changed on the sharded parameters
+        since the layout was made (``requires_grad_()`` after wrapping).
+
+        Returns:
+            True when the set of trainable parameters changed.
+        Raises:
+            RuntimeError: the change happened inside a ``no_sync``
+                accumulation window (a stash in the old layout exists).
+        """
+        flags = [sp.requires_grad for sp in self.sharded_params]
+        if flags == [p.requires_grad for p in self.layout.params]:
+            return False
+        if self._stash is not None:
+            raise RuntimeError(
+                f"[rank {C.rank()}] unit '{self.name}': requires_grad changed inside a no_sync() "
+                "accumulation window; change it before the window or after the synchronizing backward")
+        self.layout = F.make_layout([(p.fqn, p.shape, rg) for p, rg in zip(self.layout.params, flags)],
+                                    self.world)
+        self.needs_grad = any(flags)
+        self.flat_full.grad = None
+        self.flat_full.requires_grad_(self.needs_grad)
+        self._views = None
+        return True
+
+    def take_full_grad(self) -> tuple[Optional[torch.Tensor], list[bool]]:
+        """Detach and return the accumulated unsharded gradient (or None) and
+        which parameters received a gradient since the last call."""
         g = self.flat_full.grad
         self.flat_full.grad = None
-        return g
+        used, self._used = self._used, [False] * len(self.layout.params)
+        return g, used
 
-    def stash_grad(self, full_grad: torch.Tensor) -> None:
+    def stash_grad(self, full_grad: torch.Tensor, used: list[bool]) -> None:
         """Keep a micro-batch's unsharded gradient for a later reduce
-        (``no_sync``), summed in ``reduce_dtype`` so bf16/fp16 compute does
-        not also mean bf16/fp16 accumulation."""
-        if self._stashed_grad is None:
-            self._stashed_grad = full_grad.to(self.reduce_dtype)  # taken from .grad: ours to keep
+        (``no_sync``); see :class:`fullshard.core.grads.GradStash`."""
+        if self._stash is None:
+            self._stash = G.GradStash(self, full_grad, used)
         else:
-            self._stashed_grad.add_(full_grad)
+            self._stash.add(full_grad, used)
 
-    def pop_stashed(self, full_grad: torch.Tensor) -> torch.Tensor:
-        """``full_grad`` plus whatever :meth:`stash_grad` collected."""
-        if self._stashed_grad is None:
-            return full_grad
-        total, self._stashed_grad = self._stashed_grad, None
-        return total.add_(full_grad.to(total.dtype))
+    def pop_stashed(self, full_grad: Optional[torch.Tensor],
+                    used: list[bool]) -> tuple[Optional[torch.Tensor], list[bool]]:
+        """``full_grad`` plus whatever :meth:`stash_grad` kept, and the union
+        of the used flags; the stash is emptied."""
+        stash, self._stash = self._stash, None
+        if stash is None:
+            return full_grad, used
+        return stash.pop(full_grad, used)
+
+    def check_stash(self) -> None:
+        """Drop the parts of the stash whose gradients the user zeroed."""
+        if self._stash is not None and self._stash.discard_zeroed():
+            self.drop_stash()
+
+    def drop_stash(self) -> None:
+        """Forget the stash and take back sentinel gradients still installed."""
+        self._stash = None
+        for i, ref in self.sentinels.items():
+            if ref() is not None and self.sharded_params[i].grad is ref():
+                self.sharded_params[i].grad = None
+        self.sentinels = {}
+
+    @property
+    def has_stash(self) -> bool:
+        return self._stash is not None
 
     def stashed_grad_bytes(self) -> int:
-        g = self._stashed_grad
-        return 0 if g is None else g.numel() * g.element_size()
+        return 0 if self._stash is None else self._stash.nbytes()
 
-    def reduce_grads(self, full_grad: torch.Tensor) -> "PendingReduce":
-        """Reduce-scatter ``full_grad`` (param-major, ``N·S`` elements) into a
-        gradient shard, averaged over the data-parallel world. Asynchronous.
+    def reduce_grads(self, full_grad: Optional[torch.Tensor], used: list[bool]) -> "PendingReduce":
+        """Reduce-scatter ``full_grad`` (param-major, ``N·S`` elements; None =
+        zeros) into a gradient shard, averaged over the data-parallel world.
+        Asynchronous.
+
+        Each rank's block carries one extra element per parameter, 1 where
+        this rank used it: after the sum a parameter no rank used is told
+        apart from one whose gradients cancel, and keeps ``grad None`` as
+        under DDP (``find_unused_parameters=True``).
         """
         cfg = self.cfg
-        n_grad = self.layout.grad_shard_numel
-        reduce_in = torch.empty(self.world * n_grad, dtype=self.reduce_dtype, device=cfg.compute_device)
-        F.copy_in(reduce_in, full_grad, self.layout)
+        n_grad, n_flags = self.layout.grad_shard_numel, len(self.layout.params)
+        block = n_grad + n_flags
+        reduce_in = torch.zeros(self.world * block, dtype=self.reduce_dtype, device=cfg.compute_device)
+        if full_grad is not None:
+            F.copy_in(reduce_in, full_grad, self.layout, block_numel=block)
+        flags = reduce_in.view(self.world, block)[:, n_grad:]
+        flags.copy_(torch.tensor(used, dtype=self.reduce_dtype).expand_as(flags))
         reduce_in.div_(cfg.dp_world_size)  # pre-divide, as DDP does
-        out = torch.empty(n_grad, dtype=self.reduce_dtype, device=cfg.compute_device)
+        out = torch.empty(block, dtype=self.reduce_dtype, device=cfg.compute_device)
         work = C.reduce_scatter(out, reduce_in, cfg.shard_group, async_op=True)
         return PendingReduce(self, work, reduce_in, out)
 
-    def accumulate_grad_shard(self, grad_shard: torch.Tensor) -> None:
-        """Add a reduced 1-D gradient shard into the sharded parameters' ``.grad``."""
+    def accumulate_grad_shard(self, out: torch.Tensor) -> None:
+        """Add a reduced block (gradient shard, then one used flag per
+        parameter) into the sharded parameters' ``.grad``. Parameters no rank
+        used are left alone (``grad None`` stays None)."""
+        n_grad = self.layout.grad_shard_numel
+        used = (out[n_grad:] > 0).tolist()
         master = self.flat_shard
-        grad_shard = grad_shard.to(master.device, master.dtype)
+        grad_shard = out[:n_grad].to(master.device, master.dtype)
         views = F.grad_shard_views(grad_shard, self.layout, self.rank)
-        for sp, view in zip(self.sharded_params, views):
+        sentinels, self.sentinels = self.sentinels, {}
+        for i, (sp, view, u) in enumerate(zip(self.sharded_params, views, used)):
             if view is None:
+                continue
+            if not u:
+                ref = sentinels.get(i)
+                if ref is not None and sp.grad is not None and sp.grad is ref():
+                    sp.grad = None  # a zero we installed, never a gradient
                 continue
             if sp.grad is None:
                 sp.grad = view
@@ -276,3 +372,9 @@ class PendingReduce:
         if rep is not None:
             C.all_reduce(self.out, rep, "sum")
         self.unit.accumulate_grad_shard(self.out)
+
+    def abandon(self) -> None:
+        """Wait for the collective (its buffers must outlive it) and drop the result."""
+        if self.work is not None:
+            self.work.wait()
+        self.reduce_in = self.out = None
