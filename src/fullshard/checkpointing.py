@@ -10,14 +10,16 @@ the wrapper's inputs; backward re-runs the forward to rebuild what it needs
 (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016, §3).
 
 [Note: checkpointing composes with FSDP units]
-Apply checkpointing first, then wrap with FSDP. With
+Checkpointing may be applied before wrapping or after. Before, with
 ``ModuleWrapPolicy({TransformerBlock})`` the result is
 ``CheckpointWrapper(FSDP(TransformerBlock))``; with a policy on
-``CheckpointWrapper`` it is ``FSDP(CheckpointWrapper(TransformerBlock))``.
+``CheckpointWrapper`` it is ``FSDP(CheckpointWrapper(TransformerBlock))``,
+which is also what applying it after wrapping gives (the unit's wrapped
+module is replaced; the unit's shards and names do not change).
 Either way the unit's pre-backward hook has already gathered its full
-parameters when backward reaches the recomputation, and the engine's
-pre_forward (``rt.in_backward`` branch in ``core/state.py``) reuses that
-gather, so recomputation adds no all-gather: FULL_SHARD keeps 2 per unit
+parameters, and exposed its grad-mode views, when backward reaches the
+recomputation, and the engine's pre_forward (``rt.in_backward`` branch in
+``core/state.py``) reuses that gather, so recomputation adds no all-gather: FULL_SHARD keeps 2 per unit
 per step (tests/dist/test_checkpointing.py checks this).
 
 Parameter names: the wrapper holds the module as ``_checkpoint_wrapped_module``
@@ -125,8 +127,10 @@ def apply_activation_checkpointing(model: nn.Module, check_fn: Callable[[nn.Modu
     true with ``CheckpointWrapper(submodule)``.
 
     A chosen module's own descendants are not visited (no nested checkpoints).
-    ``model`` itself is never replaced. Call this before wrapping with FSDP
-    (see [Note: checkpointing composes with FSDP units]).
+    ``model`` itself is never replaced. It may be applied before wrapping with
+    FSDP or after (torch's documented order): after wrapping, a chosen module
+    inside a unit becomes the unit's ``CheckpointWrapper``-wrapped module (see
+    [Note: checkpointing composes with FSDP units]).
 
     Args:
         model: the module to modify.
@@ -134,15 +138,7 @@ def apply_activation_checkpointing(model: nn.Module, check_fn: Callable[[nn.Modu
         offload_to_cpu: passed to each :class:`CheckpointWrapper`.
     Returns:
         ``model`` (modified in place).
-    Raises:
-        ValueError: ``model`` already contains a FullyShardedDataParallel unit
-            (checkpointing must be applied to the plain model first).
     """
-    from .fsdp import FullyShardedDataParallel
-
-    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        raise ValueError("apply_activation_checkpointing: apply it to the plain model before wrapping "
-                         "with FullyShardedDataParallel")
 
     def visit(parent: nn.Module) -> None:
         for name, child in list(parent.named_children()):

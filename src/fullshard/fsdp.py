@@ -249,6 +249,8 @@ class FullyShardedDataParallel(nn.Module):
         root = self._runtime.root
         if root_only and not self._runtime.is_root:
             raise RuntimeError(f"{what} must be called on the root FullyShardedDataParallel instance")
+        if not S.in_backward_pass() and S.backward_broken(root):
+            S.start_iteration(root)  # the last backward raised: start clean here too
         busy = [rt.unit.name for rt in root.units if rt.state is not TrainingState.IDLE]
         if busy:
             raise RuntimeError(f"{what} cannot run during forward or backward (units busy: {busy})")

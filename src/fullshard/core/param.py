@@ -118,7 +118,8 @@ class FullPrecisionRun:
 
     def __call__(self, fn, args: tuple, kwargs: dict):
         dtypes = [t.dtype for t in tensors_in((args, kwargs)) if t.is_floating_point()]
-        out = fn(*self.up(args, kwargs))
+        args, kwargs = self.up(args, kwargs)
+        out = fn(*args, **kwargs)
         if not dtypes or dtypes[0] == self.up.dtype:
             return out
         return map_tensors(_InputCaster(dtypes[0])._cast, out)

@@ -135,7 +135,7 @@ def lazy_init_root(root: UnitRuntime, all_units: list[UnitRuntime]) -> None:
         rt.is_root = rt is root
 
 
-def _backward_broken(root: RootRuntime) -> bool:
+def backward_broken(root: RootRuntime) -> bool:
     return bool(root.pending) or root.callback_queued or any(rt.state in _BACKWARD for rt in root.units)
 
 
@@ -143,7 +143,7 @@ def start_iteration(root: RootRuntime) -> None:
     """Begin a clean iteration: clear whatever an interrupted one left behind
     (see [Note: one iteration]) and adopt changes the user made between
     iterations (``requires_grad_()``, gradients zeroed after ``no_sync``)."""
-    broken = _backward_broken(root)
+    broken = backward_broken(root)
     for pending in root.pending:
         pending.abandon()
     root.pending = []
@@ -186,7 +186,7 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
         raise RuntimeError(f"[rank {C.rank()}] unit '{rt.unit.name}': forward inside summon_full_params(); "
                            "leave the context before running the model")
     root = rt.root
-    if rt.is_root or (not in_bwd and _backward_broken(root)):
+    if rt.is_root or (not in_bwd and backward_broken(root)):
         start_iteration(root)
     rt.transition(TrainingState.FORWARD)
     if root.position(rt, root.order) < 0:

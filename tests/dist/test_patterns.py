@@ -1,0 +1,241 @@
+"""Usage patterns off the happy path: each gives DDP's result (losses,
+gradients or None, final parameters) under FULL_SHARD, SHARD_GRAD_OP and
+NO_SHARD at 2 ranks, or raises one clear error."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fullshard import FullyShardedDataParallel as FSDP
+from fullshard.api import ShardedState, TrainingState
+from fullshard.core import collectives as C
+from tests.dist import patterns as P
+from tests.dist.harness import run_ranks
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _raise(grad):
+    raise _Boom("injected failure in backward")
+
+
+def _fail_below(module):
+    """Make backward raise once the gradient reaches ``module``'s input."""
+    def pre(mod, args):
+        args[0].register_hook(_raise)
+    return module.register_forward_pre_hook(pre)
+
+
+# ----------------------------------------------- 1. a backward that raises
+def _skip_on_raise(model, opt, rank, step):
+    x, y = P.batch(rank, step)
+    if step == 1:
+        # Fail after the nested unit's backward (its reduce-scatter is in
+        # flight) and before the root's: the loop catches it and skips the batch.
+        handle = _fail_below(P.inner(model))
+        try:
+            P.mse(model(x), y).backward()
+            raise AssertionError("backward did not raise")
+        except _Boom:
+            pass
+        finally:
+            handle.remove()
+        opt.zero_grad()
+        return None
+    loss = P.mse(model(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def _skip_ref(model, opt, rank, step):
+    if step == 1:
+        return None  # DDP's result for a skipped batch: as if it never ran
+    x, y = P.batch(rank, step)
+    loss = P.mse(model(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def _interrupted(rank, world):
+    out = {}
+    out["backward_raises"] = P.compare(rank, _skip_on_raise, steps=5, ref_step_fn=_skip_ref)
+    # A forward that raises, then normal training.
+    def forward_raises(model, opt, rank, step):
+        x, y = P.batch(rank, step)
+        if step == 1:
+            with pytest.raises(RuntimeError):
+                model(torch.randn(4, 6))  # wrong width: raises inside the unit
+            return None
+        loss = P.mse(model(x), y)
+        loss.backward()
+        return loss.detach()
+    out["forward_raises"] = P.compare(rank, forward_raises, steps=4, ref_step_fn=_skip_ref)
+    # After the interrupted iteration, the next forward starts clean.
+    model = FSDP(P.make(), auto_wrap_policy=P.policy())
+    x, y = P.batch(rank, 0)
+    handle = _fail_below(P.inner(model))
+    with pytest.raises(_Boom):
+        P.mse(model(x), y).backward()
+    handle.remove()
+    units = model.units()
+    assert any(u._runtime.state is not TrainingState.IDLE for u in units)
+    model.zero_grad()
+    P.mse(model(x), y).backward()
+    for u in units:
+        assert u._runtime.state is TrainingState.IDLE and u.unit.state is ShardedState.SHARDED, u.unit.name
+    for n, p in model.named_parameters():
+        if p.numel():  # a shard with rows: a gradient exactly where the parameter was used
+            assert (p.grad is None) == ("spare" in n or "extra" in n), n
+    return out
+
+
+# ------------------------------------------- 2. no_grad / inference / checkpoint
+def _branch(mode):
+    def step(model, opt, rank, s):
+        x, y = P.batch(rank, s)
+        out, aux = model(x, branch=mode)
+        loss = P.mse(out, y) + aux
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+def _grad_modes(rank, world):
+    out = {}
+    for mode in ("no_grad", "inference_mode", "reentrant", "non_reentrant"):
+        # DDP's reducer rejects reentrant checkpointing of a module with
+        # unused parameters; recomputation does not change the result, so
+        # DDP runs the non-reentrant form as the reference.
+        ref = _branch("non_reentrant" if mode == "reentrant" else mode)
+        out[mode] = P.compare(rank, _branch(mode), steps=3, ref_step_fn=ref)
+    out["apply_activation_checkpointing_after_wrap"] = _checkpoint_after_wrap(rank)
+    return out
+
+
+def _checkpoint_after_wrap(rank):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from fullshard import apply_activation_checkpointing
+    from fullshard.models import TransformerBlock
+    from tests.dist import models as M
+    from tests.dist.test_parity import train
+
+    base = M.make_model("gpt")
+    ref_losses, _ = train(DDP(M.clone(base)), "gpt", rank)
+    model = FSDP(M.clone(base), auto_wrap_policy=M.unit_policy("gpt"))
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, TransformerBlock))
+    assert sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules()) == 2
+    C.reset_counts()
+    losses, _ = train(model, "gpt", rank)
+    # Recomputation reuses the backward gather: 2 per block + 1 root per step.
+    assert C.COUNTS["all_gather"] == 5 * len(losses), dict(C.COUNTS)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=P.RTOL, atol=P.ATOL)
+    return max(abs(a - b) for a, b in zip(losses, ref_losses))
+
+
+# ------------------------------------------------ 3-5. no_sync, unused parameters
+def _accumulate(zero_after_first: str = "", skip_enc_last: bool = False, spare_on: tuple = (0,),
+                extra_steps: tuple = (), reference: bool = False):
+    """Two micro-batches per step, the first inside no_sync. With
+    ``zero_after_first`` the gradients are zeroed after it on odd steps; the
+    ``reference`` form (for DDP, whose reducer fails on zero_grad after
+    no_sync with unused parameters) runs that micro-batch without backward,
+    which is what discarding its gradient means."""
+    def step(model, opt, rank, s):
+        total = 0.0
+        for micro in range(2):
+            x, y = P.batch(rank, s, micro)
+            discard = micro == 0 and zero_after_first and s % 2 == 1
+            ctx = model.no_sync() if micro == 0 else _null()
+            with ctx, torch.set_grad_enabled(not (discard and reference)):
+                use_enc = not (skip_enc_last and micro == 1)
+                out = model(x, use_enc=use_enc, use_spare=micro in spare_on, use_extra=s in extra_steps)
+                loss = P.mse(out, y) / 2
+                if loss.requires_grad:
+                    loss.backward()
+            total += float(loss)
+            if discard and not reference:
+                if zero_after_first == "optimizer_none":
+                    opt.zero_grad(set_to_none=True)
+                elif zero_after_first == "optimizer_zero":
+                    opt.zero_grad(set_to_none=False)
+                else:
+                    model.zero_grad()
+                if isinstance(model, FSDP):
+                    _assert_stash_freed(model, zero_after_first)
+        return torch.tensor(total)
+    return step
+
+
+def _assert_stash_freed(model, how):
+    if how == "optimizer_zero":
+        return  # in-place zeroing is seen at the next forward
+    for u in model.units():
+        assert u.unit.stashed_grad_bytes() == 0, (how, u.unit.name)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _no_sync(rank, world):
+    out = {}
+    ddp = dict(find_unused_parameters=True)
+    for how in ("optimizer_none", "optimizer_zero", "model"):
+        out[f"zero_grad_after_no_sync[{how}]"] = P.compare(
+            rank, _accumulate(zero_after_first=how), ddp_kwargs=ddp,
+            ref_step_fn=_accumulate(zero_after_first=how, reference=True))
+    out["unit_only_in_no_sync_microbatch"] = P.compare(rank, _accumulate(skip_enc_last=True), ddp_kwargs=ddp)
+    out["unused_params_grad_none"] = P.compare(rank, _accumulate(spare_on=(), extra_steps=(1,)), ddp_kwargs=ddp)
+    out["param_used_in_some_microbatches"] = P.compare(rank, _accumulate(spare_on=(1,)), ddp_kwargs=ddp)
+
+    def rank_dependent(model, opt, rank, s):  # used on rank 0 only: averaged with rank 1's zero
+        x, y = P.batch(rank, s)
+        loss = P.mse(model(x, use_spare=rank == 0, use_extra=rank == 1), y)
+        loss.backward()
+        return loss.detach()
+    out["param_used_on_one_rank"] = P.compare(rank, rank_dependent, ddp_kwargs=ddp)
+    return out
+
+
+# ------------------------------------------------ 6. requires_grad after wrapping
+def _requires_grad(rank, world):
+    def step(model, opt, rank, s):
+        if s == 1:
+            P.inner(model).requires_grad_(False)
+        if s == 3:
+            P.inner(model).requires_grad_(True)
+        x, y = P.batch(rank, s)
+        C.reset_counts()
+        loss = P.mse(model(x), y)
+        loss.backward()
+        if isinstance(model, FSDP) and model.sharding_strategy.value == "FULL_SHARD":
+            enc_numel = sum(p.numel() for p in P.Enc().parameters())
+            rs_numel = C.BYTES["reduce_scatter"] // 4
+            assert (rs_numel < enc_numel) == (s in (1, 2)), (s, rs_numel, enc_numel)
+        return loss.detach()
+    return {"requires_grad_changed": P.compare(rank, step, steps=5, ddp_kwargs=dict(find_unused_parameters=True))}
+
+
+def test_interrupted_iterations():
+    print(run_ranks(_interrupted, 2)[0])
+
+
+def test_grad_modes_and_checkpointing():
+    print(run_ranks(_grad_modes, 2)[0])
+
+
+def test_no_sync_and_unused_parameters():
+    print(run_ranks(_no_sync, 2)[0])
+
+
+def test_requires_grad_after_wrapping():
+    print(run_ranks(_requires_grad, 2)[0])
