@@ -185,3 +185,50 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
                 new[k] = v.clone() if torch.is_tensor(v) else v
         state[i] = new
     return {"state": state, "param_groups": groups}
+
+
+def _plain_names(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[list, list[str]]:
+    names = {}
+    for n, p in model.named_parameters():
+        names.setdefault(id(p), n)
+    order = [p for g in optim.param_groups for p in g["params"]]
+    missing = [i for i, p in enumerate(order) if id(p) not in names]
+    if missing:
+        raise ValueError(f"[rank {C.rank()}] optimizer parameters #{missing} are not parameters of the model")
+    return order, [names[id(p)] for p in order]
+
+
+def plain_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    """A plain (unwrapped or DDP's inner) model's optimizer state by parameter
+    name, in the format of :func:`optim_state_dict` (values are not copied)."""
+    order, names = _plain_names(model, optim)
+    osd = optim.state_dict()
+    return {"state": {names[i]: dict(s) for i, s in osd["state"].items()},
+            "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in osd["param_groups"]]}
+
+
+def plain_optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dict) -> dict:
+    """Inverse of :func:`plain_optim_state_dict` for a full by-name state dict.
+
+    Raises:
+        ValueError: groups or names that differ from the optimizer's (listed).
+    """
+    order, names = _plain_names(model, optim)
+    index = {n: i for i, n in enumerate(names)}
+    cur = optim.state_dict()["param_groups"]
+    if len(osd["param_groups"]) != len(cur):
+        raise ValueError(f"[rank {C.rank()}] optimizer state has {len(osd['param_groups'])} parameter groups, "
+                         f"the optimizer {len(cur)}; build the optimizer with the same groups")
+    groups = []
+    for gi, (sg, cg) in enumerate(zip(osd["param_groups"], cur)):
+        want = {names[i] for i in cg["params"]}
+        if set(sg["params"]) != want:
+            raise ValueError(f"[rank {C.rank()}] parameter group {gi}: missing {sorted(want - set(sg['params']))}, "
+                             f"unexpected {sorted(set(sg['params']) - want)}")
+        groups.append(dict(sg, params=list(cg["params"])))
+    unknown = [n for n in osd["state"] if n not in index]
+    if unknown:
+        raise ValueError(f"[rank {C.rank()}] optimizer state for parameters the optimizer does not hold: {unknown}")
+    state = {index[n]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+             for n, s in osd["state"].items()}
+    return {"state": state, "param_groups": groups}
