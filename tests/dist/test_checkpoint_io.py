@@ -59,7 +59,16 @@ def _save_at(rank, world, path):
     for step in range(2):
         _step(model, opt, rank, step)
     checkpoint.save(path, model, opt, extra={"rank": rank, "rng": torch.get_rng_state()})
-    return _pack(_full(model, opt))
+    from fullshard import FSDP, FullStateDictConfig, StateDictType
+
+    full = _full(model, opt)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+        r0 = model.state_dict()
+    if rank == 0:
+        full = (r0, full[1])  # the consolidated file is compared with the rank0-only state dict
+    else:
+        assert r0 == {}
+    return _pack(full)
 
 
 def _pack(obj) -> bytes:
@@ -112,10 +121,30 @@ def _ddp_roundtrip(rank, world, path, ref):
     return True
 
 
+def _check_consolidated(path, full_sd, tmp_path):
+    """Offline consolidation (.safetensors streamed, .pt) equals the gathered full state dict."""
+    from safetensors.torch import load_file
+
+    from fullshard.checkpoint.consolidate import consolidate
+
+    for out in (str(tmp_path / "m.safetensors"), str(tmp_path / "m.pt")):
+        stats = consolidate(path, out)
+        got = load_file(out) if out.endswith(".safetensors") else torch.load(out, weights_only=True)
+        assert list(got) == list(full_sd) and stats["tensors"] == len(full_sd)
+        for k, v in full_sd.items():
+            assert torch.equal(got[k], v), k
+        plain = make_model(KIND, seed=11)
+        plain.load_state_dict(got)
+    with pytest.raises(ValueError, match=r"\.safetensors or \.pt"):
+        consolidate(path, str(tmp_path / "m.bin"))
+
+
 def test_reshard_2_to_1_3_4_and_4_to_2(tmp_path):
-    """Saved at 2 loads at 1, 3, 4 (and into DDP / a plain model); saved at 4 loads at 2."""
+    """Saved at 2 loads at 1, 3, 4 (and into DDP / a plain model); saved at 4 loads at 2; the
+    consolidated file equals the full state dict."""
     a, b = str(tmp_path / "w2"), str(tmp_path / "w4")
     ref = run_ranks(_save_at, 2, a)[0]
+    _check_consolidated(a, _unpack(ref)[0], tmp_path)
     assert sorted(os.listdir(a)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra-rank0.pt",
                                      "extra-rank1.pt", "fullshard.json"]
     run_ranks(_load_at, 1, a, ref, None)
