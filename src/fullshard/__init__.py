@@ -10,7 +10,7 @@ from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullSt
 from .fsdp import FSDP, FullyShardedDataParallel
 from . import wrap
 from .amp import ShardedGradScaler
-from .checkpointing import CheckpointWrapper, apply_activation_checkpointing, offload_activations
+from .activation_checkpointing import CheckpointWrapper, apply_activation_checkpointing, offload_activations
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
            "CPUOffload", "StateDictType", "FullStateDictConfig",

@@ -103,7 +103,7 @@ class Trainer:
         shapes = {n: p.shape for n, p in model.named_parameters()}
         total = num_params(model)
         # Checkpoint first, then shard: CheckpointWrapper(FSDP(block)); recomputation
-        # reuses the gather made for the block's backward (fullshard/checkpointing.py).
+        # reuses the gather made for the block's backward (fullshard/activation_checkpointing.py).
         self._checkpoint_blocks(model)
         low = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
         if low is not None:
@@ -119,7 +119,7 @@ class Trainer:
         """--checkpoint-activations / --offload-activations: wrap every TransformerBlock."""
         if not self.cfg.checkpoint_activations:
             return
-        from fullshard.checkpointing import apply_activation_checkpointing
+        from fullshard.activation_checkpointing import apply_activation_checkpointing
         from fullshard.models import TransformerBlock
 
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, TransformerBlock),
