@@ -5,13 +5,15 @@ Drop-in names for ``torch.distributed.fsdp``::
     from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy
     from fullshard.wrap import ModuleWrapPolicy
 """
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
+                  ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy, StateDictType)
 from .fsdp import FSDP, FullyShardedDataParallel
 from . import wrap
 from .amp import ShardedGradScaler
-from .checkpointing import CheckpointWrapper, apply_activation_checkpointing, offload_activations
+from .activation_checkpointing import CheckpointWrapper, apply_activation_checkpointing, offload_activations
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
-           "CPUOffload", "ShardedGradScaler", "apply_activation_checkpointing", "CheckpointWrapper",
+           "CPUOffload", "StateDictType", "FullStateDictConfig",
+           "ShardedStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "ShardedGradScaler", "apply_activation_checkpointing", "CheckpointWrapper",
            "offload_activations", "wrap"]
 __version__ = "0.1.0"

@@ -105,3 +105,59 @@ class CPUOffload:
     """
 
     offload_params: bool = False
+
+
+class StateDictType(enum.Enum):
+    """What ``state_dict()`` / ``load_state_dict()`` and
+    ``FullyShardedDataParallel.optim_state_dict`` exchange (torch FSDP1's names).
+
+    FULL_STATE_DICT: full tensors under the original (unwrapped) names, the
+        same keys and shapes as the plain model's ``state_dict()``.
+    SHARDED_STATE_DICT: ``torch.distributed.tensor.DTensor`` values placed
+        ``Shard(0)`` on a 1-D device mesh over the shard group; the local tensor
+        is this rank's ``torch.chunk`` rows (no copy). Buffers are plain tensors.
+    """
+
+    FULL_STATE_DICT = "FULL_STATE_DICT"
+    SHARDED_STATE_DICT = "SHARDED_STATE_DICT"
+
+
+@dataclasses.dataclass(frozen=True)
+class FullStateDictConfig:
+    """Options of FULL_STATE_DICT.
+
+    Attributes:
+        offload_to_cpu: copy every gathered tensor to host memory.
+        rank0_only: only rank 0 returns the tensors; other ranks take part in
+            the gathers and get an empty dict.
+    """
+
+    offload_to_cpu: bool = False
+    rank0_only: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedStateDictConfig:
+    """Options of SHARDED_STATE_DICT.
+
+    Attributes:
+        offload_to_cpu: local shards are copied to host memory (a copy, where
+            the default is a view of the live shard).
+    """
+
+    offload_to_cpu: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class FullOptimStateDictConfig:
+    """Options of the optimizer state under FULL_STATE_DICT (see FullStateDictConfig)."""
+
+    offload_to_cpu: bool = False
+    rank0_only: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedOptimStateDictConfig:
+    """Options of the optimizer state under SHARDED_STATE_DICT (see ShardedStateDictConfig)."""
+
+    offload_to_cpu: bool = False

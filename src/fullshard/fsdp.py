@@ -370,6 +370,67 @@ class FullyShardedDataParallel(nn.Module):
         return super()._apply(fn, recurse)
 
 
+    # ----------------------------------------------------------- state dicts
+    # [fullshard.checkpoint] Everything below delegates to fullshard/checkpoint/.
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """Full tensors under the original names (default), or DTensor shards
+        under ``FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)``.
+        On a nested unit: that unit's subtree, under names relative to it.
+        See ``fullshard/checkpoint/state_dict.py``."""
+        from .checkpoint import state_dict as SD
+
+        if args:  # nn.Module's deprecated positional (destination, prefix, keep_vars)
+            destination = args[0]
+            prefix = args[1] if len(args) > 1 else prefix
+        return SD.state_dict(self, destination, prefix)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a plain model's (full) or a sharded state dict into this rank's
+        shards. Raises RuntimeError naming missing/unexpected keys (strict)
+        and any shape mismatch."""
+        from .checkpoint import state_dict as SD
+
+        if assign:
+            raise ValueError("FullyShardedDataParallel.load_state_dict: assign=True is not supported "
+                             "(values are copied into the shards)")
+        return SD.load_state_dict(self, state_dict, strict)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(module: nn.Module, state_dict_type, state_dict_config=None,
+                        optim_state_dict_config=None):
+        """Context: every unit in ``module`` uses ``state_dict_type`` (a
+        :class:`StateDictType`) and the configs, then the previous setting."""
+        from .checkpoint import state_dict as SD
+
+        prev = SD.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        try:
+            yield
+        finally:
+            SD.restore(module, prev)
+
+    @staticmethod
+    def set_state_dict_type(module: nn.Module, state_dict_type, state_dict_config=None,
+                            optim_state_dict_config=None):
+        """Set the state-dict type of every unit in ``module``; returns the previous settings."""
+        from .checkpoint import state_dict as SD
+
+        return SD.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+        """Optimizer state by original parameter name, full or sharded per the state-dict type."""
+        from .checkpoint import optim as O  # noqa: N812
+
+        return O.optim_state_dict(model, optim)
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict) -> dict:
+        """A by-name optimizer state dict (any world size) as ``optim.load_state_dict`` input."""
+        from .checkpoint import optim as O  # noqa: N812
+
+        return O.optim_state_dict_to_load(model, optim, optim_state_dict)
+
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.method_name(...)`` run like ``forward``: the unit's full
     parameters are gathered for the call and freed after it.

@@ -151,3 +151,27 @@ def rank() -> int:
 
 def backend(group=None) -> str:
     return dist.get_backend(group)
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's picklable ``obj``, by group rank (``[obj]`` for a one-rank group)."""
+    n = group_size(group)
+    if n == 1:
+        return [obj]
+    out = [None] * n
+    COUNTS["all_gather_object"] += 1
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def device_mesh(group, device_type: str):
+    """A 1-D ``DeviceMesh`` over ``group`` (None = the world) for DTensor values.
+
+    Raises:
+        ValueError: for :data:`SELF_GROUP`, which has no process group to span.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if group is SELF_GROUP:
+        raise ValueError("device_mesh: SELF_GROUP (NO_SHARD's shard group) spans no process group")
+    return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device_type)

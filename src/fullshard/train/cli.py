@@ -1,7 +1,8 @@
-"""The `fullshard` console script: ``preprocess``, ``train`` and ``plot`` subcommands.
+"""The `fullshard` console script: ``preprocess``, ``train``, ``consolidate`` and ``plot`` subcommands.
 
     fullshard preprocess --builtin-corpus --destdir data-bin/wiki
     fullshard train data-bin/wiki --nproc-per-node 2 --arch transformer_lm_gpt_tiny ...
+    fullshard consolidate checkpoints/tiny/checkpoint_last model.safetensors
     fullshard plot run_a.log run_b.log -o curve.png
 
 Exit codes: 0 success, 1 a rank failed while training, 2 bad input.
@@ -17,7 +18,7 @@ from fullshard.train.options import OneLineArgumentParser, add_train_args, valid
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fullshard", description="Fully Sharded Data Parallel GPT training.")
-    sub = parser.add_subparsers(dest="command", metavar="{preprocess,train,plot}",
+    sub = parser.add_subparsers(dest="command", metavar="{preprocess,train,consolidate,plot}",
                                 parser_class=OneLineArgumentParser)
     sub.required = True
     from fullshard.data import preprocess_cli
@@ -26,6 +27,9 @@ def _build_parser() -> argparse.ArgumentParser:
     preprocess_cli.add_args(pre)
     train = sub.add_parser("train", help="train a GPT language model")
     add_train_args(train)
+    cons = sub.add_parser("consolidate", help="write a checkpoint's model as one .safetensors / .pt file")
+    cons.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a directory written by fullshard.checkpoint.save")
+    cons.add_argument("out", metavar="OUT", help="output file ending in .safetensors (streamed) or .pt")
     plot = sub.add_parser("plot", help="plot loss curves from training logs")
     plot.add_argument("logs", nargs="+", metavar="LOG", help="json or simple logs of `fullshard train`")
     plot.add_argument("-o", "--output", default="curve.png", help="image file to write (default: %(default)s)")
@@ -51,6 +55,19 @@ def _train(parser: argparse.ArgumentParser, args) -> int:
     return 0
 
 
+def _consolidate(parser: argparse.ArgumentParser, args) -> int:
+    from fullshard.checkpoint import CheckpointError
+    from fullshard.checkpoint.consolidate import consolidate
+
+    try:
+        r = consolidate(args.checkpoint, args.out)
+    except (CheckpointError, ValueError) as e:
+        _parsers(parser)["consolidate"].fail(str(e))
+    print(f"wrote {args.out}: {r['tensors']} tensors, {r['bytes'] / 2**20:.1f} MiB in {r['seconds']:.2f} s; "
+          f"largest tensor {r['largest_tensor_bytes'] / 2**20:.1f} MiB, peak memory +{r['peak_rss_bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
 def _plot(parser: argparse.ArgumentParser, args) -> int:
     from fullshard.train.plot import LogError, plot
 
@@ -72,6 +89,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(preprocess_cli.run(args) or 0)
     if args.command == "train":
         return _train(parser, args)
+    if args.command == "consolidate":
+        return _consolidate(parser, args)
     return _plot(parser, args)
 
 

@@ -70,7 +70,7 @@ class TrainConfig:
     validate_interval_updates: int
     """Validate every this many updates (0 = only at end of epoch / training)."""
     save_dir: str
-    """Directory for checkpoint_last*.pt."""
+    """Directory for checkpoint_last/ and checkpoint_<epoch>_<updates>/ (fullshard.checkpoint layout)."""
     no_save: bool
     """Write no checkpoint when True."""
     nproc_per_node: int
@@ -99,6 +99,24 @@ class TrainConfig:
     """How --update-freq accumulates: 'no_sync' (micro-batches keep unsharded gradients locally;
     one reduce-scatter per update; Psi more gradient elements per rank) or 'reduce_scatter'
     (every micro-batch reduce-scatters into the gradient shards; K times the communication)."""
+
+    save_interval_updates: int = 0
+    """Also save checkpoint_<epoch>_<updates> every this many updates (0 = only at the end)."""
+    keep_interval_updates: int = -1
+    """Keep only the newest this many interval checkpoints (-1 = keep all)."""
+    restore_file: str = "checkpoint_last"
+    """Checkpoint directory to resume from: a path, or a name inside save_dir; used when it exists."""
+    reset_optimizer: bool = False
+    """Resume the model only: fresh optimizer state, update counter 0."""
+    reset_dataloader: bool = False
+    """Resume at epoch 1, first batch, instead of the saved data position."""
+    reset_lr_scheduler: bool = False
+    """Keep the fresh lr scheduler instead of the saved one."""
+    reset_meters: bool = False
+    """Start the train meters from zero instead of the saved ones."""
+    finetune_from_model: Optional[str] = None
+    """Initial weights (consolidated .pt/.safetensors file, or a checkpoint directory) when there is
+    nothing to resume in save_dir."""
 
     def to_dict(self) -> dict:
         """Plain-Python copy (for checkpoints)."""

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from fullshard.train import checkpoint_utils
 from fullshard.train.config import TrainConfig
 from fullshard.train.launcher import threads_per_rank
 from fullshard.train.progress import UpdateMeters, progress_bar, valid_stats
@@ -167,15 +168,17 @@ class Run:
                             time.perf_counter() - start, self.trainer.num_updates)
         progress_bar(self.cfg.log_format, epoch, 1, 1, prefix="valid on 'valid' subset").print(stats, tag="valid")
 
-    def train_epoch(self, epoch: int) -> bool:
-        """Train one epoch; returns True when --max-update was reached."""
+    def train_epoch(self, epoch: int, offset: int = 0) -> bool:
+        """Train one epoch from its ``offset``-th update; returns True when --max-update was reached."""
         cfg = self.cfg
         groups = epoch_updates(cfg, self.train_data, epoch)
-        logger.info(f"begin training epoch {epoch}")
+        logger.info(f"begin training epoch {epoch}" + (f" at update {offset} of it" if offset else ""))
         bar = progress_bar(cfg.log_format, epoch, len(groups), cfg.log_interval)
         inner, whole = self.inner, UpdateMeters()
         stop = False
         for i, group in enumerate(groups):
+            if i < offset:
+                continue
             out = self.trainer.train_step([collate(self.train_data, idx) for idx in group])
             bar.update(i)
             n = self.trainer.num_updates
@@ -195,8 +198,13 @@ class Run:
             periodic = updated and cfg.validate_interval_updates > 0 and n % cfg.validate_interval_updates == 0
             if stop or end_of_epoch or periodic:
                 self.validate(epoch)
+            interval = cfg.save_interval_updates
+            if updated and not cfg.no_save and interval > 0 and n % interval == 0 and not stop:
+                checkpoint_utils.save(self, epoch, i + 1, end_of_epoch)
             if stop:
+                self.position = (epoch, i + 1, end_of_epoch)
                 break
+            self.position = (epoch, i + 1, end_of_epoch)
         bar.close()
         logger.info(f"end of epoch {epoch} (average epoch stats below)")
         stats = whole.stats(self.trainer.num_updates, self.trainer.get_lr(), self.device, self.wall(),
@@ -206,17 +214,14 @@ class Run:
 
     def run(self) -> None:
         self.log_header()
-        epoch = 0  # last epoch trained
-        while self.cfg.max_epoch == 0 or epoch < self.cfg.max_epoch:
-            epoch += 1
-            if self.train_epoch(epoch):
+        epoch, offset = checkpoint_utils.load(self)
+        self.position = (epoch, offset, False)
+        while (self.cfg.max_epoch == 0 or epoch <= self.cfg.max_epoch) and not self.should_stop():
+            if self.train_epoch(epoch, offset):
                 break
+            epoch, offset = epoch + 1, 0
         if not self.cfg.no_save:
-            state = dict(epoch=epoch, num_updates=self.trainer.num_updates)
-            path = self.trainer.save_checkpoint(self.cfg.save_dir, state)
-            if self.cfg.ddp_backend == "fully_sharded":
-                path = path.replace("-shard0.pt", f"-shard{{0..{dist.get_world_size() - 1}}}.pt")
-            logger.info(f"saved checkpoint {path} (epoch {epoch} @ {self.trainer.num_updates} updates)")
+            checkpoint_utils.save(self, *self.position)
         logger.info("done training in {:.1f} seconds".format(self.wall()))
 
 

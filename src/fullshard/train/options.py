@@ -102,6 +102,21 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="validate every N updates (0 = end of epoch/training only)")
     g.add_argument("--save-dir", default="checkpoints")
     g.add_argument("--no-save", action="store_true", help="write no checkpoint")
+    g.add_argument("--save-interval-updates", type=int, default=0,
+                   help="also save checkpoint_<epoch>_<updates> every N updates (0 = only at the end)")
+    g.add_argument("--keep-interval-updates", type=int, default=-1,
+                   help="keep only the last N interval checkpoints (-1 = all)")
+    g.add_argument("--restore-file", default="checkpoint_last",
+                   help="checkpoint to resume from: a path, or a name in --save-dir (default: %(default)s; "
+                        "resumed automatically when it exists)")
+    g.add_argument("--reset-optimizer", action="store_true",
+                   help="resume the model only: fresh optimizer state and update counter")
+    g.add_argument("--reset-dataloader", action="store_true", help="resume at epoch 1, first batch")
+    g.add_argument("--reset-lr-scheduler", action="store_true", help="do not restore the lr scheduler")
+    g.add_argument("--reset-meters", action="store_true", help="do not restore the train meters")
+    g.add_argument("--finetune-from-model", default=None,
+                   help="start from these weights (a consolidated .pt/.safetensors or a checkpoint directory) "
+                        "when --save-dir has no checkpoint_last")
 
 
 def arch_max_positions(arch: str) -> int:
@@ -247,6 +262,11 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
         p.fail(f"the directory of --log-file {args.log_file!r} is a file; give a path in a directory")
     if not args.no_save and os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
         p.fail(f"--save-dir {args.save_dir!r} exists and is not a directory")
+    if args.finetune_from_model and not os.path.exists(args.finetune_from_model):
+        p.fail(f"--finetune-from-model {args.finetune_from_model!r} does not exist; give a consolidated "
+               "file or a checkpoint directory")
+    if args.save_interval_updates < 0:
+        p.fail(f"--save-interval-updates must be >= 0, got {args.save_interval_updates}")
     return TrainConfig(
         data_dir=args.data, arch=args.arch, max_positions=max_positions, vocab_size=int(meta["vocab_size"]),
         ddp_backend=args.ddp_backend, reshard_after_forward=not args.no_reshard_after_forward,
@@ -263,6 +283,10 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
         min_loss_scale=args.min_loss_scale, cpu_offload=args.cpu_offload,
         checkpoint_activations=args.checkpoint_activations or args.offload_activations,
         offload_activations=args.offload_activations, accumulate_mode=args.accumulate_mode,
+        save_interval_updates=args.save_interval_updates, keep_interval_updates=args.keep_interval_updates,
+        restore_file=args.restore_file, reset_optimizer=args.reset_optimizer,
+        reset_dataloader=args.reset_dataloader, reset_lr_scheduler=args.reset_lr_scheduler,
+        reset_meters=args.reset_meters, finetune_from_model=args.finetune_from_model,
     )
 
 

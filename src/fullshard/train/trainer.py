@@ -1,4 +1,5 @@
-"""One rank's model, optimizer and steps: build + wrap, train_step, valid_step, save.
+"""One rank's model, optimizer and steps: build + wrap, train_step, valid_step.
+Checkpoints: see ``checkpoint_utils.py``.
 
 Loss convention: each rank's loss is its own mean token cross entropy (nats),
 so the data-parallel gradient average done by FSDP / DDP gives the mean over
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from typing import Dict, List, Sequence, Tuple
 
@@ -103,7 +103,7 @@ class Trainer:
         shapes = {n: p.shape for n, p in model.named_parameters()}
         total = num_params(model)
         # Checkpoint first, then shard: CheckpointWrapper(FSDP(block)); recomputation
-        # reuses the gather made for the block's backward (fullshard/checkpointing.py).
+        # reuses the gather made for the block's backward (fullshard/activation_checkpointing.py).
         self._checkpoint_blocks(model)
         low = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
         if low is not None:
@@ -119,7 +119,7 @@ class Trainer:
         """--checkpoint-activations / --offload-activations: wrap every TransformerBlock."""
         if not self.cfg.checkpoint_activations:
             return
-        from fullshard.checkpointing import apply_activation_checkpointing
+        from fullshard.activation_checkpointing import apply_activation_checkpointing
         from fullshard.models import TransformerBlock
 
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, TransformerBlock),
@@ -213,33 +213,3 @@ class Trainer:
 
     def get_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
-
-    # ------------------------------------------------------------------ save
-    def save_checkpoint(self, save_dir: str, train_state: dict) -> str:
-        """Write checkpoint_last*.pt atomically (tmp file + os.replace); returns the path.
-
-        fully_sharded: every rank writes ``checkpoint_last-shard{rank}.pt`` with its
-        local parameter shards (by original name), optimizer state, train state,
-        args and world size. c10d: rank 0 writes ``checkpoint_last.pt`` with the
-        model's full state_dict.
-        """
-        os.makedirs(save_dir, exist_ok=True)
-        common = dict(optimizer=self.optimizer.state_dict(), lr_scheduler=self.lr_scheduler.state_dict(),
-                      loss_scaler=self.scaler.state_dict(),
-                      train_state=train_state, args=self.cfg.to_dict(), world_size=self.world_size)
-        if self.cfg.ddp_backend == "c10d":
-            path = os.path.join(save_dir, "checkpoint_last.pt")
-            if self.rank == 0:
-                _atomic_save(dict(model=self.model.module.state_dict(), **common), path)
-        else:
-            path = os.path.join(save_dir, f"checkpoint_last-shard{self.rank}.pt")
-            shards = {n: p.detach().clone().cpu() for n, p in self.model.named_parameters()}
-            _atomic_save(dict(model=shards, rank=self.rank, format="fullshard-local-shards-v1", **common), path)
-        C.barrier()
-        return path
-
-
-def _atomic_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)

@@ -1,6 +1,6 @@
 """Activation checkpointing (recompute in backward) and activation offloading.
 
-    from fullshard.checkpointing import apply_activation_checkpointing
+    from fullshard.activation_checkpointing import apply_activation_checkpointing
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, TransformerBlock))
     model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
 
@@ -19,8 +19,9 @@ module is replaced; the unit's shards and names do not change).
 Either way the unit's pre-backward hook has already gathered its full
 parameters, and exposed its grad-mode views, when backward reaches the
 recomputation, and the engine's pre_forward (``rt.in_backward`` branch in
-``core/state.py``) reuses that gather, so recomputation adds no all-gather: FULL_SHARD keeps 2 per unit
-per step (tests/dist/test_checkpointing.py checks this).
+``core/state.py``) reuses that gather, so recomputation adds no all-gather:
+FULL_SHARD keeps 2 per unit per step
+(tests/dist/test_activation_checkpointing.py checks this).
 
 Parameter names: the wrapper holds the module as ``_checkpoint_wrapped_module``
 but that segment never shows: ``named_modules()`` yields the wrapped module

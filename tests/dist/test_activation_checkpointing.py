@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fullshard import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
-from fullshard.checkpointing import CheckpointWrapper, apply_activation_checkpointing
+from fullshard.activation_checkpointing import CheckpointWrapper, apply_activation_checkpointing
 from fullshard.core import collectives as C
 from fullshard.models import GPT, GPTConfig, TransformerBlock, build_model
 from fullshard.wrap import ModuleWrapPolicy

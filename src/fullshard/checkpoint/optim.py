@@ -1,0 +1,234 @@
+"""Optimizer state dicts keyed by original parameter names (torch FSDP1's
+``optim_state_dict`` / ``optim_state_dict_to_load``).
+
+Format: ``{"state": {name: {key: value}}, "param_groups": [{..., "params":
+[names]}]}``. A state value is *per-row* when it is a tensor with the
+parameter's local shard shape (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's
+``momentum_buffer``); per-row values are full tensors (FULL_STATE_DICT,
+gathered one unit and one key at a time) or ``DTensor(Shard(0))`` views
+(SHARDED_STATE_DICT), as for parameters (see ``state_dict.py`` [Note:
+state-dict values]). Anything else (the scalar ``step``) is kept as is.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..api import StateDictType
+from ..core import collectives as C
+from . import state_dict as SD
+
+
+def _param_info(units, ents) -> dict:
+    """id(parameter the optimizer sees) -> (name, unit index or None, slot index or None)."""
+    info = {}
+    for e in ents:
+        if e.is_buffer:
+            continue
+        p = e.tensor if e.tensor is not None else units[e.unit].sharded_params[e.slot]
+        info.setdefault(id(p), (e.key, e.unit, e.slot))
+    return info
+
+
+def _optim_params(optim: torch.optim.Optimizer, info: dict) -> list:
+    order = [p for g in optim.param_groups for p in g["params"]]
+    for i, p in enumerate(order):
+        if id(p) not in info:
+            raise ValueError(f"[rank {C.rank()}] optimizer parameter #{i} (shape {tuple(p.shape)}) is not a "
+                             "parameter of the model; build the optimizer from model.parameters() after wrapping")
+    return order
+
+
+def _per_row(v, shape: torch.Size) -> bool:
+    return torch.is_tensor(v) and v.dim() > 0 and v.shape == shape
+
+
+def init_optim_state(optim: torch.optim.Optimizer) -> None:
+    """Create an empty optimizer's state (zeros) by one step with zero
+    gradients at learning rate 0, so it has templates to load into.
+    Parameters are unchanged (the update and decoupled weight decay scale with lr)."""
+    if optim.state:
+        return
+    lrs = []
+    for g in optim.param_groups:
+        lrs.append(g["lr"])
+        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+        for p in g["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    try:
+        optim.step()
+    finally:
+        for g, lr in zip(optim.param_groups, lrs):
+            g["lr"] = lr
+        optim.zero_grad(set_to_none=True)
+
+
+@torch.no_grad()
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    """The optimizer's state by original parameter name, full or sharded per
+    the model's state-dict type (``FSDP.state_dict_type``).
+
+    Every rank must call it (full per-row state is all-gathered per unit).
+
+    Raises:
+        ValueError: the optimizer holds a parameter the model does not own.
+    """
+    SD.check_idle(model, "optim_state_dict()")
+    st = SD.settings(model)
+    full = st.type is StateDictType.FULL_STATE_DICT
+    offload = st.optim_config.offload_to_cpu
+    keep = not (full and st.optim_config.rank0_only) or C.rank() == 0
+    units, ents = SD.entries(model)
+    info = _param_info(units, ents)
+    order = _optim_params(optim, info)
+    osd = optim.state_dict()
+    groups = [dict(g, params=[info[id(order[i])][0] for i in g["params"]]) for g in osd["param_groups"]]
+    by_slot = {}
+    out = {}
+    for i, s in osd["state"].items():
+        name, ui, si = info[id(order[i])]
+        if ui is None:
+            out[name] = {k: SD.copy_value(v, offload) if torch.is_tensor(v) else v for k, v in s.items()}
+            continue
+        by_slot[(ui, si)] = s
+        shape = units[ui].layout.params[si].local_shape(units[ui].rank)
+        out[name] = {k: (SD.copy_value(v, offload) if torch.is_tensor(v) else v)
+                     for k, v in s.items() if not _per_row(v, shape)}
+    # Per-row keys and dtypes of each unit, the same on every rank (collectives follow them).
+    mine = {}
+    for (ui, si), s in by_slot.items():
+        shape = units[ui].layout.params[si].local_shape(units[ui].rank)
+        for k, v in s.items():
+            if _per_row(v, shape):
+                mine.setdefault(ui, {})[k] = v.dtype
+    keys: dict = {}
+    for theirs in C.all_gather_object(mine, C.world_group()):
+        for ui, kd in theirs.items():
+            keys.setdefault(ui, {}).update(kd)
+    for ui, unit in enumerate(units):
+        if not full:
+            SD.check_shardable(unit)
+        for k, dtype in sorted(keys.get(ui, {}).items()):
+            have = {si: by_slot[(ui, si)][k] for si in range(len(unit.slots))
+                    if k in by_slot.get((ui, si), {})}
+            if full:
+                flat = torch.zeros(unit.layout.shard_numel, dtype=dtype, device=unit.flat_shard.device)
+                for si, v in have.items():
+                    p = unit.layout.params[si]
+                    flat[p.shard_offset:p.shard_offset + v.numel()].copy_(v.reshape(-1))
+                views = SD.gather_full(unit, flat)
+                if keep:
+                    for si in have:
+                        out[info[id(unit.sharded_params[si])][0]][k] = SD.copy_value(views[si], offload)
+                del views
+                continue
+            for si in range(len(unit.slots)):
+                lay = unit.layout.params[si]
+                if si not in have and not (len(lay.shape) == 0 and unit.world > 1):
+                    continue  # 0-dim slots broadcast on every rank, held or not
+                local = have.get(si)
+                if local is None:
+                    local = torch.zeros(lay.local_shape(unit.rank), dtype=dtype, device=unit.flat_shard.device)
+                v = SD.shard_value(unit, si, local, offload)
+                if si in have:
+                    out[info[id(unit.sharded_params[si])][0]][k] = v
+    if not keep:
+        return {}
+    return {"state": out, "param_groups": groups}
+
+
+@torch.no_grad()
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dict) -> dict:
+    """Turn a by-name optimizer state dict (full or sharded, of any world
+    size) into ``optim.load_state_dict``'s form for this rank's shards.
+
+    No collectives. Creates the optimizer's state first if it has none (see
+    :func:`init_optim_state`), to learn which values are per-row.
+
+    Raises:
+        ValueError: a different number of parameter groups, a group whose
+            parameter names differ (both sides listed), or state for a
+            parameter the optimizer does not hold.
+    """
+    SD.check_idle(model, "optim_state_dict_to_load()")
+    units, ents = SD.entries(model)
+    info = _param_info(units, ents)
+    order = _optim_params(optim, info)
+    init_optim_state(optim)
+    cur = optim.state_dict()
+    index = {info[id(p)][0]: i for i, p in enumerate(order)}
+    saved = osd["param_groups"]
+    if len(saved) != len(cur["param_groups"]):
+        raise ValueError(f"[rank {C.rank()}] optimizer state has {len(saved)} parameter groups, the optimizer "
+                         f"{len(cur['param_groups'])}; build the optimizer with the same groups")
+    groups = []
+    for gi, (sg, cg) in enumerate(zip(saved, cur["param_groups"])):
+        names = {info[id(order[i])][0] for i in cg["params"]}
+        if set(sg["params"]) != names:
+            raise ValueError(f"[rank {C.rank()}] parameter group {gi}: missing {sorted(names - set(sg['params']))}, "
+                             f"unexpected {sorted(set(sg['params']) - names)}")
+        groups.append(dict(sg, params=list(cg["params"])))
+    state = {}
+    for name, s in osd["state"].items():
+        if name not in index:
+            raise ValueError(f"[rank {C.rank()}] optimizer state for '{name}', which the optimizer does not hold")
+        i = index[name]
+        _, ui, si = info[id(order[i])]
+        template = cur["state"].get(i, {})
+        new = {}
+        for k, v in s.items():
+            t = template.get(k)
+            if ui is not None and _per_row(t, units[ui].layout.params[si].local_shape(units[ui].rank)):
+                new[k] = SD.local_rows(units[ui], si, v, f"{name}/{k}").clone()
+            else:
+                new[k] = v.clone() if torch.is_tensor(v) else v
+        state[i] = new
+    return {"state": state, "param_groups": groups}
+
+
+def _plain_names(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[list, list[str]]:
+    names = {}
+    for n, p in model.named_parameters():
+        names.setdefault(id(p), n)
+    order = [p for g in optim.param_groups for p in g["params"]]
+    missing = [i for i, p in enumerate(order) if id(p) not in names]
+    if missing:
+        raise ValueError(f"[rank {C.rank()}] optimizer parameters #{missing} are not parameters of the model")
+    return order, [names[id(p)] for p in order]
+
+
+def plain_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    """A plain (unwrapped or DDP's inner) model's optimizer state by parameter
+    name, in the format of :func:`optim_state_dict` (values are not copied)."""
+    order, names = _plain_names(model, optim)
+    osd = optim.state_dict()
+    return {"state": {names[i]: dict(s) for i, s in osd["state"].items()},
+            "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in osd["param_groups"]]}
+
+
+def plain_optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dict) -> dict:
+    """Inverse of :func:`plain_optim_state_dict` for a full by-name state dict.
+
+    Raises:
+        ValueError: groups or names that differ from the optimizer's (listed).
+    """
+    order, names = _plain_names(model, optim)
+    index = {n: i for i, n in enumerate(names)}
+    cur = optim.state_dict()["param_groups"]
+    if len(osd["param_groups"]) != len(cur):
+        raise ValueError(f"[rank {C.rank()}] optimizer state has {len(osd['param_groups'])} parameter groups, "
+                         f"the optimizer {len(cur)}; build the optimizer with the same groups")
+    groups = []
+    for gi, (sg, cg) in enumerate(zip(osd["param_groups"], cur)):
+        want = {names[i] for i in cg["params"]}
+        if set(sg["params"]) != want:
+            raise ValueError(f"[rank {C.rank()}] parameter group {gi}: missing {sorted(want - set(sg['params']))}, "
+                             f"unexpected {sorted(set(sg['params']) - want)}")
+        groups.append(dict(sg, params=list(cg["params"])))
+    unknown = [n for n in osd["state"] if n not in index]
+    if unknown:
+        raise ValueError(f"[rank {C.rank()}] optimizer state for parameters the optimizer does not hold: {unknown}")
+    state = {index[n]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+             for n, s in osd["state"].items()}
+    return {"state": state, "param_groups": groups}

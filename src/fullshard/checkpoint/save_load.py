@@ -1,0 +1,245 @@
+"""``save`` / ``load``: sharded checkpoints through ``torch.distributed.checkpoint``.
+
+[Note: checkpoint layout]
+A checkpoint is a directory::
+
+    .metadata                DCP: every key's global shape, dtype and chunks
+    __<rank>_0.distcp        DCP: the shards rank <rank> wrote (no gather)
+    extra-rank<rank>.pt      each rank's ``extra`` dict (torch.save), if given
+    fullshard.json           manifest: world size, keys, bytes and sha256 per file
+
+Keys are ``model.<name>`` and ``optim.state.<name>.<key>`` /
+``optim.param_groups.<i>.<key>`` under the plain model's names, so the same
+checkpoint loads into FSDP (any world size; DCP reshards), DDP or a plain model.
+
+Atomicity: every rank writes into ``<dir>.tmp``; after a barrier rank 0
+hashes the files, writes the manifest last and renames ``<dir>.tmp`` to
+``<dir>`` (an existing ``<dir>`` is first renamed to ``<dir>.old`` and
+removed after). A process killed at any point leaves either the previous
+checkpoint at ``<dir>`` (or ``<dir>.old``, which ``load`` and the next
+``save`` recover) or the new one: never a half-written ``<dir>``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from ..api import StateDictType
+from ..core import collectives as C
+from . import optim as O
+from . import state_dict as SD
+
+MANIFEST = "fullshard.json"
+FORMAT = "fullshard-dcp-v1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded: corrupted, missing, or of another model."""
+
+
+def _world() -> int:
+    return C.world_size() if C.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if _world() > 1:
+        C.barrier()
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    return bool(SD._units_of(model))
+
+
+def _plain(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _states(model: nn.Module, optimizer) -> dict:
+    """The sharded (FSDP) or plain (DDP, unwrapped) state under ``model`` / ``optim`` keys."""
+    if _is_fsdp(model):
+        prev = SD.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+        try:
+            state = {"model": SD.state_dict(model)}
+            if optimizer is not None:
+                state["optim"] = O.optim_state_dict(model, optimizer)
+        finally:
+            SD.restore(model, prev)
+        return state
+    state = {"model": _plain(model).state_dict()}
+    if optimizer is not None:
+        state["optim"] = O.plain_optim_state_dict(_plain(model), optimizer)
+    return state
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _recover(final: str) -> None:
+    """Undo a save killed between its two renames (rank 0 only)."""
+    old = final + ".old"
+    if os.path.isdir(old):
+        if os.path.isdir(final):
+            shutil.rmtree(old)
+        else:
+            os.rename(old, final)
+
+
+def save(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+         extra: Optional[dict] = None) -> float:
+    """Write a sharded checkpoint (see [Note: checkpoint layout]); every rank calls it.
+
+    Args:
+        checkpoint_dir: the directory to create or replace.
+        model: a FullyShardedDataParallel root, a DDP model or a plain module.
+        optimizer: its optimizer (state saved by parameter name), or None.
+        extra: this rank's picklable dict (RNG states, data position, ...);
+            each rank's is kept and :func:`load` returns it to the same rank.
+    Returns:
+        Seconds the save took on this rank.
+    """
+    start = time.perf_counter()
+    final = os.path.abspath(checkpoint_dir)
+    tmp = final + ".tmp"
+    rank, world = C.rank(), _world()
+    if rank == 0:
+        _recover(final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    state = _states(model, optimizer)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=world == 1)
+    if extra is not None:
+        torch.save(extra, os.path.join(tmp, f"extra-rank{rank}.pt"))
+    del state
+    _barrier()  # every rank's files are complete
+    if rank == 0:
+        files = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "sha256": _sha256(os.path.join(tmp, n))}
+                 for n in sorted(os.listdir(tmp))}
+        manifest = {"format": FORMAT, "world_size": world, "files": files, "time": time.time()}
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if os.path.isdir(final):
+            os.rename(final, final + ".old")
+            os.rename(tmp, final)
+            shutil.rmtree(final + ".old")
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(os.path.dirname(final))
+    _barrier()
+    return time.perf_counter() - start
+
+
+def _resolve(checkpoint_dir: str) -> str:
+    final = os.path.abspath(checkpoint_dir)
+    for path in (final, final + ".old"):
+        if os.path.isfile(os.path.join(path, MANIFEST)):
+            return path
+    raise CheckpointError(f"[rank {C.rank()}] no checkpoint at {final} (no {MANIFEST}: the directory is "
+                          "missing or its save did not finish)")
+
+
+def verify(path: str) -> dict:
+    """Check every file of the manifest (size and sha256; files split over
+    ranks); returns the manifest.
+
+    Raises:
+        CheckpointError: naming each missing, truncated or corrupted file.
+    """
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    rank, world = C.rank(), _world()
+    bad = []
+    for i, (name, info) in enumerate(sorted(manifest["files"].items())):
+        if i % world != rank:
+            continue
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            bad.append(f"{name} (missing)")
+        elif os.path.getsize(full) != info["bytes"]:
+            bad.append(f"{name} (truncated: {os.path.getsize(full)} of {info['bytes']} bytes)")
+        elif _sha256(full) != info["sha256"]:
+            bad.append(f"{name} (corrupted: sha256 differs)")
+    every = [b for theirs in (C.all_gather_object(bad) if world > 1 else [bad]) for b in theirs]
+    if every:
+        raise CheckpointError(f"[rank {rank}] checkpoint {path} is damaged: {', '.join(every)}; "
+                              "load an earlier checkpoint")
+    return manifest
+
+
+def _check_model_keys(path: str, template: dict) -> None:
+    """Refuse a checkpoint of another model, listing the names."""
+    md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = {k[len("model."):]: getattr(v, "size", None) for k, v in md.items() if k.startswith("model.")}
+    missing = [k for k in template if k not in saved]
+    unexpected = [k for k in saved if k not in template]
+    shapes = [f"'{k}': checkpoint {tuple(saved[k])} vs model {tuple(v.shape)}"
+              for k, v in template.items() if k in saved and saved[k] is not None
+              and torch.Size(saved[k]) != torch.Size(v.shape)]
+    if missing or unexpected or shapes:
+        parts = ([f"missing from checkpoint: {missing}"] if missing else []) + \
+                ([f"not in model: {unexpected}"] if unexpected else []) + \
+                ([f"shape mismatch: {'; '.join(shapes)}"] if shapes else [])
+        raise CheckpointError(f"[rank {C.rank()}] checkpoint {path} is of another model: " + " | ".join(parts)
+                              + "; nothing was loaded")
+
+
+def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+    """Load a checkpoint written by :func:`save` at any world size; every rank calls it.
+
+    Returns:
+        This rank's ``extra`` (rank 0's when the saving run had fewer ranks),
+        or None.
+    Raises:
+        CheckpointError: missing/damaged files (named), or a checkpoint of
+            another model (missing, unexpected and mis-shaped names listed);
+            in both cases before anything is loaded.
+    """
+    path = _resolve(checkpoint_dir)
+    verify(path)
+    fsdp = _is_fsdp(model)
+    if optimizer is not None:
+        O.init_optim_state(optimizer)
+    state = _states(model, optimizer)
+    _check_model_keys(path, state["model"])
+    world = _world()
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=world == 1)
+    if fsdp:
+        prev = SD.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+        try:
+            SD.load_state_dict(model, state["model"])
+            if optimizer is not None:
+                optimizer.load_state_dict(O.optim_state_dict_to_load(model, optimizer, state["optim"]))
+        finally:
+            SD.restore(model, prev)
+    else:
+        _plain(model).load_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(O.plain_optim_state_dict_to_load(_plain(model), optimizer, state["optim"]))
+    for name in (f"extra-rank{C.rank()}.pt", "extra-rank0.pt"):
+        if os.path.isfile(os.path.join(path, name)):
+            return torch.load(os.path.join(path, name), weights_only=False)
+    return None

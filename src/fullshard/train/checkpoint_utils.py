@@ -1,0 +1,166 @@
+"""The trainer's checkpoints (fairseq's ``checkpoint_utils``): save every
+``--save-interval-updates`` and at the end, keep the last N, resume from
+``save_dir/checkpoint_last`` or ``--restore-file``, ``--reset-*`` and
+``--finetune-from-model``.
+
+One checkpoint is one :mod:`fullshard.checkpoint` directory (sharded model and
+optimizer through torch.distributed.checkpoint) whose per-rank ``extra`` holds
+the rest of the training state::
+
+    {"train_state": {"epoch", "offset", "num_updates", "samples"},   # data position, updates
+     "lr_scheduler", "loss_scaler", "rng": {torch, python, numpy, cuda},
+     "meters": {...}, "args": {...}, "world_size": N}
+
+``offset`` counts the updates already taken in ``epoch``; ``samples`` the
+sequences taken in it over all ranks, which gives the position at another
+world size (``samples // (batch_size * update_freq * world)``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from typing import Optional
+
+import torch
+
+from fullshard import checkpoint
+from fullshard.core import collectives as C
+
+logger = logging.getLogger("fullshard.train")
+_INTERVAL = re.compile(r"^checkpoint_(\d+)_(\d+)$")
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _meters_state(meters) -> dict:
+    return {k: v for k, v in vars(meters).items() if k != "start"}
+
+
+def save(run, epoch: int, offset: int, end_of_epoch: bool) -> str:
+    """Save ``checkpoint_last`` (and ``checkpoint_<epoch>_<updates>`` on an
+    interval), prune old interval checkpoints; every rank calls it.
+
+    Args:
+        run: the loop's Run (trainer, cfg, meters).
+        epoch, offset: data position after the last update (updates taken in ``epoch``).
+        end_of_epoch: the epoch's last update was taken (resume starts the next epoch).
+    Returns:
+        The checkpoint_last path.
+    """
+    cfg, trainer = run.cfg, run.trainer
+    if end_of_epoch:
+        epoch, offset = epoch + 1, 0
+    samples = offset * cfg.batch_size * cfg.update_freq * C.world_size()
+    extra = dict(train_state=dict(epoch=epoch, offset=offset, samples=samples, num_updates=trainer.num_updates),
+                 lr_scheduler=trainer.lr_scheduler.state_dict(), loss_scaler=trainer.scaler.state_dict(),
+                 rng=rng_state(), meters=_meters_state(run.inner), args=cfg.to_dict(),
+                 world_size=C.world_size())
+    last = os.path.join(cfg.save_dir, "checkpoint_last")
+    seconds = checkpoint.save(last, trainer.model, trainer.optimizer, extra=extra)
+    n = trainer.num_updates
+    saved = [last]
+    if C.rank() == 0 and cfg.save_interval_updates > 0 and n % cfg.save_interval_updates == 0:
+        interval = os.path.join(cfg.save_dir, f"checkpoint_{epoch if not end_of_epoch else epoch - 1}_{n}")
+        shutil.rmtree(interval + ".tmp", ignore_errors=True)
+        shutil.copytree(last, interval + ".tmp")
+        shutil.rmtree(interval, ignore_errors=True)
+        os.rename(interval + ".tmp", interval)
+        saved.append(interval)
+        _prune(cfg.save_dir, cfg.keep_interval_updates)
+    C.barrier()
+    logger.info(f"saved checkpoint {', '.join(saved)} (epoch {epoch} @ {n} updates) "
+                f"(writing took {seconds:.2f} seconds)")
+    return last
+
+
+def _prune(save_dir: str, keep: int) -> None:
+    if keep < 0:
+        return
+    found = sorted((int(m.group(2)), name) for name in os.listdir(save_dir)
+                   if (m := _INTERVAL.match(name)) and os.path.isdir(os.path.join(save_dir, name)))
+    for _, name in found[:max(0, len(found) - keep)]:
+        shutil.rmtree(os.path.join(save_dir, name))
+
+
+def _restore_path(cfg) -> Optional[str]:
+    path = cfg.restore_file
+    if not os.path.isabs(path) and not os.path.exists(path):
+        path = os.path.join(cfg.save_dir, path)
+    if os.path.isdir(path) or os.path.isdir(path + ".old"):
+        return path
+    return None
+
+
+def load(run) -> tuple[int, int]:
+    """Resume if a checkpoint exists (else fine-tune from --finetune-from-model);
+    returns the data position ``(epoch, offset)`` to start from."""
+    cfg, trainer = run.cfg, run.trainer
+    path = _restore_path(cfg)
+    if path is None:
+        if cfg.finetune_from_model:
+            start = time.perf_counter()
+            load_weights(cfg.finetune_from_model, trainer.model)
+            logger.info(f"loaded weights from {cfg.finetune_from_model} for fine-tuning "
+                        f"({time.perf_counter() - start:.2f} seconds)")
+        return 1, 0
+    start = time.perf_counter()
+    extra = checkpoint.load(path, trainer.model, None if cfg.reset_optimizer else trainer.optimizer)
+    ts = extra["train_state"]
+    if not cfg.reset_optimizer:
+        trainer.num_updates = ts["num_updates"]
+        trainer.scaler.load_state_dict(extra["loss_scaler"])
+    if not cfg.reset_lr_scheduler:
+        trainer.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+    if not cfg.reset_meters:
+        vars(run.inner).update(extra["meters"])
+    set_rng_state(extra["rng"])
+    epoch, offset = 1, 0
+    if not cfg.reset_dataloader:
+        epoch, offset = ts["epoch"], ts["offset"]
+        if extra["world_size"] != C.world_size():
+            offset = ts["samples"] // (cfg.batch_size * cfg.update_freq * C.world_size())
+    logger.info(f"loaded checkpoint {path} (epoch {epoch} offset {offset} @ {trainer.num_updates} updates, "
+                f"saved by {extra['world_size']} ranks) ({time.perf_counter() - start:.2f} seconds)")
+    return epoch, offset
+
+
+def load_weights(path: str, model) -> None:
+    """Full weights into ``model``: a consolidated ``.safetensors`` / ``.pt``
+    file (plain state dict) or a fullshard checkpoint directory (model only)."""
+    if os.path.isdir(path):
+        checkpoint.load(path, model)
+        return
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        sd = load_file(path)
+    else:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    target = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    target.load_state_dict(sd)

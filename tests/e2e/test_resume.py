@@ -1,0 +1,73 @@
+"""Trainer checkpoints: exact resume (bit-identical parameters), interval
+saves with --keep-interval-updates, resume at another --nproc-per-node,
+c10d <-> fully_sharded, --reset-* flags."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tests.e2e.test_train_cli import json_records
+
+ARCH = "transformer_lm_gpt_mini"
+COMMON = ["--arch", ARCH, "--tokens-per-sample", "64", "--lr", "0.001", "--lr-scheduler", "polynomial_decay",
+          "--warmup-updates", "2", "--total-num-update", "8", "--clip-norm", "1.0", "--weight-decay", "0.01",
+          "--seed", "3", "--log-interval", "1", "--batch-size", "4", "--log-format", "json"]
+
+
+def _train(cli, corpus_dir, save_dir, *extra, nproc=2, updates=8):
+    proc = cli("train", str(corpus_dir), *COMMON, "--nproc-per-node", str(nproc), "--max-update", str(updates),
+               "--save-dir", str(save_dir), *extra)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json_records(proc.stdout)
+
+
+def _params(corpus_dir, path):
+    from fullshard import checkpoint
+    from fullshard.models import build_model
+    from fullshard.train.options import arch_max_positions
+
+    vocab = int(json.loads((corpus_dir / "meta.json").read_text())["vocab_size"])
+    model = build_model(ARCH, vocab_size=vocab, max_positions=arch_max_positions(ARCH))
+    extra = checkpoint.load(str(path), model)
+    return model.state_dict(), extra
+
+
+def _losses(records):
+    return [(r["num_updates"], r["loss"], r["ppl"], r["lr"]) for r in records["train_inner"]]
+
+
+def test_exact_resume_interval_keep_and_reshard(cli, corpus_dir, tmp_path):
+    """8 updates straight == 4, save, new processes, load, 4 (bit-identical fp32 parameters and the
+    same logged losses); interval checkpoints pruned to the last one; resuming at 1 rank works."""
+    _, straight = _train(cli, corpus_dir, tmp_path / "a")
+    half = tmp_path / "b"
+    _train(cli, corpus_dir, half, "--save-interval-updates", "2", "--keep-interval-updates", "1", updates=4)
+    assert sorted(p.name for p in half.iterdir()) == ["checkpoint_1_4", "checkpoint_last"]
+    out, resumed = _train(cli, corpus_dir, half)
+    assert "loaded checkpoint" in out and "epoch 1 offset 4 @ 4 updates" in out
+    assert _losses(resumed) == _losses(straight)[4:]
+    a, extra = _params(corpus_dir, tmp_path / "a" / "checkpoint_last")
+    b, _ = _params(corpus_dir, half / "checkpoint_last")
+    assert extra["train_state"]["num_updates"] == 8 and extra["world_size"] == 2
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # Resume the 4-update checkpoint on 1 rank (resharded), same data position.
+    out, one = _train(cli, corpus_dir, tmp_path / "c", "--restore-file", str(half / "checkpoint_1_4"), nproc=1)
+    assert "saved by 2 ranks" in out and "offset 8 @ 4 updates" in out
+    assert [r["num_updates"] for r in one["train_inner"]] == ["5", "6", "7", "8"]
+
+
+def test_c10d_checkpoint_resumes_fully_sharded_and_resets(cli, corpus_dir, tmp_path):
+    """A c10d checkpoint resumes under fully_sharded (same names); --reset-optimizer restarts the counter;
+    --finetune-from-model takes the weights only."""
+    ddp = tmp_path / "ddp"
+    _train(cli, corpus_dir, ddp, "--ddp-backend", "c10d", updates=2)
+    out, rec = _train(cli, corpus_dir, ddp, updates=4)
+    assert "@ 2 updates" in out and [r["num_updates"] for r in rec["train_inner"]] == ["3", "4"]
+    out, rec = _train(cli, corpus_dir, ddp, "--reset-optimizer", "--reset-lr-scheduler", "--reset-dataloader",
+                      updates=1)
+    assert [r["num_updates"] for r in rec["train_inner"]] == ["1"]
+    out, rec = _train(cli, corpus_dir, tmp_path / "ft", "--finetune-from-model", str(ddp / "checkpoint_last"),
+                      updates=1)
+    assert "for fine-tuning" in out and [r["num_updates"] for r in rec["train_inner"]] == ["1"]
