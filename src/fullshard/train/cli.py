@@ -1,8 +1,9 @@
-"""The `fullshard` console script: ``preprocess``, ``train``, ``consolidate`` and ``plot`` subcommands.
+"""The `fullshard` console script: ``preprocess``, ``train``, ``consolidate``, ``plan`` and ``plot`` subcommands.
 
     fullshard preprocess --builtin-corpus --destdir data-bin/wiki
     fullshard train data-bin/wiki --nproc-per-node 2 --arch transformer_lm_gpt_tiny ...
     fullshard consolidate checkpoints/tiny/checkpoint_last model.safetensors
+    fullshard plan --arch transformer_lm_gpt3_xl --world-size 8 --bf16 --budget-gb 16
     fullshard plot run_a.log run_b.log -o curve.png
 
 Exit codes: 0 success, 1 a rank failed while training, 2 bad input.
@@ -18,7 +19,7 @@ from fullshard.train.options import OneLineArgumentParser, add_train_args, valid
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fullshard", description="Fully Sharded Data Parallel GPT training.")
-    sub = parser.add_subparsers(dest="command", metavar="{preprocess,train,consolidate,plot}",
+    sub = parser.add_subparsers(dest="command", metavar="{preprocess,train,consolidate,plan,plot}",
                                 parser_class=OneLineArgumentParser)
     sub.required = True
     from fullshard.data import preprocess_cli
@@ -30,11 +31,59 @@ def _build_parser() -> argparse.ArgumentParser:
     cons = sub.add_parser("consolidate", help="write a checkpoint's model as one .safetensors / .pt file")
     cons.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a directory written by fullshard.checkpoint.save")
     cons.add_argument("out", metavar="OUT", help="output file ending in .safetensors (streamed) or .pt")
+    plan = sub.add_parser("plan", help="per-rank memory of a training configuration; what fits a budget")
+    _add_plan_args(plan)
     plot = sub.add_parser("plot", help="plot loss curves from training logs")
     plot.add_argument("logs", nargs="+", metavar="LOG", help="json or simple logs of `fullshard train`")
     plot.add_argument("-o", "--output", default="curve.png", help="image file to write (default: %(default)s)")
     plot.add_argument("--title", default="", help="chart title")
     return parser
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    from fullshard.models.config import ARCHS
+
+    p.add_argument("--arch", required=True, choices=sorted(ARCHS), metavar="ARCH",
+                   help="a named GPT (see `fullshard train --help`)")
+    p.add_argument("--world-size", type=int, required=True, help="N, data-parallel ranks")
+    p.add_argument("--sharding-strategy", default="FULL_SHARD",
+                   choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+    p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 master shards")
+    p.add_argument("--fp16", action="store_true", help="fp16 compute, fp32 master shards")
+    p.add_argument("--cpu-offload", action="store_true")
+    p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
+    p.add_argument("--tokens-per-sample", type=int, default=1024)
+    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--budget-gb", type=float, help="list every configuration fitting this many GB per rank")
+
+
+def _plan(parser: argparse.ArgumentParser, args) -> int:
+    import torch
+
+    from fullshard.api import ShardingStrategy
+    from fullshard.bench import plan as PL
+
+    sub = _parsers(parser)["plan"]
+    for name in ("world_size", "batch_size", "tokens_per_sample", "vocab_size"):
+        if getattr(args, name) < 1:
+            sub.fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.bf16 and args.fp16:
+        sub.fail("--bf16 and --fp16 are exclusive; pick one")
+    if args.budget_gb is not None and args.budget_gb <= 0:
+        sub.fail(f"--budget-gb must be > 0, got {args.budget_gb}")
+    work = PL.gpt_workload(args.arch, args.batch_size, args.tokens_per_sample, args.vocab_size)
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    cfg = PL.Config(ShardingStrategy[args.sharding_strategy], args.world_size, dtype, args.cpu_offload,
+                    args.checkpoint_activations)
+    print(PL.format_plan(work, cfg, PL.plan(work, cfg)))
+    if args.budget_gb is not None:
+        fits = PL.fitting(work, args.world_size, args.budget_gb * 1e9)
+        print(f"configurations fitting {args.budget_gb:g} GB per rank, expected fastest first:"
+              + ("" if fits else " none"))
+        for c, est in fits:
+            print(f"  {est['device_total'] / 1e9:8.3f} GB  {c.label()}")
+    return 0
 
 
 def _parsers(parser: argparse.ArgumentParser) -> dict:
@@ -91,6 +140,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _train(parser, args)
     if args.command == "consolidate":
         return _consolidate(parser, args)
+    if args.command == "plan":
+        return _plan(parser, args)
     return _plot(parser, args)
 
 

@@ -1,0 +1,204 @@
+"""Memory planner: per-rank bytes of a GPT training step under fullshard, and
+the configurations that fit a budget.
+
+Model state follows fullshard's engine, unit by unit (one unit per
+``TransformerBlock`` plus the root for embeddings and the final norm):
+
+* parameter shards are the fp32 master copy, 4·Ψ/N bytes (NO_SHARD: 4·Ψ);
+* gradient shards are fp32 too, 4·Ψ/N (NO_SHARD: 4·Ψ);
+* Adam keeps two fp32 moments, 8·Ψ/N (NO_SHARD: 8·Ψ);
+* full parameters exist in the compute dtype (p bytes per element) only while
+  a unit runs: FULL_SHARD holds the root unit, the running unit and one
+  prefetched unit; SHARD_GRAD_OP keeps every unit from forward to backward
+  (p·Ψ); NO_SHARD needs a separate compute copy only under mixed precision;
+* a unit's full gradient (p bytes) and its reduce-scatter input (fp32) exist
+  for the largest unit at a time.
+
+For comparison :func:`zero_model_state_bytes` gives the ZeRO paper's
+accounting (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", SC 2020, §5.1, Figure 1): mixed-precision Adam
+with fp16 parameters and gradients (2 + 2 bytes) and K = 12 bytes of fp32
+optimizer state per parameter. Its totals differ from fullshard's because
+fullshard's gradient shards are fp32 and its low-precision parameters are
+transient (see the README's planner section).
+
+Activations per transformer layer follow Korthikanti et al., "Reducing
+Activation Recomputation in Large Transformer Models", MLSys 2023, §4.1,
+equation (1) without tensor or sequence parallelism: s·b·h·(34 + 5·a·s/h)
+bytes with 16-bit activations (scaled by p/2 for other widths). With
+activation checkpointing each layer keeps only its input (2·s·b·h·p/2 bytes)
+and one layer's activations are rebuilt at a time. The logits and the loss
+add b·s·V·(p + 4) bytes (logits in the compute dtype, fp32 log-softmax).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Optional
+
+import torch
+
+from fullshard.api import ShardingStrategy
+
+ZERO_K = 12
+"""Bytes of optimizer state per parameter for mixed-precision Adam (ZeRO §3.1)."""
+
+
+def zero_model_state_bytes(psi: float, world: int, stage: int, k: int = ZERO_K) -> float:
+    """Per-rank model-state bytes under ZeRO stage ``stage`` (0 = DDP baseline,
+    1 = P_os, 2 = P_os+g, 3 = P_os+g+p), Rajbhandari et al. 2020, §5.1, Figure 1.
+
+    Args:
+        psi: Ψ, number of parameters.
+        world: N, data-parallel degree.
+        stage: 0 to 3.
+        k: optimizer-state bytes per parameter (12 for mixed-precision Adam).
+    Raises:
+        ValueError: ``stage`` outside 0..3.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    params = 2 * psi / (world if stage >= 3 else 1)
+    grads = 2 * psi / (world if stage >= 2 else 1)
+    optim = k * psi / (world if stage >= 1 else 1)
+    return params + grads + optim
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What is trained: sizes of a GPT and of its batch.
+
+    Attributes:
+        psi: Ψ, number of parameters.
+        largest_unit_numel: elements of the largest FSDP unit.
+        root_unit_numel: elements of the root unit (embeddings, final norm).
+        num_layers, embed_dim, num_heads, vocab_size: model shape (L, h, a, V).
+        batch_size: sequences per rank (b).
+        tokens_per_sample: sequence length (s).
+    """
+
+    psi: int
+    largest_unit_numel: int
+    root_unit_numel: int
+    num_layers: int
+    embed_dim: int
+    num_heads: int
+    vocab_size: int
+    batch_size: int
+    tokens_per_sample: int
+
+
+def gpt_workload(arch: str, batch_size: int, tokens_per_sample: int, vocab_size: int = 50257) -> Workload:
+    """Count a named GPT's parameters per unit exactly (built on the meta device)."""
+    from fullshard.models import TransformerBlock, build_model
+    from fullshard.models.config import make_config
+
+    model = build_model(arch, vocab_size=vocab_size, max_positions=tokens_per_sample, device="meta")
+    cfg = make_config(arch, vocab_size, tokens_per_sample)
+    psi = sum(p.numel() for p in model.parameters())
+    blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, TransformerBlock)]
+    root = psi - sum(blocks)
+    return Workload(psi, max(blocks + [root]), root, cfg.num_layers, cfg.embed_dim, cfg.num_heads,
+                    vocab_size, batch_size, tokens_per_sample)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One way of training: sharding strategy, precision and memory features."""
+
+    strategy: ShardingStrategy
+    world_size: int
+    param_dtype: torch.dtype = torch.float32
+    cpu_offload: bool = False
+    checkpoint_activations: bool = False
+
+    def label(self) -> str:
+        parts = [self.strategy.value, {torch.float32: "fp32", torch.bfloat16: "bf16",
+                                       torch.float16: "fp16"}[self.param_dtype]]
+        if self.checkpoint_activations:
+            parts.append("checkpoint-activations")
+        if self.cpu_offload:
+            parts.append("cpu-offload")
+        return " + ".join(parts)
+
+
+def plan(work: Workload, cfg: Config) -> dict[str, int]:
+    """Per-rank bytes of one training step, by component.
+
+    Returns:
+        ``params``, ``grads``, ``optimizer`` (shards, on the host with CPU
+        offload), ``full_params`` and ``full_grads`` (transient unsharded
+        units), ``activations``, ``device_total`` (everything not offloaded)
+        and ``host_offloaded``.
+    """
+    n = 1 if cfg.strategy is ShardingStrategy.NO_SHARD else cfg.world_size
+    p = torch.finfo(cfg.param_dtype).bits // 8
+    mixed = cfg.param_dtype != torch.float32
+    out = {"params": 4 * work.psi // n, "grads": 4 * work.psi // n, "optimizer": 8 * work.psi // n}
+    if cfg.strategy is ShardingStrategy.NO_SHARD:
+        full = p * work.psi if mixed else 0
+    elif cfg.strategy is ShardingStrategy.SHARD_GRAD_OP:
+        full = p * work.psi
+    else:
+        full = p * (work.root_unit_numel + 2 * work.largest_unit_numel)
+    out["full_params"] = full
+    out["full_grads"] = (p + 4) * work.largest_unit_numel
+    out["activations"] = activation_bytes(work, p, cfg.checkpoint_activations)
+    state = out["params"] + out["grads"] + out["optimizer"]
+    out["host_offloaded"] = state if cfg.cpu_offload else 0
+    out["device_total"] = sum(out[k] for k in ("full_params", "full_grads", "activations")) + (
+        0 if cfg.cpu_offload else state)
+    return out
+
+
+def activation_bytes(work: Workload, p: int, checkpoint: bool) -> int:
+    """Activations of one step (Korthikanti et al. 2023, §4.1, eq. (1)); see module docstring."""
+    s, b, h, a = work.tokens_per_sample, work.batch_size, work.embed_dim, work.num_heads
+    per_layer = s * b * h * (34 + 5 * a * s / h) * p / 2
+    layers = (work.num_layers * 2 * s * b * h * p / 2 + per_layer) if checkpoint else work.num_layers * per_layer
+    logits = b * s * work.vocab_size * (p + 4)
+    return int(layers + logits)
+
+
+def _speed_rank(cfg: Config) -> tuple:
+    """Order of expected step time, cheapest first: no host round trip, no
+    recomputation (about 1/3 more compute), less communication (NO_SHARD and
+    SHARD_GRAD_OP 2Ψ, FULL_SHARD 3Ψ), then 16-bit compute before fp32 (the
+    accelerator case; on a CPU without fast bf16 kernels fp32 may win)."""
+    comm = 3 if cfg.strategy is ShardingStrategy.FULL_SHARD else 2
+    return (cfg.cpu_offload, cfg.checkpoint_activations, comm, cfg.param_dtype == torch.float32,
+            cfg.strategy is ShardingStrategy.NO_SHARD)
+
+
+def fitting(work: Workload, world_size: int, budget_bytes: float,
+            strategies=(ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD),
+            dtypes=(torch.float32, torch.bfloat16)) -> list[tuple[Config, dict]]:
+    """Every configuration whose device bytes fit ``budget_bytes``, fastest first
+    (by :func:`_speed_rank`, a cost order, not a measurement)."""
+    out = []
+    for strategy, dtype, ckpt, offload in itertools.product(strategies, dtypes, (False, True), (False, True)):
+        cfg = Config(strategy, world_size, dtype, offload, ckpt)
+        est = plan(work, cfg)
+        if est["device_total"] <= budget_bytes:
+            out.append((cfg, est))
+    return sorted(out, key=lambda ce: _speed_rank(ce[0]))
+
+
+def format_plan(work: Workload, cfg: Config, est: dict, budget_bytes: Optional[float] = None) -> str:
+    """Human-readable breakdown (GB = 1e9 bytes, as the ZeRO paper)."""
+    gb = lambda x: f"{x / 1e9:10.3f} GB"  # noqa: E731
+    lines = [f"{cfg.label()}, N={cfg.world_size}, Ψ={work.psi:,}, batch {work.batch_size} x "
+             f"{work.tokens_per_sample} tokens per rank"]
+    names = {"params": "parameter shards (fp32)", "grads": "gradient shards (fp32)",
+             "optimizer": "Adam moments (fp32)", "full_params": "full parameters in flight",
+             "full_grads": "largest unit's full gradient", "activations": "activations and logits"}
+    for key, name in names.items():
+        where = " (host)" if cfg.cpu_offload and key in ("params", "grads", "optimizer") else ""
+        lines.append(f"  {name + where:<40}{gb(est[key])}")
+    lines.append(f"  {'per-rank device total':<40}{gb(est['device_total'])}")
+    if est["host_offloaded"]:
+        lines.append(f"  {'host (offloaded shards)':<40}{gb(est['host_offloaded'])}")
+    zero = ", ".join(f"stage {s}: {zero_model_state_bytes(work.psi, cfg.world_size, s) / 1e9:.2f}"
+                     for s in range(4))
+    lines.append(f"  ZeRO §5.1 model states (mixed-precision Adam, GB): {zero}")
+    return "\n".join(lines)

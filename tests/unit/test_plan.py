@@ -1,0 +1,89 @@
+"""The memory planner: the ZeRO paper's Figure 1, fullshard's own accounting
+against bytes measured on a wrapped model, budgets, and the CLI."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fullshard.api import ShardingStrategy
+from fullshard.bench import plan as PL
+
+
+def test_reproduces_zero_figure_1():
+    # Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, N = 64, K = 12.
+    got = [round(PL.zero_model_state_bytes(7.5e9, 64, stage) / 1e9, 1) for stage in range(4)]
+    assert got == [120.0, 31.4, 16.6, 1.9]
+    with pytest.raises(ValueError, match="stage"):
+        PL.zero_model_state_bytes(1, 1, 4)
+
+
+def test_unit_counts_and_strategies():
+    work = PL.gpt_workload("transformer_lm_gpt3_small", batch_size=1, tokens_per_sample=1024)
+    h = 768  # 12 blocks of 12h² + 13h, tied 50257 x h embedding, 1024 x h positions, final norm
+    assert work.psi == 12 * (12 * h * h + 13 * h) + 50257 * h + 1024 * h + 2 * h == 124_439_808
+    assert work.largest_unit_numel == work.root_unit_numel  # the embedding outweighs a block
+    full = PL.plan(work, PL.Config(ShardingStrategy.FULL_SHARD, 8))
+    grad_op = PL.plan(work, PL.Config(ShardingStrategy.SHARD_GRAD_OP, 8))
+    ddp_like = PL.plan(work, PL.Config(ShardingStrategy.NO_SHARD, 8))
+    assert full["params"] + full["grads"] + full["optimizer"] == 16 * work.psi // 8
+    assert ddp_like["params"] + ddp_like["grads"] + ddp_like["optimizer"] == 16 * work.psi
+    assert full["device_total"] < grad_op["device_total"] < ddp_like["device_total"]
+    ckpt = PL.plan(work, PL.Config(ShardingStrategy.FULL_SHARD, 8, checkpoint_activations=True))
+    assert ckpt["activations"] < full["activations"]
+    off = PL.plan(work, PL.Config(ShardingStrategy.FULL_SHARD, 8, cpu_offload=True))
+    assert off["host_offloaded"] == 16 * work.psi // 8
+    assert off["device_total"] == full["device_total"] - off["host_offloaded"]
+
+
+def test_budget_lists_only_fitting_configs_in_speed_order():
+    work = PL.gpt_workload("transformer_lm_gpt3_small", batch_size=2, tokens_per_sample=512)
+    budget = 3e9
+    fits = PL.fitting(work, 4, budget)
+    assert fits and all(est["device_total"] <= budget for _, est in fits)
+    keys = [PL._speed_rank(c) for c, _ in fits]
+    assert keys == sorted(keys)
+    every = PL.fitting(work, 4, 1e15)
+    assert len(every) == 3 * 2 * 2 * 2 and len(fits) < len(every)
+
+
+def _tracked_bytes(rank, world):
+    from fullshard import FullyShardedDataParallel as FSDP
+    from fullshard.models import TransformerBlock, build_model
+    from fullshard.wrap import ModuleWrapPolicy
+
+    model = FSDP(build_model("transformer_lm_gpt_mini", vocab_size=997, max_positions=32, seed=0),
+                 auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 997, (2, 17))
+    out = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(out.reshape(-1, 997), tokens[:, 1:].reshape(-1)).backward()
+    opt.step()
+    params = list(model.parameters())
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    return {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
+            "optimizer": nbytes(t for st in opt.state.values() for t in st.values()
+                                if torch.is_tensor(t) and t.dim() > 0)}
+
+
+def test_matches_measured_model_state_within_10_percent():
+    from tests.dist.harness import run_ranks
+
+    measured = run_ranks(_tracked_bytes, 2)[0]
+    est = PL.plan(PL.gpt_workload("transformer_lm_gpt_mini", 2, 32, vocab_size=997),
+                  PL.Config(ShardingStrategy.FULL_SHARD, 2))
+    for key, value in measured.items():
+        assert abs(est[key] - value) <= 0.1 * value, (key, est[key], value)
+
+
+def test_cli_prints_plan_and_rejects_bad_input():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fullshard.train.cli", "plan", *a],  # noqa: E731
+                                    capture_output=True, text=True)
+    ok = run("--arch", "transformer_lm_gpt3_small", "--world-size", "4", "--bf16", "--budget-gb", "6")
+    assert ok.returncode == 0, ok.stderr
+    assert "per-rank device total" in ok.stdout and "stage 3:" in ok.stdout
+    assert "expected fastest first" in ok.stdout
+    bad = run("--arch", "transformer_lm_gpt3_small", "--world-size", "0")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--world-size" in bad.stderr
