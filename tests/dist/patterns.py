@@ -139,7 +139,8 @@ def compare(rank: int, step_fn: Callable, steps: int = 4, strategies=STRATEGIES,
             ddp_kwargs=None, fsdp_kwargs=None, ref_step_fn=None, opt_fn=None, policy_fn=None) -> float:
     """Run ``step_fn`` on DDP (``ref_step_fn`` if given) and on fullshard under
     each strategy; assert equal losses, equal gradients (None where DDP has
-    None) and equal final parameters. Returns the largest loss difference."""
+    None) and equal final parameters. Returns the largest absolute
+    difference to DDP over losses, gradients and final parameters."""
     base = make_fn()
     ref = DDP(_clone(base), **(ddp_kwargs or {"find_unused_parameters": True}))
     ref_losses, ref_grads, ref_params = run(ref, ref_step_fn or step_fn, rank, steps, opt_fn)
@@ -161,7 +162,10 @@ def compare(rank: int, step_fn: Callable, steps: int = 4, strategies=STRATEGIES,
         for n in ref_params:
             torch.testing.assert_close(params[n], ref_params[n], rtol=RTOL, atol=ATOL,
                                        msg=lambda m: f"{where} param {n}: {m}")
-        worst = max([worst] + [abs(a - b) for a, b in zip(losses, ref_losses)])
+        worst = max([worst] + [abs(a - b) for a, b in zip(losses, ref_losses)]
+                    + [float((g[n] - rg[n]).abs().max()) for g, rg in zip(grads, ref_grads)
+                       for n in rg if rg[n] is not None and rg[n].numel()]
+                    + [float((params[n] - ref_params[n]).abs().max()) for n in ref_params if params[n].numel()])
     return worst
 
 

@@ -100,16 +100,18 @@ def _containers_norms_methods(rank, world):
     base = BNNet()
     ref = DDP(P._clone(base), broadcast_buffers=False)  # per-rank statistics, as ours
     ref_losses, _, ref_params = P.run(ref, _plain_step, rank, 3)
-    model = FSDP(P._clone(base), auto_wrap_policy=ModuleWrapPolicy({BNBlock}), mixed_precision=bf16)
-    bn_units = [u for u in model.units() if isinstance(u.module, nn.BatchNorm1d)]
-    assert len(bn_units) == 2 and all(u.unit.compute_dtype == torch.float32 for u in bn_units)
-    losses, _, params = P.run(model, _plain_step, rank, 3)
-    for name, buf in model.named_buffers():
-        if "running" in name:
-            assert buf.dtype == torch.float32, name
-            torch.testing.assert_close(buf, dict(ref.module.named_buffers())[name], rtol=0.05, atol=0.02)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0.05, atol=0.02)
-    out["batchnorm_bf16_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    for strategy in P.STRATEGIES:
+        model = FSDP(P._clone(base), sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({BNBlock}),
+                     mixed_precision=bf16)
+        bn_units = [u for u in model.units() if isinstance(u.module, nn.BatchNorm1d)]
+        assert len(bn_units) == 2 and all(u.unit.compute_dtype == torch.float32 for u in bn_units)
+        losses, _, params = P.run(model, _plain_step, rank, 3)
+        for name, buf in model.named_buffers():
+            if "running" in name:
+                assert buf.dtype == torch.float32, name
+                torch.testing.assert_close(buf, dict(ref.module.named_buffers())[name], rtol=0.05, atol=0.02)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0.05, atol=0.02)
+        out[f"batchnorm_bf16_loss_diff[{strategy.value}]"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
 
     # 9. A method other than forward that uses the parameters.
     torch.manual_seed(0)

@@ -37,13 +37,14 @@ def _hf(rank, world):
     from fullshard import FullyShardedDataParallel as FSDP
     out = {"model_output_loss": P.compare(rank, _lm_step, steps=3, make_fn=_tiny_gpt2, policy_fn=_block_policy)}
     plain = _tiny_gpt2()
-    model = FSDP(P._clone(plain), auto_wrap_policy=_block_policy())
     prompt = torch.tensor([[5, 7, 11, 13]])
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     want = plain.generate(prompt, **kwargs)
-    got = model.generate(prompt, **kwargs)
-    assert torch.equal(got, want), (got, want)
-    assert all(u.unit.full_storage_bytes() == 0 for u in model.units())
+    for strategy in P.STRATEGIES:
+        model = FSDP(P._clone(plain), sharding_strategy=strategy, auto_wrap_policy=_block_policy())
+        got = model.generate(prompt, **kwargs)
+        assert torch.equal(got, want), (strategy, got, want)
+        assert all(u.unit.full_storage_bytes() == 0 for u in model.units()), strategy
     out["generated"] = got.tolist()
     return out
 
