@@ -11,7 +11,6 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fullshard import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy

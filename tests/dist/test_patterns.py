@@ -3,11 +3,9 @@ gradients or None, final parameters) under FULL_SHARD, SHARD_GRAD_OP and
 NO_SHARD at 2 ranks, or raises one clear error."""
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
-import torch.nn as nn
 
 from fullshard import FullyShardedDataParallel as FSDP
 from fullshard.api import ShardedState, TrainingState

@@ -21,7 +21,6 @@ checkpoint at ``<dir>`` (or ``<dir>.old``, which ``load`` and the next
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -36,6 +35,7 @@ from ..api import StateDictType
 from ..core import collectives as C
 from . import optim as O
 from . import state_dict as SD
+from fullshard.digest import file_sha256
 
 MANIFEST = "fullshard.json"
 FORMAT = "fullshard-dcp-v1"
@@ -77,14 +77,6 @@ def _states(model: nn.Module, optimizer) -> dict:
     if optimizer is not None:
         state["optim"] = O.plain_optim_state_dict(_plain(model), optimizer)
     return state
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: str) -> None:
@@ -134,7 +126,7 @@ def save(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
     del state
     _barrier()  # every rank's files are complete
     if rank == 0:
-        files = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "sha256": _sha256(os.path.join(tmp, n))}
+        files = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "sha256": file_sha256(os.path.join(tmp, n))}
                  for n in sorted(os.listdir(tmp))}
         manifest = {"format": FORMAT, "world_size": world, "files": files, "time": time.time()}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -181,7 +173,7 @@ def verify(path: str) -> dict:
             bad.append(f"{name} (missing)")
         elif os.path.getsize(full) != info["bytes"]:
             bad.append(f"{name} (truncated: {os.path.getsize(full)} of {info['bytes']} bytes)")
-        elif _sha256(full) != info["sha256"]:
+        elif file_sha256(full) != info["sha256"]:
             bad.append(f"{name} (corrupted: sha256 differs)")
     every = [b for theirs in (C.all_gather_object(bad) if world > 1 else [bad]) for b in theirs]
     if every:

@@ -36,6 +36,7 @@ from .corpus import (BUILTIN_CORPUS_NAME, builtin_corpus_documents, builtin_corp
                      read_text_documents, text_files)
 from .errors import DataError
 from .tokenizer import GPT2Tokenizer, load_gpt2_tokenizer
+from fullshard.digest import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +61,12 @@ class PreprocessResult:
     cached: bool
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _fingerprint(sources: dict[str, list[Path]], builtin: bool, valid_fraction: float,
                  seed: int, tokenizer_name: str) -> str:
     # Content hashes, not mtimes: copying a corpus must not invalidate the cache.
     record = {"format_version": FORMAT_VERSION, "tokenizer": tokenizer_name,
               "builtin": builtin, "valid_fraction": valid_fraction, "seed": seed,
-              "sources": {split: [[p.name, _file_digest(p)] for p in files]
+              "sources": {split: [[p.name, file_sha256(p)] for p in files]
                           for split, files in sources.items()}}
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
