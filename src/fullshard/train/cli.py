@@ -43,13 +43,13 @@ def _parsers(parser: argparse.ArgumentParser) -> dict:
 
 
 def _train(parser: argparse.ArgumentParser, args) -> int:
-    from fullshard.train.launcher import RankFailed, launch
+    from fullshard.train.launcher import LaunchError, RankFailed, launch
     from fullshard.train.loop import train_main
 
     cfg = validate(_parsers(parser)["train"], args)
     try:
         launch(cfg, train_main)
-    except RankFailed as e:
+    except (RankFailed, LaunchError) as e:
         sys.stderr.write(f"fullshard train: error: {e}\n")
         return 1
     return 0

@@ -60,6 +60,22 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "reduce-scatters once per update (faster, more memory); reduce_scatter "
                         "reduce-scatters every micro-batch into the gradient shards (less memory). "
                         "c10d: whether DDP all-reduces every micro-batch (default: %(default)s)")
+    g.add_argument("--hybrid-shard", action="store_true",
+                   help="fully_sharded: HYBRID_SHARD, shard within a node and replicate across nodes")
+    g.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="a rank waiting longer in one collective exits naming it, its unit and the ranks "
+                        "that did not arrive (default: %(default)s)")
+    g.add_argument("--debug-collectives", action="store_true",
+                   help="before each collective check that every rank issues the same one (also FULLSHARD_DEBUG=1)")
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="after a rank dies, restart all ranks up to this many times; each resumes from "
+                        "checkpoint_last (default: 0)")
+    g.add_argument("--nnodes", type=int, default=1, help="launchers (nodes) taking part (default: 1)")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's number; node 0 hosts the rendezvous")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="c10d rendezvous address, the same on every node (needed with --nnodes > 1)")
+    g.add_argument("--rdzv-timeout", type=float, default=900.0, metavar="SECONDS",
+                   help="wait this long for every node to join (default: %(default)s)")
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute each transformer block's activations in backward")
     g.add_argument("--offload-activations", action="store_true",
@@ -78,7 +94,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch (default: %(default)s)")
     g.add_argument("--update-freq", type=int, default=1, help="micro-batches accumulated per update (default: 1)")
     g = p.add_argument_group("optimization")
-    g.add_argument("--optimizer", choices=("adam",), default="adam", help="AdamW with decoupled weight decay")
+    g.add_argument("--task", choices=("language_modeling",), default="language_modeling",
+                   help="the only task: GPT language modeling")
+    g.add_argument("--optimizer", choices=("adam", "cpu_adam"), default="adam",
+                   help="AdamW with decoupled weight decay; cpu_adam: the same, stepping on host shards with "
+                        "multi-tensor (foreach) kernels")
     g.add_argument("--adam-betas", type=_betas, default=(0.9, 0.999), help="betas, e.g. '(0.9,0.98)'")
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--weight-decay", "--wd", type=float, default=0.0, help="applied to >=2-D weights only")
@@ -114,6 +134,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-dataloader", action="store_true", help="resume at epoch 1, first batch")
     g.add_argument("--reset-lr-scheduler", action="store_true", help="do not restore the lr scheduler")
     g.add_argument("--reset-meters", action="store_true", help="do not restore the train meters")
+    g.add_argument("--on-save-error", choices=("stop", "continue"), default="stop",
+                   help="after a failed checkpoint save (e.g. disk full): stop, or continue training "
+                        "(the previous checkpoint stays) (default: %(default)s)")
+    g.add_argument("--debug", action="store_true", help="print tracebacks instead of one-line errors")
     g.add_argument("--finetune-from-model", default=None,
                    help="start from these weights (a consolidated .pt/.safetensors or a checkpoint directory) "
                         "when --save-dir has no checkpoint_last")
@@ -132,11 +156,11 @@ def arch_max_positions(arch: str) -> int:
     return _GPT3_MAX_POSITIONS
 
 
-def launched_world_size(nproc_per_node: int) -> int:
-    """World size: WORLD_SIZE under an existing torchrun, else --nproc-per-node."""
+def launched_world_size(nproc_per_node: int, nnodes: int = 1) -> int:
+    """World size: WORLD_SIZE under an existing torchrun, else --nproc-per-node x --nnodes."""
     if under_torchrun():
         return int(os.environ["WORLD_SIZE"])
-    return nproc_per_node
+    return nproc_per_node * nnodes
 
 
 def under_torchrun() -> bool:
@@ -163,6 +187,11 @@ def _check_positive(p: OneLineArgumentParser, args) -> None:
             p.fail(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.lr <= 0:
         p.fail(f"--lr must be > 0, got {args.lr}")
+    for flag in ("collective_timeout", "rdzv_timeout"):
+        if not getattr(args, flag) > 0:
+            p.fail(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
+    if args.max_restarts < 0:
+        p.fail(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not 0.0 <= args.dropout < 1.0:
         p.fail(f"--dropout must be in [0, 1), got {args.dropout}")
 
@@ -239,13 +268,34 @@ def _split_tokens(meta: dict, split: str) -> Optional[int]:
     return None
 
 
+def _check_nodes(p: OneLineArgumentParser, args) -> str:
+    """Check --nnodes / --node-rank / --rdzv-endpoint / --hybrid-shard; returns the endpoint."""
+    if args.nnodes < 1:
+        p.fail(f"--nnodes must be >= 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        p.fail(f"--node-rank must be in [0, --nnodes {args.nnodes}), got {args.node_rank}")
+    endpoint = args.rdzv_endpoint or "localhost:0"
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        p.fail(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT (e.g. 10.0.0.1:29400)")
+    if args.nnodes > 1 and int(port) == 0:
+        p.fail(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node "
+               "(HOST: node 0's address, PORT: a free port there)")
+    if args.hybrid_shard and args.ddp_backend != "fully_sharded":
+        p.fail("--hybrid-shard needs --ddp-backend fully_sharded")
+    if args.hybrid_shard and args.no_reshard_after_forward:
+        p.fail("--hybrid-shard and --no-reshard-after-forward are exclusive; pick one sharding strategy")
+    return endpoint
+
+
 def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     """Check every input; on the first problem print one line and exit 2. Else a TrainConfig."""
     from fullshard.models import ARCHS
 
     _check_positive(p, args)
     _check_schedule(p, args)
-    world_size = launched_world_size(args.nproc_per_node)
+    rdzv_endpoint = _check_nodes(p, args)
+    world_size = launched_world_size(args.nproc_per_node, args.nnodes)
     scale_window = _check_memory_flags(p, args, world_size)
     meta = _check_data(p, args)
     if args.arch not in ARCHS:
@@ -278,7 +328,8 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
         max_epoch=args.max_epoch, clip_norm=args.clip_norm, seed=args.seed,
         log_format=_resolve_log_format(args.log_format), log_interval=args.log_interval,
         log_file=args.log_file, validate_interval_updates=args.validate_interval_updates,
-        save_dir=args.save_dir, no_save=args.no_save, nproc_per_node=world_size,
+        save_dir=args.save_dir, no_save=args.no_save,
+        nproc_per_node=world_size if under_torchrun() else args.nproc_per_node,
         fp16=args.fp16, bf16=args.bf16, fp16_init_scale=args.fp16_init_scale, fp16_scale_window=scale_window,
         min_loss_scale=args.min_loss_scale, cpu_offload=args.cpu_offload,
         checkpoint_activations=args.checkpoint_activations or args.offload_activations,
@@ -287,6 +338,10 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
         restore_file=args.restore_file, reset_optimizer=args.reset_optimizer,
         reset_dataloader=args.reset_dataloader, reset_lr_scheduler=args.reset_lr_scheduler,
         reset_meters=args.reset_meters, finetune_from_model=args.finetune_from_model,
+        collective_timeout_s=args.collective_timeout, debug_collectives=args.debug_collectives,
+        debug=args.debug, on_save_error=args.on_save_error, max_restarts=args.max_restarts,
+        nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=rdzv_endpoint,
+        rdzv_timeout_s=args.rdzv_timeout, hybrid_shard=args.hybrid_shard, optimizer=args.optimizer,
     )
 
 
