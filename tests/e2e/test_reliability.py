@@ -57,3 +57,50 @@ def test_killed_rank_is_named_and_others_exit(cli, corpus_dir):
         proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert took < 60, took  # far below the 60 s collective timeout
+
+
+def test_nan_loss_stops_naming_update_and_last_finite_loss(cli, corpus_dir, tmp_path):
+    with _with_fault("nan:0:3"):
+        proc = cli("train", str(corpus_dir), *FAST, "--nproc-per-node", "1", "--max-update", "5",
+                   "--save-dir", str(tmp_path / "ck"), "--save-interval-updates", "2", timeout=240)
+    assert proc.returncode == 1, proc.stderr
+    from tests.e2e.test_train_cli import json_records
+
+    second = json_records(proc.stdout)["train_inner"][1]
+    assert second["num_updates"] == "2"
+    last = proc.stderr.strip().splitlines()[-1]
+    assert f"loss is nan at update 3 (last finite loss {float(second['loss']):.3f} at update 2)" in last, last
+    assert "Traceback" not in proc.stderr
+    # the checkpoint of update 2 is what a resume starts from
+    assert (tmp_path / "ck" / "checkpoint_last").is_dir()
+
+
+def test_disk_full_during_save_keeps_previous_checkpoint(cli, corpus_dir, tmp_path):
+    """ENOSPC on rank 1's second save (the final one): with --on-save-error continue the job ends
+    0 with the update-1 checkpoint intact and no half-written directory; with stop (default) the
+    failed save ends the job with one line."""
+    from fullshard import checkpoint
+
+    ck = tmp_path / "ck"
+    with _with_fault("enospc:1:2"):
+        proc = cli("train", str(corpus_dir), *FAST, "--nproc-per-node", "2", "--max-update", "2",
+                   "--save-dir", str(ck), "--save-interval-updates", "1", "--on-save-error", "continue",
+                   timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "failed on rank 1 while writing files: OSError: [Errno 28] No space left on device" in proc.stdout
+    assert "the previous checkpoint" in proc.stdout and "continuing without this checkpoint" in proc.stdout
+    assert sorted(p.name for p in ck.iterdir()) == ["checkpoint_1_1", "checkpoint_last"]
+    manifest = checkpoint.verify(str(ck / "checkpoint_last"))
+    assert manifest["world_size"] == 2
+    import torch
+
+    assert torch.load(ck / "checkpoint_last" / "extra-rank0.pt", weights_only=False)["train_state"]["num_updates"] == 1
+
+    with _with_fault("enospc:0:1"):
+        proc = cli("train", str(corpus_dir), *FAST, "--nproc-per-node", "1", "--max-update", "1",
+                   "--save-dir", str(tmp_path / "stop"), timeout=240)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "No space left on device" in last and "no checkpoint was written" in last, last
+    assert "stopped at update 1 (--on-save-error stop)" in last and "Traceback" not in proc.stderr
+    assert list((tmp_path / "stop").iterdir()) == []
