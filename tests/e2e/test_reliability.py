@@ -104,3 +104,37 @@ def test_disk_full_during_save_keeps_previous_checkpoint(cli, corpus_dir, tmp_pa
     assert "No space left on device" in last and "no checkpoint was written" in last, last
     assert "stopped at update 1 (--on-save-error stop)" in last and "Traceback" not in proc.stderr
     assert list((tmp_path / "stop").iterdir()) == []
+
+
+def test_max_restarts_resumes_after_sigkill_bit_identical(cli, corpus_dir, tmp_path):
+    """Rank 1 SIGKILLed mid-update 3 with --max-restarts 1: every rank restarts, resumes from the
+    update-2 checkpoint and ends with the same logged losses and bit-identical parameters as an
+    uninterrupted run."""
+    import torch
+
+    from tests.e2e.test_resume import _params
+    from tests.e2e.test_train_cli import json_records
+
+    args = [*FAST, "--nproc-per-node", "2", "--max-update", "4", "--save-interval-updates", "2",
+            "--lr-scheduler", "polynomial_decay", "--warmup-updates", "1", "--clip-norm", "1.0"]
+    straight = cli("train", str(corpus_dir), *args, "--save-dir", str(tmp_path / "a"), timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    start = time.monotonic()
+    with _with_fault("kill:1:3"):
+        proc = cli("train", str(corpus_dir), *args, "--save-dir", str(tmp_path / "b"), "--max-restarts", "1",
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "restart 1 of at most 1" in proc.stdout and "loaded checkpoint" in proc.stdout
+    assert "epoch 1 offset 2 @ 2 updates" in proc.stdout
+
+    def losses(p):
+        return [(r["num_updates"], r["loss"], r["gnorm"], r["lr"]) for r in json_records(p.stdout)["train_inner"]]
+
+    resumed = losses(proc)
+    assert resumed[-2:] == losses(straight)[-2:], (resumed, losses(straight))
+    a, _ = _params(corpus_dir, tmp_path / "a" / "checkpoint_last")
+    b, extra = _params(corpus_dir, tmp_path / "b" / "checkpoint_last")
+    assert extra["train_state"]["num_updates"] == 4
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    print(f"kill + restart + resume + 2 updates: {time.monotonic() - start:.1f} s")
