@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 import uuid
 from typing import Callable
 
@@ -79,6 +81,8 @@ def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max
         local_addr=rdzv_endpoint.rpartition(":")[0] if nnodes > 1 else None,
     )
     _quiet_elastic_logs()
+    if nnodes > 1 and node_rank != 0:
+        _wait_reachable(rdzv_endpoint, node_rank, rdzv_timeout_s)
     try:
         out = elastic_launch(config, entry)(arg)
     except ChildFailedError as e:
@@ -92,6 +96,29 @@ def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max
 
 class LaunchError(RuntimeError):
     """The ranks could not be started: the rendezvous could not be hosted or reached."""
+
+
+def _wait_reachable(endpoint: str, node_rank: int, timeout_s: float) -> None:
+    """Before joining, wait until node 0's rendezvous port accepts connections (node 0 may start
+    later); a plain TCP connect, so an unreachable address is one line, not the store's C++ retries.
+
+    Raises:
+        LaunchError: nothing accepted connections at ``endpoint`` within ``timeout_s``.
+    """
+    host, _, port = endpoint.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(0.5)
+    raise LaunchError(f"could not reach the rendezvous at {endpoint} from node {node_rank} within {timeout_s:g} s "
+                      f"({last.strerror if getattr(last, 'strerror', None) else last}): check that node 0 is "
+                      "started with the same --rdzv-endpoint, that the host is reachable and the port open "
+                      "(firewall), and that --nnodes matches on every node")
 
 
 def _quiet_elastic_logs() -> None:

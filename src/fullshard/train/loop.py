@@ -139,7 +139,7 @@ class Run:
         kind = "GPUs" if self.device.type == "cuda" else "CPUs"
         logger.info(f"model {self.cfg.arch}, ddp-backend {self.cfg.ddp_backend}"
                     + ("" if self.cfg.ddp_backend == "c10d" else
-                       f" ({'FULL_SHARD' if self.cfg.reshard_after_forward else 'SHARD_GRAD_OP'})"))
+                       f" ({self._strategy()})"))
         logger.info(f"num. model params: {n:,} (num. trained: {n:,})")
         cfg, parts = self.cfg, []
         if cfg.fp16:
@@ -158,6 +158,11 @@ class Run:
                     f"{len(self.valid_data):,} from valid")
         logger.info(f"training on {dist.get_world_size()} devices ({kind})")
         logger.info(f"max tokens per device = None and batch size per device = {self.cfg.batch_size}")
+
+    def _strategy(self) -> str:
+        if self.cfg.hybrid_shard:
+            return f"HYBRID_SHARD: shard within {os.environ.get('LOCAL_WORLD_SIZE', '?')} ranks, replicate across nodes"
+        return "FULL_SHARD" if self.cfg.reshard_after_forward else "SHARD_GRAD_OP"
 
     def wall(self) -> float:
         return time.perf_counter() - self.start
