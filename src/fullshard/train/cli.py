@@ -17,7 +17,7 @@ from fullshard.train.options import OneLineArgumentParser, add_train_args, valid
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fullshard", description="Fully Sharded Data Parallel GPT training.")
+    parser = OneLineArgumentParser(prog="fullshard", description="Fully Sharded Data Parallel GPT training.")
     sub = parser.add_subparsers(dest="command", metavar="{preprocess,train,consolidate,plot}",
                                 parser_class=OneLineArgumentParser)
     sub.required = True
@@ -82,7 +82,9 @@ def _plot(parser: argparse.ArgumentParser, args) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console-script entry point; returns the process exit code."""
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _parsers(parser)[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "preprocess":
         from fullshard.data import preprocess_cli
 
