@@ -28,15 +28,20 @@ def _stderr_lines(proc) -> list:
             and not line.startswith("  ")]
 
 
+def _two_ranks_with_fault(cli, corpus_dir, spec: str, timeout_s: int):
+    """4 updates on 2 ranks with fault ``spec``; returns (process, seconds); asserts it exited 1."""
+    start = time.monotonic()
+    with _with_fault(spec):
+        proc = cli("train", str(corpus_dir), *FAST, "--nproc-per-node", "2", "--max-update", "4",
+                   "--collective-timeout", str(timeout_s), "--no-save", timeout=240)
+    assert proc.returncode == 1, proc.stderr
+    return proc, time.monotonic() - start
+
+
 def test_stuck_rank_times_out_with_one_line(cli, corpus_dir, tmp_path):
     """Rank 1 stops issuing collectives mid-update 2; rank 0 exits after --collective-timeout
     naming the collective, its unit and rank 1; the launcher stops rank 1; nothing hangs."""
-    start = time.monotonic()
-    with _with_fault("hang:1:2"):
-        proc = cli("train", str(corpus_dir), *FAST, "--nproc-per-node", "2", "--max-update", "4",
-                   "--collective-timeout", "4", "--no-save", timeout=240)
-    took = time.monotonic() - start
-    assert proc.returncode == 1, proc.stderr
+    proc, took = _two_ranks_with_fault(cli, corpus_dir, "hang:1:2", timeout_s=4)
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("fullshard train: error: rank 0 failed: [rank 0] "), proc.stderr
     assert "of unit 'layers." in last and "timed out after 4 s" in last and "rank 1 did not arrive" in last, last
@@ -47,12 +52,7 @@ def test_stuck_rank_times_out_with_one_line(cli, corpus_dir, tmp_path):
 def test_killed_rank_is_named_and_others_exit(cli, corpus_dir):
     """SIGKILL of rank 1 mid-update 2: the job exits 1 at once (well within the timeout) with one
     line saying rank 1 was lost."""
-    start = time.monotonic()
-    with _with_fault("kill:1:2"):
-        proc = cli("train", str(corpus_dir), *FAST, "--nproc-per-node", "2", "--max-update", "4",
-                   "--collective-timeout", "60", "--no-save", timeout=240)
-    took = time.monotonic() - start
-    assert proc.returncode == 1, proc.stderr
+    proc, took = _two_ranks_with_fault(cli, corpus_dir, "kill:1:2", timeout_s=60)
     assert _stderr_lines(proc)[-1].startswith("fullshard train: error: rank 1 was lost: killed by SIGKILL"), \
         proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr

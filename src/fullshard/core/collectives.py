@@ -79,6 +79,13 @@ def init_process_group(backend: str, timeout_s: Optional[float] = None, **kwargs
     """
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None and not {"init_method", "store"} & set(kwargs):
+        # Under torch elastic every restart reuses the agent's store: keys of the previous
+        # attempt (peers' old gloo addresses) must not be read, so each attempt gets a prefix.
+        store, rank, world = next(dist.rendezvous("env://", **({"timeout": kwargs["timeout"]}
+                                                                if "timeout" in kwargs else {})))
+        kwargs.update(store=dist.PrefixStore(f"fullshard/attempt{attempt}/", store), rank=rank, world_size=world)
     dist.init_process_group(backend, **kwargs)
     set_timeout(timeout_s)
 
