@@ -44,7 +44,7 @@ def all_reduce_found_inf(flag: torch.Tensor, group) -> torch.Tensor:
         ``flag``, now identical on every rank of the group.
     """
     if C.is_initialized():
-        C.all_reduce(flag, C.world_group() if group is None else group, "max")
+        C.all_reduce(flag, C.world_group() if group is None else group, "max", tag="loss scaler inf check")
     return flag
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from .. import faults
 from ..api import StateDictType
 from ..core import collectives as C
 from . import optim as O
@@ -109,40 +110,92 @@ def save(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
             each rank's is kept and :func:`load` returns it to the same rank.
     Returns:
         Seconds the save took on this rank.
+    Raises:
+        CheckpointError: on every rank when any rank failed to write (e.g. a full disk):
+            ``<dir>.tmp`` is removed and ``<dir>`` keeps the previous checkpoint.
     """
     start = time.perf_counter()
     final = os.path.abspath(checkpoint_dir)
     tmp = final + ".tmp"
     rank, world = C.rank(), _world()
+    error = None
     if rank == 0:
-        _recover(final)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    state = _states(model, optimizer)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=world == 1)
-    if extra is not None:
-        torch.save(extra, os.path.join(tmp, f"extra-rank{rank}.pt"))
-    del state
-    _barrier()  # every rank's files are complete
+        try:
+            _recover(final)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = e
+    _agree(error, final, tmp, "creating")
+    try:
+        state = _states(model, optimizer)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=world == 1)
+        if extra is not None:
+            torch.save(extra, os.path.join(tmp, f"extra-rank{rank}.pt"))
+        faults.on_save(tmp)
+        del state
+    except (Exception, dcp.api.CheckpointException) as e:  # a full disk on any rank (DCP gathers them)
+        error = e
+    _agree(error, final, tmp, "writing")  # every rank's files are complete
     if rank == 0:
-        files = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "sha256": file_sha256(os.path.join(tmp, n))}
-                 for n in sorted(os.listdir(tmp))}
-        manifest = {"format": FORMAT, "world_size": world, "files": files, "time": time.time()}
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if os.path.isdir(final):
-            os.rename(final, final + ".old")
-            os.rename(tmp, final)
-            shutil.rmtree(final + ".old")
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(os.path.dirname(final))
-    _barrier()
+        try:
+            _publish(tmp, final, world)
+        except OSError as e:
+            error = e
+    _agree(error, final, tmp, "publishing")
     return time.perf_counter() - start
+
+
+def _publish(tmp: str, final: str, world: int) -> None:
+    """Rank 0: hash the files, write the manifest last, rename ``tmp`` over ``final``."""
+    files = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "sha256": file_sha256(os.path.join(tmp, n))}
+             for n in sorted(os.listdir(tmp))}
+    manifest = {"format": FORMAT, "world_size": world, "files": files, "time": time.time()}
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if os.path.isdir(final):
+        os.rename(final, final + ".old")
+        os.rename(tmp, final)
+        shutil.rmtree(final + ".old")
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+
+
+def _one_line(error: BaseException) -> tuple[int, str]:
+    """(failing rank, ``Type: message`` on one line); DCP's CheckpointException is unwrapped to
+    the first failing rank's own exception."""
+    rank = C.rank()
+    if isinstance(error, dcp.api.CheckpointException) and error.failures:
+        rank = min(error.failures)
+        error = error.failures[rank][0]
+    return rank, " ".join(f"{type(error).__name__}: {error}".split())[:300]
+
+
+def _agree(error: Optional[BaseException], final: str, tmp: str, phase: str) -> None:
+    """Barrier that also tells every rank whether any rank failed; on failure rank 0 removes
+    ``tmp`` (the previous checkpoint at ``final`` is untouched) and every rank raises.
+
+    Raises:
+        CheckpointError: one line naming the failing rank, the error, and what was kept.
+    """
+    mine = None if error is None else _one_line(error)
+    every = C.all_gather_object(mine, tag="checkpoint save status") if _world() > 1 else [mine]
+    failed = [m for m in every if m is not None]
+    if not failed:
+        return
+    if C.rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    kept = (f"the previous checkpoint {final} is intact" if os.path.isdir(final) or os.path.isdir(final + ".old")
+            else f"no checkpoint was written at {final}")
+    r, m = min(failed)
+    hint = "free disk space" if "No space left" in m or "ENOSPC" in m or "Errno 28" in m else "check the path"
+    raise CheckpointError(f"[rank {C.rank()}] saving {final} failed on rank {r} while {phase} files: {m}; "
+                          f"{kept}; {hint} and save again")
 
 
 def _resolve(checkpoint_dir: str) -> str:

@@ -154,7 +154,7 @@ def gather_full(unit, flat: Optional[torch.Tensor] = None) -> list[torch.Tensor]
     lay, dev = unit.layout, unit.cfg.compute_device
     src = unit.flat_shard if flat is None else flat
     buf = torch.empty(lay.unsharded_numel, dtype=src.dtype, device=dev)
-    C.all_gather(buf, src.to(dev), unit.cfg.shard_group, async_op=False)
+    C.all_gather(buf, src.to(dev), unit.cfg.shard_group, async_op=False, tag=f"unit '{unit.name}' state dict")
     full = torch.empty_like(buf)
     F.copy_out(full, buf, lay)
     return F.unsharded_views(full, lay)
@@ -180,7 +180,7 @@ def shard_value(unit, si: int, local: torch.Tensor, offload: bool) -> torch.Tens
         return (local.detach().to("cpu", copy=True) if offload else local.detach()).view(lay.shape)
     if len(lay.shape) == 0:
         t = local.detach().reshape(-1)[:1].clone() if local.numel() else local.new_zeros(1)
-        C.broadcast(t, 0, unit.cfg.shard_group)
+        C.broadcast(t, 0, unit.cfg.shard_group, tag=f"unit '{unit.name}' state dict")
         return t.view(()).cpu() if offload else t.view(())
     from torch.distributed.tensor import DTensor, Shard
 

@@ -8,10 +8,28 @@ one rank and nothing needs to travel). Backend quirks live here only.
 ``COUNTS`` counts issued collectives by name; tests use it to assert the
 per-step choreography (e.g. two all-gathers and one reduce-scatter per unit
 under FULL_SHARD).
+
+[Note: no hangs]
+Every collective takes a ``tag`` (what it is for, e.g. ``"unit 'layers.0'"``)
+and runs under a deadline: the process group's timeout (``init_process_group(
+timeout=...)``, which gloo applies to every operation) and the same deadline
+on waits of async work handles (:func:`set_timeout`). A collective that times
+out or loses a peer raises :class:`CollectiveError` with one line naming this
+rank, the op, the tag and the ranks that did not arrive: on failure each rank
+posts what it was waiting in to the process group's store and reads the
+others' posts for a few seconds (a rank that posts nothing died or is busy
+outside collectives). With ``FULLSHARD_DEBUG=1`` (or :func:`set_debug`) every
+collective is preceded by a small all-gather of its fingerprint (op, tag,
+numel, dtype) and fails at once with a per-rank diff when ranks disagree.
 """
 from __future__ import annotations
 
 import collections
+import datetime
+import os
+import re
+import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +54,171 @@ class _SelfGroup:
 
 
 SELF_GROUP = _SelfGroup()
+
+
+class CollectiveError(RuntimeError):
+    """A collective timed out, lost a peer, or ranks issued different collectives (one-line message)."""
+
+
+_TIMEOUT_S: Optional[float] = None
+_DEBUG: Optional[bool] = None
+_SEQ: collections.Counter = collections.Counter()
+_FINGERPRINT_BYTES = 240
+_REPORT_WAIT_S = 3.0
+
+
+def init_process_group(backend: str, timeout_s: Optional[float] = None, **kwargs) -> None:
+    """``dist.init_process_group`` with every collective bounded by ``timeout_s`` seconds.
+
+    Args:
+        backend: "gloo" or "nccl".
+        timeout_s: deadline of each collective and of waits on its work handle
+            (None: torch's default).
+        kwargs: passed on (``init_method``, ``rank``, ``world_size``, ...).
+    """
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None and not {"init_method", "store"} & set(kwargs):
+        # Under torch elastic every restart reuses the agent's store: keys of the previous
+        # attempt (peers' old gloo addresses) must not be read, so each attempt gets a prefix.
+        store, rank, world = next(dist.rendezvous("env://", **({"timeout": kwargs["timeout"]}
+                                                                if "timeout" in kwargs else {})))
+        kwargs.update(store=dist.PrefixStore(f"fullshard/attempt{attempt}/", store), rank=rank, world_size=world)
+    dist.init_process_group(backend, **kwargs)
+    set_timeout(timeout_s)
+
+
+def set_timeout(seconds: Optional[float]) -> None:
+    """Deadline applied to waits on async work handles (the group's own timeout covers the ops)."""
+    global _TIMEOUT_S
+    _TIMEOUT_S = seconds
+
+
+def set_debug(on: Optional[bool]) -> None:
+    """Check before every collective that all ranks issue the same one (None: read FULLSHARD_DEBUG)."""
+    global _DEBUG
+    _DEBUG = on
+
+
+def debug_enabled() -> bool:
+    return _DEBUG if _DEBUG is not None else os.environ.get("FULLSHARD_DEBUG", "0") not in ("", "0")
+
+
+def _group_ranks(group) -> list[int]:
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def _describe(op: str, tag: str, t: Optional[torch.Tensor]) -> str:
+    what = f"{op} of {tag}" if tag else op
+    return what if t is None else f"{what} ({t.numel()} x {str(t.dtype).replace('torch.', '')})"
+
+
+def _post_and_collect(me: int, desc: str, ranks: list[int]) -> dict:
+    """Post ``desc`` to the store; return {rank: its post or None} after waiting a few seconds."""
+    prefix = f"fullshard/stuck/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(prefix + str(me), desc)
+    except Exception:  # the store itself is gone: nothing more to learn
+        return {r: None for r in ranks if r != me}
+    posts: dict = {}
+    deadline = time.monotonic() + _REPORT_WAIT_S
+    while True:
+        for r in ranks:
+            if r != me and r not in posts:
+                try:
+                    if store.check([prefix + str(r)]):
+                        posts[r] = store.get(prefix + str(r)).decode()
+                except Exception:
+                    return {r: posts.get(r) for r in ranks if r != me}
+        if len(posts) == len(ranks) - 1 or time.monotonic() > deadline:
+            return {r: posts.get(r) for r in ranks if r != me}
+        time.sleep(0.1)
+
+
+def _failure(exc: BaseException, op: str, tag: str, group, seq: int, t: Optional[torch.Tensor]) -> CollectiveError:
+    """One-line CollectiveError for a collective that raised ``exc`` (see [Note: no hangs])."""
+    text = str(exc)
+    me, ranks = dist.get_rank(), _group_ranks(group)
+    desc = _describe(op, tag, t)
+    posts = _post_and_collect(me, f"{desc} (#{seq})", ranks)
+    absent = [r for r, p in posts.items() if p is None]
+    elsewhere = [f"rank {r} is waiting in {p}" for r, p in posts.items() if p is not None and p != f"{desc} (#{seq})"]
+    who = []
+    if absent:
+        who.append(f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} did not arrive "
+                   f"(no answer within {_REPORT_WAIT_S:g} s: died, or busy outside collectives)")
+    who += elsewhere
+    found = re.search(r"waiting (\d+)ms", text)
+    timed_out = "timed out" in text.lower()
+    if timed_out:
+        limit = float(found.group(1)) / 1000 if found else _TIMEOUT_S
+        what = f"timed out after {limit:g} s" if limit else "timed out"
+        advice = ("check those ranks' logs; raise --collective-timeout (timeout= for library users) "
+                  "if a step legitimately takes longer")
+    else:
+        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        first = re.sub(r"^\[[^]]*\] ?", "", first)  # gloo's source-location prefix
+        what = f"failed: {first[:160]}"
+        advice = "a peer process was probably lost; check its log"
+    return CollectiveError(f"[rank {me}] {desc}, collective #{seq} on ranks {ranks}, {what}; "
+                           + ("; ".join(who) + "; " if who else "") + advice)
+
+
+class Work:
+    """An async work handle whose ``wait()`` has the collective deadline and one-line errors."""
+
+    def __init__(self, handle, op: str, tag: str, group, seq: int, t: torch.Tensor):
+        self.handle, self.op, self.tag, self.group, self.seq, self.t = handle, op, tag, group, seq, t
+
+    def wait(self) -> bool:
+        """Block until done. Raises CollectiveError on timeout or a lost peer."""
+        try:
+            if _TIMEOUT_S is not None:
+                return self.handle.wait(timeout=datetime.timedelta(seconds=_TIMEOUT_S))
+            return self.handle.wait()
+        except RuntimeError as e:
+            raise _failure(e, self.op, self.tag, self.group, self.seq, self.t) from None
+
+    def is_completed(self) -> bool:
+        return self.handle.is_completed()
+
+
+def _check_same(op: str, tag: str, t: Optional[torch.Tensor], group, seq: int) -> None:
+    """Debug mode: all-gather this collective's fingerprint and raise on any difference."""
+    desc = _describe(op, tag, t)
+    raw = desc.encode()[:_FINGERPRINT_BYTES]
+    mine = torch.zeros(_FINGERPRINT_BYTES, dtype=torch.uint8)
+    mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    ranks = _group_ranks(group)
+    every = torch.zeros(len(ranks) * _FINGERPRINT_BYTES, dtype=torch.uint8)
+    try:
+        _ALL_GATHER(every, mine, group=group)
+    except RuntimeError as e:
+        raise _failure(e, "debug fingerprint check before " + op, tag, group, seq, None) from None
+    seen = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in every.view(len(ranks), -1)]
+    if len(set(seen)) > 1:
+        diff = " | ".join(f"rank {r}: {d}" for r, d in zip(ranks, seen))
+        raise CollectiveError(f"[rank {dist.get_rank()}] ranks issue different collectives (#{seq} on ranks "
+                              f"{ranks}): {diff}; a unit or collective runs on some ranks only (rank-dependent "
+                              "control flow in forward?): make every rank run the same units in the same order")
+
+
+def _run(op: str, tag: str, group, t: Optional[torch.Tensor], async_op: bool, fn):
+    """Issue ``fn()`` as collective ``op``: debug check first, errors made one line, handle wrapped."""
+    key = id(group) if group is not None else 0
+    _SEQ[key] += 1
+    seq = _SEQ[key]
+    if debug_enabled():
+        _check_same(op, tag, t, group, seq)
+    try:
+        handle = fn()
+    except RuntimeError as e:
+        raise _failure(e, op, tag, group, seq, t) from None
+    if async_op and handle is not None:
+        return Work(handle, op, tag, group, seq, t)
+    return handle
 
 
 def world_group():
@@ -69,26 +252,29 @@ def _check_blocks(op: str, what: str, full: torch.Tensor, block: torch.Tensor, g
     return n
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True, tag: str = ""):
     """All-gather equal-size 1-D shards into ``output`` (rank-major).
 
     Args:
         output: 1-D tensor of ``group_size * shard.numel()`` elements.
         shard: 1-D tensor, this rank's shard; same dtype and device as output.
+        tag: what the collective is for, named in errors (e.g. ``"unit 'layers.0'"``).
     Returns:
         The work handle, or None for a one-rank group (copied locally).
     Raises:
         ValueError: on a size or dtype mismatch.
+        CollectiveError: timed out, lost a peer, or (debug mode) ranks disagree.
     """
     n = _check_blocks("all_gather", "output", output, shard, group)
     if n == 1:
         output.copy_(shard)
         return None
     _count("all_gather", shard)
-    return _ALL_GATHER(output, shard, group=group, async_op=async_op)
+    return _run("all_gather", tag, group, shard, async_op,
+                lambda: _ALL_GATHER(output, shard, group=group, async_op=async_op))
 
 
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, async_op: bool = True):
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, async_op: bool = True, tag: str = ""):
     """Sum ``full`` (rank-major, ``group_size`` equal blocks) over the group and
     leave block ``rank`` in ``output``.
 
@@ -97,44 +283,54 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, async_op: bo
 
     Raises:
         ValueError: on a size or dtype mismatch.
+        CollectiveError: timed out, lost a peer, or (debug mode) ranks disagree.
     """
     n = _check_blocks("reduce_scatter", "input", full, output, group)
     if n == 1:
         output.copy_(full)
         return None
     _count("reduce_scatter", full)
-    return _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _run("reduce_scatter", tag, group, full, async_op,
+                lambda: _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
 
 
-def all_reduce(tensor: torch.Tensor, group, op: str = "sum", async_op: bool = False):
-    """In-place all-reduce with ``op`` in {"sum", "max", "min"}."""
+def all_reduce(tensor: torch.Tensor, group, op: str = "sum", async_op: bool = False, tag: str = ""):
+    """In-place all-reduce with ``op`` in {"sum", "max", "min"}; ``tag`` as in :func:`all_gather`."""
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if op not in ops:
         raise ValueError(f"all_reduce: unknown op {op!r}; use one of {sorted(ops)}")
     if group_size(group) == 1:
         return None
     _count("all_reduce", tensor)
-    return dist.all_reduce(tensor, op=ops[op], group=group, async_op=async_op)
+    return _run(f"all_reduce({op})", tag, group, tensor, async_op,
+                lambda: dist.all_reduce(tensor, op=ops[op], group=group, async_op=async_op))
 
 
-def broadcast(tensor: torch.Tensor, src_group_rank: int, group, async_op: bool = False):
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group, async_op: bool = False, tag: str = ""):
     """In-place broadcast from the rank with group rank ``src_group_rank``."""
     if group_size(group) == 1:
         return None
     _count("broadcast", tensor)
     src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _run("broadcast", tag, group, tensor, async_op,
+                lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
 
-def barrier(group=None) -> None:
+def barrier(group=None, tag: str = "") -> None:
     """Block until every rank of ``group`` (None = the world) gets here."""
     if group_size(group) > 1:
-        dist.barrier(group=group)
+        _run("barrier", tag, group, None, False, lambda: dist.barrier(group=group))
 
 
-def new_group(ranks: list[int]):
-    """Create a process group over ``ranks``; every rank must call it in the same order."""
-    return dist.new_group(ranks=ranks)
+def new_group(ranks: list[int], timeout_s: Optional[float] = None):
+    """Create a process group over ``ranks``; every rank must call it in the same order.
+
+    Args:
+        timeout_s: deadline of each collective on the group (None: the default group's).
+    """
+    if timeout_s is None:
+        return dist.new_group(ranks=ranks)
+    return dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def is_initialized() -> bool:
@@ -153,14 +349,14 @@ def backend(group=None) -> str:
     return dist.get_backend(group)
 
 
-def all_gather_object(obj, group=None) -> list:
+def all_gather_object(obj, group=None, tag: str = "") -> list:
     """Every rank's picklable ``obj``, by group rank (``[obj]`` for a one-rank group)."""
     n = group_size(group)
     if n == 1:
         return [obj]
     out = [None] * n
     COUNTS["all_gather_object"] += 1
-    dist.all_gather_object(out, obj, group=group)
+    _run("all_gather_object", tag, group, None, False, lambda: dist.all_gather_object(out, obj, group=group))
     return out
 
 

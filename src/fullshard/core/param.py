@@ -129,7 +129,7 @@ class FullPrecisionRun:
 def broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
     """Overwrite every rank's tensors with rank 0's (``sync_module_states``)."""
     for t in tensors:
-        C.broadcast(t.data, 0, group)
+        C.broadcast(t.data, 0, group, tag="sync_module_states")
 
 
 @torch.no_grad()
@@ -150,7 +150,7 @@ def check_same_across_ranks(named: list[tuple[str, torch.Tensor]], group, unit: 
                  t[1::3].sum(dtype=torch.float64)]
     v = torch.stack(sums).cpu()
     both = torch.cat([v, -v])
-    C.all_reduce(both, group, "max")
+    C.all_reduce(both, group, "max", tag=f"unit '{unit}' construction check")
     hi, lo = both[:v.numel()], -both[v.numel():]
     bad = (hi != lo).nonzero()
     if bad.numel():
@@ -185,7 +185,7 @@ def global_norm(sharded: list[torch.Tensor], local: list[torch.Tensor], group, n
     and counted once."""
     is_inf = norm_type == float("inf")
     part = _norm_part(sharded, norm_type)
-    C.all_reduce(part, group, "max" if is_inf else "sum")
+    C.all_reduce(part, group, "max" if is_inf else "sum", tag="gradient norm")
     rest = _norm_part(local, norm_type)
     if is_inf:
         return torch.maximum(part, rest)
@@ -196,7 +196,7 @@ def _gather_full(unit, flat_shard: torch.Tensor) -> torch.Tensor:
     """All-gather a unit-shaped flat shard; return it param-major (N·S elements)."""
     lay, dev = unit.layout, unit.cfg.compute_device
     buf = torch.empty(lay.unsharded_numel, dtype=flat_shard.dtype, device=dev)
-    C.all_gather(buf, flat_shard.to(dev), unit.cfg.shard_group, async_op=False)
+    C.all_gather(buf, flat_shard.to(dev), unit.cfg.shard_group, async_op=False, tag=f"unit '{unit.name}' summon")
     full = torch.empty_like(buf)
     F.copy_out(full, buf, lay)
     return full
@@ -210,7 +210,7 @@ def _gather_grads(unit) -> list[Optional[torch.Tensor]]:
     for view, sp in zip(F.shard_views(flat, lay, unit.rank), unit.sharded_params):
         if sp.grad is not None:
             view.copy_(sp.grad)
-    C.all_reduce(has, unit.cfg.shard_group, "max")
+    C.all_reduce(has, unit.cfg.shard_group, "max", tag=f"unit '{unit.name}' summon grads")
     full = F.unsharded_views(_gather_full(unit, flat), lay)
     return [g if h else None for g, h in zip(full, has.tolist())]
 

@@ -356,7 +356,7 @@ def _reduce_leftover_stashes(root: RootRuntime) -> None:
     flags = torch.tensor([1.0 if rt.unit.has_stash else 0.0 for rt in root.units])
     for group in (cfg.shard_group, cfg.replicate_group):
         if group is not None:
-            C.all_reduce(flags, group, "max")
+            C.all_reduce(flags, group, "max", tag="no_sync stashes")
     for rt, flag in zip(root.units, flags.tolist()):
         if flag:
             unit = rt.unit

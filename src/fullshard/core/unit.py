@@ -158,7 +158,8 @@ class Unit:
             send = send.to(self.cfg.compute_device, self.compute_dtype, non_blocking=True)
         self._gather_buf = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype,
                                        device=self.cfg.compute_device)
-        self._gather_work = C.all_gather(self._gather_buf, send, self.cfg.shard_group, async_op=True)
+        self._gather_work = C.all_gather(self._gather_buf, send, self.cfg.shard_group, async_op=True,
+                                         tag=f"unit '{self.name}'")
 
     def wait_unshard(self) -> None:
         """Finish the all-gather and lay out full parameters. UNSHARDING → UNSHARDED."""
@@ -331,7 +332,7 @@ class Unit:
         flags.copy_(torch.tensor(used, dtype=self.reduce_dtype).expand_as(flags))
         reduce_in.div_(cfg.dp_world_size)  # pre-divide, as DDP does
         out = torch.empty(block, dtype=self.reduce_dtype, device=cfg.compute_device)
-        work = C.reduce_scatter(out, reduce_in, cfg.shard_group, async_op=True)
+        work = C.reduce_scatter(out, reduce_in, cfg.shard_group, async_op=True, tag=f"unit '{self.name}'")
         return PendingReduce(self, work, reduce_in, out)
 
     def accumulate_grad_shard(self, out: torch.Tensor) -> None:
@@ -370,7 +371,7 @@ class PendingReduce:
         self.reduce_in = None
         rep = self.unit.cfg.replicate_group
         if rep is not None:
-            C.all_reduce(self.out, rep, "sum")
+            C.all_reduce(self.out, rep, "sum", tag=f"unit '{self.unit.name}' replicas")
         self.unit.accumulate_grad_shard(self.out)
 
     def abandon(self) -> None:

@@ -71,7 +71,9 @@ def save(run, epoch: int, offset: int, end_of_epoch: bool) -> str:
         epoch, offset: data position after the last update (updates taken in ``epoch``).
         end_of_epoch: the epoch's last update was taken (resume starts the next epoch).
     Returns:
-        The checkpoint_last path.
+        The checkpoint_last path, or None when the save failed under ``--on-save-error continue``.
+    Raises:
+        CheckpointError: the save failed (previous checkpoint intact) under ``--on-save-error stop``.
     """
     cfg, trainer = run.cfg, run.trainer
     if end_of_epoch:
@@ -82,8 +84,14 @@ def save(run, epoch: int, offset: int, end_of_epoch: bool) -> str:
                  rng=rng_state(), meters=_meters_state(run.inner), args=cfg.to_dict(),
                  world_size=C.world_size())
     last = os.path.join(cfg.save_dir, "checkpoint_last")
-    seconds = checkpoint.save(last, trainer.model, trainer.optimizer, extra=extra)
     n = trainer.num_updates
+    try:
+        seconds = checkpoint.save(last, trainer.model, trainer.optimizer, extra=extra)
+    except checkpoint.CheckpointError as e:
+        if cfg.on_save_error == "stop":
+            raise checkpoint.CheckpointError(f"{e}; stopped at update {n} (--on-save-error stop)") from None
+        logger.error(f"{e}; continuing without this checkpoint (--on-save-error continue)")
+        return None
     saved = [last]
     if C.rank() == 0 and cfg.save_interval_updates > 0 and n % cfg.save_interval_updates == 0:
         interval = os.path.join(cfg.save_dir, f"checkpoint_{epoch if not end_of_epoch else epoch - 1}_{n}")

@@ -18,7 +18,7 @@ from fullshard.train.options import OneLineArgumentParser, add_train_args, valid
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fullshard", description="Fully Sharded Data Parallel GPT training.")
+    parser = OneLineArgumentParser(prog="fullshard", description="Fully Sharded Data Parallel GPT training.")
     sub = parser.add_subparsers(dest="command", metavar="{preprocess,train,consolidate,plan,plot}",
                                 parser_class=OneLineArgumentParser)
     sub.required = True
@@ -92,13 +92,13 @@ def _parsers(parser: argparse.ArgumentParser) -> dict:
 
 
 def _train(parser: argparse.ArgumentParser, args) -> int:
-    from fullshard.train.launcher import RankFailed, launch
+    from fullshard.train.launcher import LaunchError, RankFailed, launch
     from fullshard.train.loop import train_main
 
     cfg = validate(_parsers(parser)["train"], args)
     try:
         launch(cfg, train_main)
-    except RankFailed as e:
+    except (RankFailed, LaunchError) as e:
         sys.stderr.write(f"fullshard train: error: {e}\n")
         return 1
     return 0
@@ -131,7 +131,9 @@ def _plot(parser: argparse.ArgumentParser, args) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console-script entry point; returns the process exit code."""
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _parsers(parser)[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "preprocess":
         from fullshard.data import preprocess_cli
 

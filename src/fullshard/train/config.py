@@ -118,6 +118,30 @@ class TrainConfig:
     """Initial weights (consolidated .pt/.safetensors file, or a checkpoint directory) when there is
     nothing to resume in save_dir."""
 
+    collective_timeout_s: float = 300.0
+    """Deadline of every collective, seconds: a rank waiting longer exits naming the collective,
+    its unit and the ranks that did not arrive (--collective-timeout)."""
+    debug_collectives: bool = False
+    """Before each collective, check that every rank issues the same one (--debug-collectives)."""
+    debug: bool = False
+    """Print tracebacks instead of one-line errors (--debug)."""
+    on_save_error: str = "stop"
+    """After a failed checkpoint save: 'stop' training (exit 1) or 'continue' without that checkpoint."""
+    max_restarts: int = 0
+    """Restarts of all ranks the launcher makes after a rank fails; each resumes from checkpoint_last."""
+    nnodes: int = 1
+    """Nodes (launchers) taking part; >1 joins --rdzv-endpoint's c10d rendezvous."""
+    node_rank: int = 0
+    """This launcher's node number (0 hosts the rendezvous store)."""
+    rdzv_endpoint: str = "localhost:0"
+    """host:port of the c10d rendezvous (port 0: a free port, single node only)."""
+    rdzv_timeout_s: float = 900.0
+    """Seconds to wait for all nodes to join the rendezvous."""
+    optimizer: str = "adam"
+    """'adam' (AdamW) or 'cpu_adam' (AdamW stepping on host shards with torch's fused CPU kernel)."""
+    hybrid_shard: bool = False
+    """HYBRID_SHARD: shard within a node, replicate across nodes."""
+
     def to_dict(self) -> dict:
         """Plain-Python copy (for checkpoints)."""
         return dataclasses.asdict(self)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from fullshard.core import collectives as C
 from fullshard.train import checkpoint_utils
 from fullshard.train.config import TrainConfig
 from fullshard.train.launcher import threads_per_rank
@@ -60,7 +61,11 @@ def setup_rank(cfg: TrainConfig) -> torch.device:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     torch.set_num_threads(threads_per_rank(local_world))
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        C.init_process_group(backend, timeout_s=cfg.collective_timeout_s)
+    else:
+        C.set_timeout(cfg.collective_timeout_s)
+    if cfg.debug_collectives:
+        C.set_debug(True)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     try:
@@ -134,7 +139,7 @@ class Run:
         kind = "GPUs" if self.device.type == "cuda" else "CPUs"
         logger.info(f"model {self.cfg.arch}, ddp-backend {self.cfg.ddp_backend}"
                     + ("" if self.cfg.ddp_backend == "c10d" else
-                       f" ({'FULL_SHARD' if self.cfg.reshard_after_forward else 'SHARD_GRAD_OP'})"))
+                       f" ({self._strategy()})"))
         logger.info(f"num. model params: {n:,} (num. trained: {n:,})")
         cfg, parts = self.cfg, []
         if cfg.fp16:
@@ -153,6 +158,11 @@ class Run:
                     f"{len(self.valid_data):,} from valid")
         logger.info(f"training on {dist.get_world_size()} devices ({kind})")
         logger.info(f"max tokens per device = None and batch size per device = {self.cfg.batch_size}")
+
+    def _strategy(self) -> str:
+        if self.cfg.hybrid_shard:
+            return f"HYBRID_SHARD: shard within {os.environ.get('LOCAL_WORLD_SIZE', '?')} ranks, replicate across nodes"
+        return "FULL_SHARD" if self.cfg.reshard_after_forward else "SHARD_GRAD_OP"
 
     def wall(self) -> float:
         return time.perf_counter() - self.start
@@ -225,13 +235,47 @@ class Run:
         logger.info("done training in {:.1f} seconds".format(self.wall()))
 
 
+def _known_errors() -> tuple:
+    """Errors whose message is already one line naming the rank and what to do."""
+    from fullshard.checkpoint import CheckpointError
+
+    return (C.CollectiveError, CheckpointError, FloatingPointError)
+
+
 @record
 def train_main(cfg: TrainConfig) -> None:
-    """Entry point of one rank (run by the elastic launcher or directly under torchrun)."""
+    """Entry point of one rank (run by the elastic launcher or directly under torchrun).
+
+    A known failure (collective timeout or lost peer, failed save, NaN loss)
+    prints one line on stderr and exits 1 (the launcher then stops the other
+    ranks); ``--debug`` raises it with its traceback instead.
+    """
     setup_logging(int(os.environ.get("RANK", "0")), cfg.log_file)
-    device = setup_rank(cfg)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:
+        logger.info(f"restart {restart} of at most {cfg.max_restarts}: every rank restarted, resuming "
+                    "from the last checkpoint")
     try:
+        device = setup_rank(cfg)
         Run(cfg, device).run()
+    except _known_errors() as e:
+        if cfg.debug:
+            raise
+        _exit_one_line(e)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_one_line(e: BaseException) -> None:
+    """Record ``e`` for the elastic agent's report, print it as one line, exit 1 (no traceback)."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        ErrorHandler().record_exception(e)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.write(f"{e}\n")
+    sys.stderr.flush()
+    os._exit(1)  # skip teardown that could wait on peers that are gone

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from fullshard import faults
 from fullshard.amp import ShardedGradScaler
 from fullshard.core import collectives as C
 from fullshard.train.config import TrainConfig
@@ -65,13 +67,17 @@ class Trainer:
         self.model, shapes, self.num_params = self._build_model()
         # --cpu-offload: the shards the optimizer steps on live on the host; foreach
         # batches the per-parameter Adam math there into a few multi-tensor kernels.
+        # --optimizer cpu_adam (fairseq's DeepSpeed CPU Adam): torch's fused CPU AdamW kernel.
         foreach = {"foreach": True} if cfg.cpu_offload else {}
+        if cfg.optimizer == "cpu_adam" and self._host_shards():
+            foreach = {"fused": True}
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model.named_parameters(), shapes, cfg.weight_decay),
             lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, **foreach,
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.num_updates = 0
+        self.last_finite = None  # (update, loss in base 2) of the last update with a finite loss
         self.scaler = ShardedGradScaler(init_scale=cfg.fp16_init_scale, growth_interval=cfg.fp16_scale_window,
                                         min_loss_scale=cfg.min_loss_scale, enabled=cfg.fp16)
         # c10d computes in low precision through autocast; fully_sharded through MixedPrecision.
@@ -111,9 +117,15 @@ class Trainer:
         if cfg.cpu_offload:
             extra["cpu_offload"] = CPUOffload(offload_params=True)
         strategy = ShardingStrategy.FULL_SHARD if cfg.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+        if cfg.hybrid_shard:  # shard within a node (LOCAL_WORLD_SIZE ranks), replicate across nodes
+            strategy = ShardingStrategy.HYBRID_SHARD
         wrapped = FSDP(model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
                        device_id=self.device, **extra)
         return wrapped, shapes, total
+
+    def _host_shards(self) -> bool:
+        """The optimizer's shards live in host memory (CPU device or --cpu-offload)."""
+        return self.device.type == "cpu" or self.cfg.cpu_offload
 
     def _checkpoint_blocks(self, model) -> None:
         """--checkpoint-activations / --offload-activations: wrap every TransformerBlock."""
@@ -159,7 +171,8 @@ class Trainer:
         ``overflow`` is True and the scale is backed off.
 
         Raises:
-            FloatingPointError: the loss scale fell to --min-loss-scale.
+            FloatingPointError: the loss scale fell to --min-loss-scale, or (fp32 / bf16)
+                the loss is NaN or inf: names the update and the last finite loss.
         """
         start = time.perf_counter()
         self.model.train()
@@ -171,8 +184,15 @@ class Trainer:
             local_accumulate = j < k - 1 and self.cfg.accumulate_mode == "no_sync"
             with self.model.no_sync() if local_accumulate else contextlib.nullcontext():
                 loss_sum, ntokens = self._loss(batch)
+                if j == 0:
+                    faults.in_update(self.num_updates + 1)
+                loss_sum = faults.poison_loss(loss_sum, self.num_updates + 1)
                 self.scaler.scale(loss_sum / (ntokens * k)).backward()
             local += torch.tensor([loss_sum.item(), ntokens, batch[0].size(0)], dtype=torch.float64)
+        total = local.to(self.device)
+        C.all_reduce(total, C.world_group(), "sum", tag="training loss")
+        loss_sum, ntokens, nsentences = total.tolist()
+        self._check_finite(loss_sum / max(ntokens, 1) / math.log(2))
         self.scaler.unscale_(self.optimizer)
         gnorm = self._clip()
         self.scaler.step(self.optimizer)
@@ -185,11 +205,21 @@ class Trainer:
         else:
             self.lr_scheduler.step()
             self.num_updates += 1
-        total = local.to(self.device)
-        C.all_reduce(total, C.world_group(), "sum")
-        loss_sum, ntokens, nsentences = total.tolist()
+            self.last_finite = (self.num_updates, loss_sum / max(ntokens, 1) / math.log(2))
         return dict(loss_sum=loss_sum, ntokens=int(ntokens), nsentences=int(nsentences), gnorm=gnorm,
                     seconds=time.perf_counter() - start, overflow=overflow, loss_scale=self.scaler.get_scale())
+
+    def _check_finite(self, loss: float) -> None:
+        """fp32 / bf16: stop on a NaN or inf loss (fp16: the loss scaler skips such updates)."""
+        if self.cfg.fp16 or math.isfinite(loss):
+            return
+        update = self.num_updates + 1
+        last = (f"last finite loss {self.last_finite[1]:.3f} at update {self.last_finite[0]}"
+                if self.last_finite else "no finite loss yet in this run")
+        raise FloatingPointError(
+            f"[rank {self.rank}] loss is {loss} at update {update} ({last}); the model was not updated: "
+            "lower --lr, set --clip-norm, or try --fp16 (its loss scaler skips such updates), then resume "
+            "from the last checkpoint")
 
     @torch.no_grad()
     def valid_step(self, batches: List[tuple]) -> dict:
@@ -207,7 +237,7 @@ class Trainer:
             mask = counted.double()
             local += torch.stack([(per_seq * mask).sum(), mask.sum() * targets.size(1), mask.sum()])
         total = local.to(self.device)
-        C.all_reduce(total, C.world_group(), "sum")
+        C.all_reduce(total, C.world_group(), "sum", tag="validation loss")
         loss_sum, ntokens, nsentences = total.tolist()
         return dict(loss_sum=loss_sum, ntokens=int(ntokens), nsentences=int(nsentences), steps=len(batches))
 

@@ -1,0 +1,178 @@
+"""Bad input, tried: each malformed `fullshard train` command line gives one line on stderr, exit
+code 2 and writes nothing. In-process (validation runs before any rank starts), so the table is
+fast; the seeds' fairseq-train commands (with a CPU-sized --arch) are accepted."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+ARCH = "transformer_lm_gpt_mini"
+
+
+@pytest.fixture(scope="module")
+def paths(corpus_dir, tmp_path_factory):
+    """Data directories broken in different ways, plus a checkpoint of another model."""
+    import torch.nn as nn
+
+    from fullshard import checkpoint
+
+    root = tmp_path_factory.mktemp("bad")
+    out = {"data": str(corpus_dir), "missing": str(root / "nope"), "file": str(root / "a_file")}
+    (root / "a_file").write_text("x")
+    (root / "nometa").mkdir()
+    out["nometa"] = str(root / "nometa")
+    meta = json.loads((corpus_dir / "meta.json").read_text())
+
+    def variant(name, edit_meta=None, edit_dir=None):
+        d = root / name
+        shutil.copytree(corpus_dir, d)
+        if edit_meta:
+            m = json.loads(json.dumps(meta))
+            edit_meta(m)
+            (d / "meta.json").write_text(json.dumps(m))
+        if edit_dir:
+            edit_dir(d)
+        out[name] = str(d)
+
+    variant("badjson", edit_dir=lambda d: (d / "meta.json").write_text("{not json"))
+    variant("novalid", edit_meta=lambda m: m["splits"].pop("valid"))
+    variant("empty", edit_meta=lambda m: m["splits"]["train"].update(num_tokens=0))
+    variant("tiny", edit_meta=lambda m: m["splits"]["train"].update(num_tokens=100))
+    variant("tinyvalid", edit_meta=lambda m: m["splits"]["valid"].update(num_tokens=10))
+    variant("truncated", edit_dir=lambda d: (d / "train.bin").write_bytes((d / "train.bin").read_bytes()[:1000]))
+    other = root / "other" / "checkpoint_last"
+    checkpoint.save(str(other), nn.Linear(4, 3))
+    out["other"] = str(other)
+    out["save_other"] = str(root / "other")
+    return out
+
+
+CASES = [  # (argv after DATA or with {placeholders}, expected text in the one line)
+    (["{data}", "--arch", "transformer_lm_gpt_huge"], "unknown --arch"),
+    (["{data}", "--tokens-per-sample", "0"], "--tokens-per-sample must be >= 1"),
+    (["{data}", "--tokens-per-sample", "abc"], "invalid int value: 'abc'"),
+    (["{data}", "--tokens-per-sample", "4096"], "exceeds the 512 positions"),
+    (["{data}", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["{data}", "--batch-size", "-3"], "--batch-size must be >= 1"),
+    (["{data}", "--update-freq", "0"], "--update-freq must be >= 1"),
+    (["{data}", "--lr", "0"], "--lr must be > 0"),
+    (["{data}", "--lr=-1e-3"], "--lr must be > 0"),
+    (["{data}", "--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["{data}", "--adam-betas", "(0.9)"], "expected a pair"),
+    (["{data}", "--adam-betas", "fast"], "expected a pair"),
+    (["{data}", "--lr-scheduler", "triangular"], "invalid choice: 'triangular'"),
+    (["{data}", "--lr-scheduler", "polynomial_decay"], "needs --total-num-update or --max-update"),
+    (["{data}", "--lr-scheduler", "cosine", "--warmup-updates", "10", "--total-num-update", "5"], "must exceed"),
+    (["{data}", "--fp16", "--bf16"], "mutually exclusive"),
+    (["{data}", "--cpu-offload", "--ddp-backend", "c10d"], "--cpu-offload needs --ddp-backend fully_sharded"),
+    (["{data}", "--ddp-backend", "horovod"], "invalid choice: 'horovod'"),
+    (["{data}", "--fp16-init-scale", "0"], "--fp16-init-scale must be > 0"),
+    (["{data}", "--fp16-scale-window", "0"], "--fp16-scale-window must be >= 1"),
+    (["{data}", "--max-update", "-1"], "--max-update must be >= 0"),
+    (["{data}", "--save-interval-updates", "-1"], "--save-interval-updates must be >= 0"),
+    (["{data}", "--collective-timeout", "0"], "--collective-timeout must be > 0"),
+    (["{data}", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
+    (["{data}", "--task", "translation"], "invalid choice: 'translation'"),
+    (["{data}", "--optimizer", "lamb"], "invalid choice: 'lamb'"),
+    (["{data}", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["{data}", "--nnodes", "2"], "needs --rdzv-endpoint HOST:PORT"),
+    (["{data}", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank must be in"),
+    (["{data}", "--rdzv-endpoint", "no-port"], "is not HOST:PORT"),
+    (["{data}", "--hybrid-shard", "--ddp-backend", "c10d"], "--hybrid-shard needs --ddp-backend fully_sharded"),
+    (["{missing}"], "does not exist"),
+    (["{file}"], "does not exist"),
+    (["{nometa}"], "no meta.json"),
+    (["{badjson}"], "cannot read"),
+    (["{novalid}"], "no 'valid' split"),
+    (["{empty}"], "fewer than one batch"),
+    (["{tiny}"], "fewer than one batch"),
+    (["{tinyvalid}"], "fewer than one sample"),
+    (["{truncated}"], "train"),
+    (["{data}", "--nproc-per-node", "64"], "x 64 ranks"),
+    (["{data}", "--save-dir", "{file}"], "exists and is not a directory"),
+    (["{data}", "--log-file", "{nometa}"], "is a directory"),
+    (["{data}", "--log-file", "{file}/train.log"], "is a file"),
+    (["{data}", "--finetune-from-model", "{missing}"], "does not exist"),
+    (["{data}", "--restore-file", "{missing}"], "does not exist"),
+    (["{data}", "--restore-file", "{file}"], "is not a checkpoint directory"),
+    (["{data}", "--save-dir", "{save_other}"], "is of another model"),
+]
+
+
+def test_bad_inputs_one_line_exit_2_nothing_written(paths, tmp_path, capsys):
+    from fullshard.train.cli import main
+
+    assert len(CASES) >= 30
+    failures = []
+    for argv, expected in CASES:
+        work = tmp_path / "work"
+        work.mkdir()
+        argv = [a.format(**paths) for a in argv]
+        defaults = [("--arch", ARCH), ("--tokens-per-sample", "64"), ("--batch-size", "4"),
+                    ("--save-dir", str(work / "ck")), ("--log-file", str(work / "train.log"))]
+        argv += [x for flag, value in defaults if flag not in argv for x in (flag, value)]
+        cwd = os.getcwd()
+        os.chdir(work)
+        try:
+            with pytest.raises(SystemExit) as info:
+                main(["train", *argv])
+        finally:
+            os.chdir(cwd)
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        ok = info.value.code == 2 and len(lines) == 1 and lines[0].startswith("fullshard train: error: ") \
+            and expected in lines[0] and "Traceback" not in err and list(work.iterdir()) == []
+        if not ok:
+            failures.append((argv[:3], expected, info.value.code, err))
+        shutil.rmtree(work)
+    assert not failures, "\n".join(map(str, failures))
+
+
+SEED_COMMAND = """fullshard train data-bin/wikitext-103-roberta-bpe-bin \\
+    --ddp-backend fully_sharded --fp16 --fp16-init-scale 4 \\
+    --cpu-offload --checkpoint-activations \\
+    --task language_modeling --tokens-per-sample 2048 --batch-size 8 \\
+    --arch transformer_lm_gpt3_small \\
+    --optimizer cpu_adam --adam-betas "(0.9,0.98)" \\
+    --lr 0.0001 --lr-scheduler polynomial_decay --warmup-updates 5 --total-num-update 10 \\
+    --max-update 10 --no-save --log-format json --log-interval 1"""
+
+
+def test_seed_commands_are_accepted_and_fp16_warns_once(tmp_path, capsys, monkeypatch):
+    """The seeds' two fairseq-train commands (identical once the GPU environment variables are
+    dropped) with a CPU-sized --arch: --task language_modeling and --optimizer cpu_adam accepted,
+    one warning that --bf16 is faster on a CPU."""
+    import shlex
+
+    from fullshard.train import options
+
+    data = tmp_path / "data-bin" / "wikitext-103-roberta-bpe-bin"
+    data.mkdir(parents=True)
+    meta = {"format_version": 1, "tokenizer": "gpt2-bpe", "vocab_size": 50257, "eos_id": 50256,
+            "dtype": "uint16", "splits": {s: {"file": f"{s}.bin", "num_tokens": n, "num_documents": 1}
+                                          for s, n in (("train", 40000), ("valid", 4000))}}
+    (data / "meta.json").write_text(json.dumps(meta))
+    for s, n in (("train", 40000), ("valid", 4000)):
+        (data / f"{s}.bin").write_bytes(b"\0\0" * n)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(options, "_FP16_WARNED", [])
+    argv = shlex.split(SEED_COMMAND.replace("\\\n", " "))[2:]
+    cfg = options.parse_train_args(argv)
+    assert cfg.optimizer == "cpu_adam" and cfg.fp16 and cfg.cpu_offload and cfg.tokens_per_sample == 2048
+    options.parse_train_args(argv)
+    err = capsys.readouterr().err
+    assert err.count("--bf16 is much faster here") == 1 and len(err.splitlines()) == 1, err
+
+
+def test_valid_split_smaller_than_one_batch_is_evaluated(cli, corpus_dir, tmp_path):
+    """7 valid samples of 256 tokens for 2 ranks x 4: validated on those 7 (fairseq does), not rejected."""
+    from tests.e2e.test_train_cli import json_records
+
+    proc = cli("train", str(corpus_dir), "--arch", ARCH, "--tokens-per-sample", "256", "--batch-size", "4",
+               "--nproc-per-node", "2", "--max-update", "1", "--no-save", "--log-format", "json", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    valid = json_records(proc.stdout)["valid"][-1]
+    assert valid["valid_wpb"] == str(7 * 256) and float(valid["valid_loss"]) > 0, valid

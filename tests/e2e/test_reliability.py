@@ -1,0 +1,140 @@
+"""Reliability of `fullshard train` with real processes: a stuck rank and a SIGKILLed rank
+end the job within the collective timeout with one line naming the lost rank; NaN losses,
+failed saves and restarts. Faults come from the FULLSHARD_TEST_FAULT test hook
+(``fullshard/faults.py``)."""
+from __future__ import annotations
+
+import os
+import time
+
+ARCH = "transformer_lm_gpt_mini"
+FAST = ["--arch", ARCH, "--tokens-per-sample", "64", "--batch-size", "4", "--log-interval", "1",
+        "--log-format", "json", "--seed", "3", "--lr", "0.001"]
+
+
+def _with_fault(spec: str):
+    """Set the fault hook for the CLI subprocess (spawned ranks inherit it)."""
+    class _Env:
+        def __enter__(self):
+            os.environ["FULLSHARD_TEST_FAULT"] = spec
+
+        def __exit__(self, *exc):
+            os.environ.pop("FULLSHARD_TEST_FAULT", None)
+    return _Env()
+
+
+def _stderr_lines(proc) -> list:
+    return [line for line in proc.stderr.splitlines() if line.strip() and "Warning" not in line
+            and not line.startswith("  ")]
+
+
+def _two_ranks_with_fault(cli, corpus_dir, spec: str, timeout_s: int):
+    """4 updates on 2 ranks with fault ``spec``; returns (process, seconds); asserts it exited 1."""
+    start = time.monotonic()
+    with _with_fault(spec):
+        proc = cli("train", str(corpus_dir), *FAST, "--nproc-per-node", "2", "--max-update", "4",
+                   "--collective-timeout", str(timeout_s), "--no-save", timeout=240)
+    assert proc.returncode == 1, proc.stderr
+    return proc, time.monotonic() - start
+
+
+def test_stuck_rank_times_out_with_one_line(cli, corpus_dir, tmp_path):
+    """Rank 1 stops issuing collectives mid-update 2; rank 0 exits after --collective-timeout
+    naming the collective, its unit and rank 1; the launcher stops rank 1; nothing hangs."""
+    proc, took = _two_ranks_with_fault(cli, corpus_dir, "hang:1:2", timeout_s=4)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("fullshard train: error: rank 0 failed: [rank 0] "), proc.stderr
+    assert "of unit 'layers." in last and "timed out after 4 s" in last and "rank 1 did not arrive" in last, last
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert took < 120, took
+
+
+def test_killed_rank_is_named_and_others_exit(cli, corpus_dir):
+    """SIGKILL of rank 1 mid-update 2: the job exits 1 at once (well within the timeout) with one
+    line saying rank 1 was lost."""
+    proc, took = _two_ranks_with_fault(cli, corpus_dir, "kill:1:2", timeout_s=60)
+    assert _stderr_lines(proc)[-1].startswith("fullshard train: error: rank 1 was lost: killed by SIGKILL"), \
+        proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert took < 60, took  # far below the 60 s collective timeout
+
+
+def test_nan_loss_stops_naming_update_and_last_finite_loss(cli, corpus_dir, tmp_path):
+    with _with_fault("nan:0:3"):
+        proc = cli("train", str(corpus_dir), *FAST, "--nproc-per-node", "1", "--max-update", "5",
+                   "--save-dir", str(tmp_path / "ck"), "--save-interval-updates", "2", timeout=240)
+    assert proc.returncode == 1, proc.stderr
+    from tests.e2e.test_train_cli import json_records
+
+    second = json_records(proc.stdout)["train_inner"][1]
+    assert second["num_updates"] == "2"
+    last = proc.stderr.strip().splitlines()[-1]
+    assert f"loss is nan at update 3 (last finite loss {float(second['loss']):.3f} at update 2)" in last, last
+    assert "Traceback" not in proc.stderr
+    # the checkpoint of update 2 is what a resume starts from
+    assert (tmp_path / "ck" / "checkpoint_last").is_dir()
+
+
+def test_disk_full_during_save_keeps_previous_checkpoint(cli, corpus_dir, tmp_path):
+    """ENOSPC on rank 1's second save (the final one): with --on-save-error continue the job ends
+    0 with the update-1 checkpoint intact and no half-written directory; with stop (default) the
+    failed save ends the job with one line."""
+    from fullshard import checkpoint
+
+    ck = tmp_path / "ck"
+    with _with_fault("enospc:1:2"):
+        proc = cli("train", str(corpus_dir), *FAST, "--nproc-per-node", "2", "--max-update", "2",
+                   "--save-dir", str(ck), "--save-interval-updates", "1", "--on-save-error", "continue",
+                   timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "failed on rank 1 while writing files: OSError: [Errno 28] No space left on device" in proc.stdout
+    assert "the previous checkpoint" in proc.stdout and "continuing without this checkpoint" in proc.stdout
+    assert sorted(p.name for p in ck.iterdir()) == ["checkpoint_1_1", "checkpoint_last"]
+    manifest = checkpoint.verify(str(ck / "checkpoint_last"))
+    assert manifest["world_size"] == 2
+    import torch
+
+    assert torch.load(ck / "checkpoint_last" / "extra-rank0.pt", weights_only=False)["train_state"]["num_updates"] == 1
+
+    with _with_fault("enospc:0:1"):
+        proc = cli("train", str(corpus_dir), *FAST, "--nproc-per-node", "1", "--max-update", "1",
+                   "--save-dir", str(tmp_path / "stop"), timeout=240)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "No space left on device" in last and "no checkpoint was written" in last, last
+    assert "stopped at update 1 (--on-save-error stop)" in last and "Traceback" not in proc.stderr
+    assert list((tmp_path / "stop").iterdir()) == []
+
+
+def test_max_restarts_resumes_after_sigkill_bit_identical(cli, corpus_dir, tmp_path):
+    """Rank 1 SIGKILLed mid-update 3 with --max-restarts 1: every rank restarts, resumes from the
+    update-2 checkpoint and ends with the same logged losses and bit-identical parameters as an
+    uninterrupted run."""
+    import torch
+
+    from tests.e2e.test_resume import _params
+    from tests.e2e.test_train_cli import json_records
+
+    args = [*FAST, "--nproc-per-node", "2", "--max-update", "4", "--save-interval-updates", "2",
+            "--lr-scheduler", "polynomial_decay", "--warmup-updates", "1", "--clip-norm", "1.0"]
+    straight = cli("train", str(corpus_dir), *args, "--save-dir", str(tmp_path / "a"), timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    start = time.monotonic()
+    with _with_fault("kill:1:3"):
+        proc = cli("train", str(corpus_dir), *args, "--save-dir", str(tmp_path / "b"), "--max-restarts", "1",
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "restart 1 of at most 1" in proc.stdout and "loaded checkpoint" in proc.stdout
+    assert "epoch 1 offset 2 @ 2 updates" in proc.stdout
+
+    def losses(p):
+        return [(r["num_updates"], r["loss"], r["gnorm"], r["lr"]) for r in json_records(p.stdout)["train_inner"]]
+
+    resumed = losses(proc)
+    assert resumed[-2:] == losses(straight)[-2:], (resumed, losses(straight))
+    a, _ = _params(corpus_dir, tmp_path / "a" / "checkpoint_last")
+    b, extra = _params(corpus_dir, tmp_path / "b" / "checkpoint_last")
+    assert extra["train_state"]["num_updates"] == 4
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    print(f"kill + restart + resume + 2 updates: {time.monotonic() - start:.1f} s")

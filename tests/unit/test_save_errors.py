@@ -1,0 +1,38 @@
+"""A write error during checkpoint.save (a full disk) fails with one clear line and leaves the
+previous checkpoint loadable and no half-written directory (single process, no process group)."""
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+import torch.nn as nn
+
+
+def test_enospc_in_writer_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    from fullshard import checkpoint
+    from fullshard.checkpoint import save_load
+
+    model = nn.Linear(4, 3)
+    path = tmp_path / "checkpoint_last"
+    checkpoint.save(str(path), model, extra={"n": 1})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(save_load.torch, "save", full_disk)
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.save(str(path), model, extra={"n": 2})
+    monkeypatch.undo()
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("[rank 0] saving ")
+    assert "failed on rank 0 while writing files: OSError: [Errno 28] No space left on device" in msg
+    assert "the previous checkpoint" in msg and "is intact; free disk space and save again" in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_last"]
+    fresh = nn.Linear(4, 3)
+    assert checkpoint.load(str(path), fresh) == {"n": 1}
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, before[k]), k
