@@ -1,11 +1,14 @@
-"""The `fullshard` console script: ``preprocess``, ``train``, ``consolidate`` and ``plot`` subcommands.
+"""The `fullshard` console script: ``preprocess``, ``train``, ``eval-lm``, ``generate``,
+``consolidate`` and ``plot`` subcommands.
 
     fullshard preprocess --builtin-corpus --destdir data-bin/wiki
     fullshard train data-bin/wiki --nproc-per-node 2 --arch transformer_lm_gpt_tiny ...
+    fullshard eval-lm data-bin/wiki --path checkpoints/tiny/checkpoint_last --nproc-per-node 2
+    fullshard generate --path checkpoints/tiny/checkpoint_last --prompt "The city" --top-p 0.9
     fullshard consolidate checkpoints/tiny/checkpoint_last model.safetensors
     fullshard plot run_a.log run_b.log -o curve.png
 
-Exit codes: 0 success, 1 a rank failed while training, 2 bad input.
+Exit codes: 0 success, 1 a rank failed while training or evaluating, 2 bad input.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from fullshard.train.options import OneLineArgumentParser, add_train_args, valid
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fullshard", description="Fully Sharded Data Parallel GPT training.")
-    sub = parser.add_subparsers(dest="command", metavar="{preprocess,train,consolidate,plot}",
+    sub = parser.add_subparsers(dest="command", metavar="{preprocess,train,eval-lm,generate,consolidate,plot}",
                                 parser_class=OneLineArgumentParser)
     sub.required = True
     from fullshard.data import preprocess_cli
@@ -27,6 +30,10 @@ def _build_parser() -> argparse.ArgumentParser:
     preprocess_cli.add_args(pre)
     train = sub.add_parser("train", help="train a GPT language model")
     add_train_args(train)
+    from fullshard.train import eval_lm, generate
+
+    eval_lm.add_args(sub.add_parser("eval-lm", help="loss and perplexity of a split under a checkpoint"))
+    generate.add_args(sub.add_parser("generate", help="sample text from a checkpoint"))
     cons = sub.add_parser("consolidate", help="write a checkpoint's model as one .safetensors / .pt file")
     cons.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a directory written by fullshard.checkpoint.save")
     cons.add_argument("out", metavar="OUT", help="output file ending in .safetensors (streamed) or .pt")
@@ -51,6 +58,19 @@ def _train(parser: argparse.ArgumentParser, args) -> int:
         launch(cfg, train_main)
     except RankFailed as e:
         sys.stderr.write(f"fullshard train: error: {e}\n")
+        return 1
+    return 0
+
+
+def _eval_lm(parser: argparse.ArgumentParser, args) -> int:
+    from fullshard.train.eval_lm import eval_main, prepare
+    from fullshard.train.launcher import RankFailed, launch
+
+    job = prepare(_parsers(parser)["eval-lm"], args)
+    try:
+        launch(job, eval_main)
+    except RankFailed as e:
+        sys.stderr.write(f"fullshard eval-lm: error: {e}\n")
         return 1
     return 0
 
@@ -89,6 +109,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(preprocess_cli.run(args) or 0)
     if args.command == "train":
         return _train(parser, args)
+    if args.command == "eval-lm":
+        return _eval_lm(parser, args)
+    if args.command == "generate":
+        from fullshard.train import generate
+
+        return generate.run(_parsers(parser)["generate"], args)
     if args.command == "consolidate":
         return _consolidate(parser, args)
     return _plot(parser, args)

@@ -36,7 +36,12 @@ def threads_per_rank(local_world_size: int) -> int:
 
 
 def launch(cfg: TrainConfig, entry: Callable[[TrainConfig], object]) -> None:
-    """Run `entry(cfg)` on every rank (see module docstring). Raises RankFailed."""
+    """Run `entry(cfg)` on every rank (see module docstring); ``cfg`` is any
+    picklable object with ``nproc_per_node`` (a TrainConfig, eval-lm's EvalJob).
+
+    Raises:
+        RankFailed: a rank raised or died.
+    """
     if under_torchrun():
         entry(cfg)
         return
