@@ -42,7 +42,7 @@ class EvalJob:
             directory, ``tokens_per_sample``, ``batch_size`` and world size.
         path: the checkpoint directory or consolidated file.
         subset: the split to evaluate (``valid``, ``test``, ``train``).
-        num_updates: updates the checkpoint was trained for (0 when unknown).
+        num_updates: updates the checkpoint was trained for (0 when unknown: a consolidated file).
     """
 
     cfg: TrainConfig
@@ -139,9 +139,10 @@ def eval_main(job: EvalJob) -> dict:
         trainer = Trainer(cfg, device)
         start = time.perf_counter()
         load_weights(job.path, trainer.model)
-        logger.info(f"loaded {job.path} ({cfg.arch}, {trainer.num_params:,} parameters, "
-                    f"{job.num_updates} updates) on {dist.get_world_size()} ranks "
-                    f"({time.perf_counter() - start:.2f} seconds)")
+        world = dist.get_world_size()
+        trained = f", {job.num_updates} updates" if job.num_updates else ""
+        logger.info(f"loaded {job.path} ({cfg.arch}, {trainer.num_params:,} parameters{trained}) on {world} "
+                    f"rank{'s' if world > 1 else ''} ({time.perf_counter() - start:.2f} seconds)")
         dataset = TokenBlockDataset(cfg.data_dir, job.subset, cfg.tokens_per_sample)
         start = time.perf_counter()
         out = trainer.valid_step(valid_batches(cfg, dataset))
