@@ -49,30 +49,28 @@ def _parsers(parser: argparse.ArgumentParser) -> dict:
     return action.choices
 
 
-def _train(parser: argparse.ArgumentParser, args) -> int:
+def _launch(command: str, job, entry) -> int:
+    """Run ``entry(job)`` on every rank; a failed rank is one stderr line and exit code 1."""
     from fullshard.train.launcher import RankFailed, launch
-    from fullshard.train.loop import train_main
 
-    cfg = validate(_parsers(parser)["train"], args)
     try:
-        launch(cfg, train_main)
+        launch(job, entry)
     except RankFailed as e:
-        sys.stderr.write(f"fullshard train: error: {e}\n")
+        sys.stderr.write(f"fullshard {command}: error: {e}\n")
         return 1
     return 0
+
+
+def _train(parser: argparse.ArgumentParser, args) -> int:
+    from fullshard.train.loop import train_main
+
+    return _launch("train", validate(_parsers(parser)["train"], args), train_main)
 
 
 def _eval_lm(parser: argparse.ArgumentParser, args) -> int:
     from fullshard.train.eval_lm import eval_main, prepare
-    from fullshard.train.launcher import RankFailed, launch
 
-    job = prepare(_parsers(parser)["eval-lm"], args)
-    try:
-        launch(job, eval_main)
-    except RankFailed as e:
-        sys.stderr.write(f"fullshard eval-lm: error: {e}\n")
-        return 1
-    return 0
+    return _launch("eval-lm", prepare(_parsers(parser)["eval-lm"], args), eval_main)
 
 
 def _consolidate(parser: argparse.ArgumentParser, args) -> int:
