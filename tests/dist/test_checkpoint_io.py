@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import io
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch

@@ -35,20 +35,17 @@ _DEFAULT_TOKENS_PER_SAMPLE = 1024  # fairseq-eval-lm's default
 
 @dataclass(frozen=True)
 class EvalJob:
-    """What every rank of ``eval-lm`` needs (picklable for the launcher).
-
-    Attributes:
-        cfg: the model's training configuration with the evaluation's data
-            directory, ``tokens_per_sample``, ``batch_size`` and world size.
-        path: the checkpoint directory or consolidated file.
-        subset: the split to evaluate (``valid``, ``test``, ``train``).
-        num_updates: updates the checkpoint was trained for (0 when unknown: a consolidated file).
-    """
+    """What every rank of ``eval-lm`` needs (picklable for the launcher)."""
 
     cfg: TrainConfig
+    """The model's training configuration with the evaluation's data directory,
+    ``tokens_per_sample``, ``batch_size`` and world size."""
     path: str
+    """The checkpoint directory or consolidated file."""
     subset: str
+    """The split to evaluate (``valid``, ``test``, ``train``)."""
     num_updates: int
+    """Updates the checkpoint was trained for (0 when unknown: a consolidated file)."""
 
     @property
     def nproc_per_node(self) -> int:

@@ -26,23 +26,20 @@ class ModelSpecError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The model a checkpoint holds.
-
-    Attributes:
-        path: the checkpoint directory or consolidated file.
-        arch: a key of ``fullshard.models.ARCHS``.
-        vocab_size: token ids V (rows of ``embed_tokens.weight``).
-        max_positions: positions P (rows of ``embed_positions.weight``), tokens.
-        args: the training run's arguments (``TrainConfig.to_dict()``), or None.
-        num_updates: updates the checkpoint was trained for, or None when unknown.
-    """
+    """The model a checkpoint holds."""
 
     path: str
+    """The checkpoint directory or consolidated file."""
     arch: str
+    """A key of ``fullshard.models.ARCHS``."""
     vocab_size: int
+    """Token ids V (rows of ``embed_tokens.weight``)."""
     max_positions: int
+    """Positions P (rows of ``embed_positions.weight``), tokens."""
     args: Optional[dict]
+    """The training run's arguments (``TrainConfig.to_dict()``), or None."""
     num_updates: Optional[int]
+    """Updates the checkpoint was trained for, or None when unknown."""
 
 
 def _shapes(path: str) -> dict:
