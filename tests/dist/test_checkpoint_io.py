@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import io
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -90,6 +88,8 @@ def _load_at(rank, world, path, ref, save_to):
     extra = checkpoint.load(path, model, opt)
     assert extra["rank"] == (rank if rank < 2 else 0)
     _same(_full(model, opt), ref, f"loaded at world {world}")
+    if save_to:  # the loaded state, saved again at this world size
+        checkpoint.save(save_to, model, opt)
     _step(model, opt, rank, 5)  # training continues
     if world == 1:  # the same checkpoint into a plain model and optimizer
         plain = make_model(KIND, seed=8)
@@ -97,10 +97,6 @@ def _load_at(rank, world, path, ref, save_to):
         checkpoint.load(path, plain, popt)
         for k, v in ref[0].items():
             assert torch.equal(plain.state_dict()[k], v), k
-    if save_to:
-        model, opt = _fsdp()
-        checkpoint.load(path, model, opt)
-        checkpoint.save(save_to, model, opt)
     return True
 
 
@@ -153,39 +149,70 @@ def test_reshard_2_to_1_3_4_and_4_to_2(tmp_path):
     run_ranks(_ddp_roundtrip, 2, b, ref)
 
 
-_KILLED_SAVER = r"""
-import sys, torch
+_KILLED_SAVERS = r"""
+import os, signal, sys, time
+import torch
 from fullshard import checkpoint
+
 path = sys.argv[1]
-model = torch.nn.Linear(2048, 2048 * 2)
-for version in range(1000):
-    with torch.no_grad():
-        model.weight.fill_(version)
-        model.bias.fill_(version)
-    checkpoint.save(path, model)
-    print(version, flush=True)
+
+
+def saver(ready):  # a forked process saving new versions until it is killed
+    model = torch.nn.Linear(2048, 2048 * 2)
+    for version in range(1000):
+        with torch.no_grad():
+            model.weight.fill_(version)
+            model.bias.fill_(version)
+        checkpoint.save(path, model)
+        if version == 0:
+            os.write(ready, b"0")  # one complete checkpoint exists
+    os._exit(0)
+
+
+# This process only imports torch (no op has started its thread pool), so forking it is safe;
+# one import serves every kill.
+for delay in map(float, sys.argv[2:]):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        saver(w)
+    os.close(w)
+    assert os.read(r, 1) == b"0"
+    while not os.path.isdir(path + ".tmp"):
+        time.sleep(0.001)
+    time.sleep(delay)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(r)
+    print(delay, flush=True)
+    sys.stdin.readline()  # the test has checked the checkpoint
 """
 
 
 def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
-    """A real SIGKILL at several points of a save: the directory always loads completely."""
+    """A real SIGKILL of a saving process at several points of a save: the directory always loads
+    completely."""
     from fullshard import checkpoint
 
     path = str(tmp_path / "ckpt")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    for delay in (0.0, 0.05, 0.15, 0.3):
-        proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVER, path], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env=env)
-        assert proc.stdout.readline().strip() == b"0"  # one complete checkpoint exists
-        while not os.path.isdir(path + ".tmp"):
-            time.sleep(0.001)
-        time.sleep(delay)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        model = torch.nn.Linear(2048, 2048 * 2)
-        checkpoint.load(path, model)
-        v = model.bias[0].item()
-        assert torch.all(model.weight == v) and torch.all(model.bias == v) and v >= 0
+    delays = ("0.0", "0.05", "0.15", "0.3")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVERS, path, *delays], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    try:
+        for delay in delays:
+            assert proc.stdout.readline().strip() == delay.encode()  # the saver was killed
+            model = torch.nn.Linear(2048, 2048 * 2)
+            checkpoint.load(path, model)
+            v = model.bias[0].item()
+            assert torch.all(model.weight == v) and torch.all(model.bias == v) and v >= 0
+            proc.stdin.write(b"next\n")
+            proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_damaged_files_and_wrong_model_are_refused(tmp_path):

@@ -1,6 +1,7 @@
 """Trainer checkpoints: exact resume (bit-identical parameters), interval
 saves with --keep-interval-updates, resume at another --nproc-per-node,
-c10d <-> fully_sharded, --reset-* flags."""
+c10d <-> fully_sharded, --finetune-from-model, --reset-* flags; one chain of
+7 short CLI runs (each run costs mostly process start-up)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ from tests.e2e.test_train_cli import json_records
 
 ARCH = "transformer_lm_gpt_mini"
 COMMON = ["--arch", ARCH, "--tokens-per-sample", "64", "--lr", "0.001", "--lr-scheduler", "polynomial_decay",
-          "--warmup-updates", "2", "--total-num-update", "8", "--clip-norm", "1.0", "--weight-decay", "0.01",
+          "--warmup-updates", "1", "--total-num-update", "4", "--clip-norm", "1.0", "--weight-decay", "0.01",
           "--seed", "3", "--log-interval", "1", "--batch-size", "4", "--log-format", "json"]
 
 
@@ -37,37 +38,35 @@ def _losses(records):
     return [(r["num_updates"], r["loss"], r["ppl"], r["lr"]) for r in records["train_inner"]]
 
 
-def test_exact_resume_interval_keep_and_reshard(cli, corpus_dir, tmp_path):
-    """8 updates straight == 4, save, new processes, load, 4 (bit-identical fp32 parameters and the
-    same logged losses); interval checkpoints pruned to the last one; resuming at 1 rank works."""
-    _, straight = _train(cli, corpus_dir, tmp_path / "a")
+def test_exact_resume_interval_keep_reshard_c10d_and_resets(cli, corpus_dir, tmp_path):
+    """4 updates straight == 2, save, new processes, load, 2 (bit-identical fp32 parameters and the
+    same logged losses); interval checkpoints pruned to the last one; resuming at 1 rank continues at
+    the same sample position; a fully_sharded checkpoint fine-tunes a c10d run, whose checkpoint
+    resumes under fully_sharded (same names, both directions); --reset-* restart the counter."""
+    _, straight = _train(cli, corpus_dir, tmp_path / "a", updates=4)
     half = tmp_path / "b"
-    _train(cli, corpus_dir, half, "--save-interval-updates", "2", "--keep-interval-updates", "1", updates=4)
-    assert sorted(p.name for p in half.iterdir()) == ["checkpoint_1_4", "checkpoint_last"]
-    out, resumed = _train(cli, corpus_dir, half)
-    assert "loaded checkpoint" in out and "epoch 1 offset 4 @ 4 updates" in out
-    assert _losses(resumed) == _losses(straight)[4:]
+    _train(cli, corpus_dir, half, "--save-interval-updates", "1", "--keep-interval-updates", "1", updates=2)
+    assert sorted(p.name for p in half.iterdir()) == ["checkpoint_1_2", "checkpoint_last"]
+    out, resumed = _train(cli, corpus_dir, half, updates=4)
+    assert "loaded checkpoint" in out and "epoch 1 offset 2 @ 2 updates" in out
+    assert _losses(resumed) == _losses(straight)[2:]
     a, extra = _params(corpus_dir, tmp_path / "a" / "checkpoint_last")
     b, _ = _params(corpus_dir, half / "checkpoint_last")
-    assert extra["train_state"]["num_updates"] == 8 and extra["world_size"] == 2
+    assert extra["train_state"]["num_updates"] == 4 and extra["world_size"] == 2
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    # Resume the 4-update checkpoint on 1 rank (resharded), same data position.
-    out, one = _train(cli, corpus_dir, tmp_path / "c", "--restore-file", str(half / "checkpoint_1_4"), nproc=1)
-    assert "saved by 2 ranks" in out and "offset 8 @ 4 updates" in out
-    assert [r["num_updates"] for r in one["train_inner"]] == ["5", "6", "7", "8"]
-
-
-def test_c10d_checkpoint_resumes_fully_sharded_and_resets(cli, corpus_dir, tmp_path):
-    """A c10d checkpoint resumes under fully_sharded (same names); --reset-optimizer restarts the counter;
-    --finetune-from-model takes the weights only."""
+    # Resume the 2-update checkpoint on 1 rank (resharded), same data position (16 samples = 4 updates of 4).
+    out, one = _train(cli, corpus_dir, tmp_path / "c", "--restore-file", str(half / "checkpoint_1_2"), nproc=1,
+                      updates=4)
+    assert "saved by 2 ranks" in out and "offset 4 @ 2 updates" in out
+    assert [r["num_updates"] for r in one["train_inner"]] == ["3", "4"]
+    # fully_sharded -> c10d (weights only), then c10d -> fully_sharded (full resume), then --reset-*.
     ddp = tmp_path / "ddp"
-    _train(cli, corpus_dir, ddp, "--ddp-backend", "c10d", updates=2)
+    out, rec = _train(cli, corpus_dir, ddp, "--ddp-backend", "c10d", "--finetune-from-model",
+                      str(half / "checkpoint_1_2"), updates=2)
+    assert "for fine-tuning" in out and [r["num_updates"] for r in rec["train_inner"]] == ["1", "2"]
     out, rec = _train(cli, corpus_dir, ddp, updates=4)
     assert "@ 2 updates" in out and [r["num_updates"] for r in rec["train_inner"]] == ["3", "4"]
     out, rec = _train(cli, corpus_dir, ddp, "--reset-optimizer", "--reset-lr-scheduler", "--reset-dataloader",
                       updates=1)
     assert [r["num_updates"] for r in rec["train_inner"]] == ["1"]
-    out, rec = _train(cli, corpus_dir, tmp_path / "ft", "--finetune-from-model", str(ddp / "checkpoint_last"),
-                      updates=1)
-    assert "for fine-tuning" in out and [r["num_updates"] for r in rec["train_inner"]] == ["1"]

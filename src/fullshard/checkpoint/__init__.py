@@ -7,6 +7,6 @@ optimizer state by name (``optim.py``), and sharded checkpoints through
     extra = checkpoint.load("ckpt/step100", model, optimizer)
 """
 from .optim import init_optim_state
-from .save_load import CheckpointError, load, save, verify
+from .save_load import CheckpointError, load, read_extra, save, verify
 
-__all__ = ["save", "load", "verify", "CheckpointError", "init_optim_state"]
+__all__ = ["save", "load", "read_extra", "verify", "CheckpointError", "init_optim_state"]

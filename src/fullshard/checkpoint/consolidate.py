@@ -8,7 +8,11 @@ written and freed, so peak memory is about the largest tensor.
 ``.pt``: ``torch.save`` needs the whole dict, so peak memory is the model.
 
 Either output loads with ``load_state_dict`` into the unwrapped model (the
-names are the plain model's; tied weights appear under each name).
+names are the plain model's; tied weights appear under each name, equal, so
+Hugging Face's ``from_pretrained`` finds every key it expects). The
+``.safetensors`` header's ``__metadata__`` holds ``{"format": "pt"}`` and, for
+a checkpoint of ``fullshard train``, the run's arguments as JSON under
+``"fullshard.args"`` (so ``eval-lm`` / ``generate`` know the architecture).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .save_load import _resolve, verify
+from .save_load import _resolve, read_extra, verify
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -54,6 +58,15 @@ def read_tensor(path: str, name: str, shape: torch.Size, dtype: torch.dtype) -> 
     return t
 
 
+def _metadata(path: str) -> dict:
+    """The ``.safetensors`` ``__metadata__`` (string to string): format, and the training arguments."""
+    meta = {"format": "pt"}
+    extra = read_extra(path)
+    if isinstance(extra, dict) and isinstance(extra.get("args"), dict):
+        meta["fullshard.args"] = json.dumps(extra["args"])
+    return meta
+
+
 def _maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -74,10 +87,11 @@ def consolidate(checkpoint_dir: str, out: str) -> dict:
     path, tensors = model_tensors(checkpoint_dir)
     sizes = [s.numel() * torch.empty((), dtype=d).element_size() for _, s, d in tensors]
     tmp = out + ".tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     if out.endswith(".pt"):
         torch.save({n: read_tensor(path, n, s, d) for n, s, d in tensors}, tmp)
     else:
-        header, offset = {}, 0
+        header, offset = {"__metadata__": _metadata(path)}, 0
         for (name, shape, dtype), nbytes in zip(tensors, sizes):
             if dtype not in _ST_DTYPES:
                 raise ValueError(f"consolidate: '{name}' has dtype {dtype}, which safetensors cannot hold")

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -271,7 +272,9 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
     state = _states(model, optimizer)
     _check_model_keys(path, state["model"])
     world = _world()
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=world == 1)
+    with warnings.catch_warnings():  # one rank: DCP's "assuming ... a single process" is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=world == 1)
     if fsdp:
         prev = SD.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
         try:
@@ -284,7 +287,18 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
         _plain(model).load_state_dict(state["model"])
         if optimizer is not None:
             optimizer.load_state_dict(O.plain_optim_state_dict_to_load(_plain(model), optimizer, state["optim"]))
-    for name in (f"extra-rank{C.rank()}.pt", "extra-rank0.pt"):
+    return read_extra(path, C.rank())
+
+
+def read_extra(checkpoint_dir: str, rank: int = 0) -> Any:
+    """Rank ``rank``'s ``extra`` dict of a checkpoint (rank 0's when the saving
+    run had fewer ranks), or None; offline, no process group needed.
+
+    Raises:
+        CheckpointError: no finished checkpoint at ``checkpoint_dir``.
+    """
+    path = _resolve(checkpoint_dir)
+    for name in (f"extra-rank{rank}.pt", "extra-rank0.pt"):
         if os.path.isfile(os.path.join(path, name)):
             return torch.load(os.path.join(path, name), weights_only=False)
     return None

@@ -160,6 +160,27 @@ def gather_full(unit, flat: Optional[torch.Tensor] = None) -> list[torch.Tensor]
     return F.unsharded_views(full, lay)
 
 
+def summoned_full(unit) -> list[torch.Tensor]:
+    """The full parameters ``summon_full_params`` registered on a summoned
+    unit's modules (no collective), so a full state dict taken inside the
+    context on some ranks only (``if rank == 0: model.save_pretrained(...)``)
+    neither gathers nor hangs.
+
+    Raises:
+        RuntimeError: this rank holds no full parameters (``rank0_only=True``
+            on a rank other than 0).
+    """
+    out = []
+    for slot, lay in zip(unit.slots, unit.layout.params):
+        module, attr = slot.owners[0]
+        p = module._parameters[attr]
+        if tuple(p.shape) != tuple(lay.shape):
+            raise RuntimeError(f"[rank {C.rank()}] state_dict() inside summon_full_params(rank0_only=True): "
+                               f"unit '{unit.name}' holds no full parameters on this rank; call it on rank 0 only")
+        out.append(p.detach())
+    return out
+
+
 def copy_value(t: torch.Tensor, offload: bool) -> torch.Tensor:
     return t.detach().to("cpu", copy=True) if offload else t.detach().clone()
 
@@ -233,7 +254,8 @@ def state_dict(model: nn.Module, destination: Optional[dict] = None, prefix: str
     keep = not st.config.rank0_only or C.rank() == 0
     values = {}
     for ui, unit in enumerate(units):  # one unit's full parameters alive at a time
-        full = gather_full(unit)
+        # Inside summon_full_params the full parameters are already on the modules: no gather.
+        full = summoned_full(unit) if unit.summoned else gather_full(unit)
         if keep:
             for si, v in enumerate(full):
                 values[(ui, si)] = copy_value(v, offload)

@@ -158,12 +158,18 @@ def load(run) -> tuple[int, int]:
     return epoch, offset
 
 
-def load_weights(path: str, model) -> None:
+def load_weights(path: str, model) -> Optional[dict]:
     """Full weights into ``model``: a consolidated ``.safetensors`` / ``.pt``
-    file (plain state dict) or a fullshard checkpoint directory (model only)."""
+    file (plain state dict) or a fullshard checkpoint directory (model only).
+
+    Returns:
+        The checkpoint directory's ``extra`` (None for a file).
+    Raises:
+        CheckpointError: a damaged checkpoint directory or one of another model.
+        RuntimeError: a file whose names or shapes do not fit ``model``.
+    """
     if os.path.isdir(path):
-        checkpoint.load(path, model)
-        return
+        return checkpoint.load(path, model)
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
 
@@ -172,3 +178,4 @@ def load_weights(path: str, model) -> None:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     target = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     target.load_state_dict(sd)
+    return None

@@ -1,12 +1,15 @@
-"""The `fullshard` console script: ``preprocess``, ``train``, ``consolidate``, ``plan`` and ``plot`` subcommands.
+"""The `fullshard` console script: ``preprocess``, ``train``, ``eval-lm``, ``generate``,
+``consolidate``, ``plan`` and ``plot`` subcommands.
 
     fullshard preprocess --builtin-corpus --destdir data-bin/wiki
     fullshard train data-bin/wiki --nproc-per-node 2 --arch transformer_lm_gpt_tiny ...
+    fullshard eval-lm data-bin/wiki --path checkpoints/tiny/checkpoint_last --nproc-per-node 2
+    fullshard generate --path checkpoints/tiny/checkpoint_last --prompt "The city" --top-p 0.9
     fullshard consolidate checkpoints/tiny/checkpoint_last model.safetensors
     fullshard plan --arch transformer_lm_gpt3_xl --world-size 8 --bf16 --budget-gb 16
     fullshard plot run_a.log run_b.log -o curve.png
 
-Exit codes: 0 success, 1 a rank failed while training, 2 bad input.
+Exit codes: 0 success, 1 a rank failed while training or evaluating, 2 bad input.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from fullshard.train.options import OneLineArgumentParser, add_train_args, valid
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="fullshard", description="Fully Sharded Data Parallel GPT training.")
-    sub = parser.add_subparsers(dest="command", metavar="{preprocess,train,consolidate,plan,plot}",
+    sub = parser.add_subparsers(dest="command",
+                                metavar="{preprocess,train,eval-lm,generate,consolidate,plan,plot}",
                                 parser_class=OneLineArgumentParser)
     sub.required = True
     from fullshard.data import preprocess_cli
@@ -28,6 +32,10 @@ def _build_parser() -> argparse.ArgumentParser:
     preprocess_cli.add_args(pre)
     train = sub.add_parser("train", help="train a GPT language model")
     add_train_args(train)
+    from fullshard.train import eval_lm, generate
+
+    eval_lm.add_args(sub.add_parser("eval-lm", help="loss and perplexity of a split under a checkpoint"))
+    generate.add_args(sub.add_parser("generate", help="sample text from a checkpoint"))
     cons = sub.add_parser("consolidate", help="write a checkpoint's model as one .safetensors / .pt file")
     cons.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a directory written by fullshard.checkpoint.save")
     cons.add_argument("out", metavar="OUT", help="output file ending in .safetensors (streamed) or .pt")
@@ -91,17 +99,28 @@ def _parsers(parser: argparse.ArgumentParser) -> dict:
     return action.choices
 
 
-def _train(parser: argparse.ArgumentParser, args) -> int:
+def _launch(command: str, job, entry) -> int:
+    """Run ``entry(job)`` on every rank; a failed rank or launch is one stderr line and exit code 1."""
     from fullshard.train.launcher import LaunchError, RankFailed, launch
-    from fullshard.train.loop import train_main
 
-    cfg = validate(_parsers(parser)["train"], args)
     try:
-        launch(cfg, train_main)
+        launch(job, entry)
     except (RankFailed, LaunchError) as e:
-        sys.stderr.write(f"fullshard train: error: {e}\n")
+        sys.stderr.write(f"fullshard {command}: error: {e}\n")
         return 1
     return 0
+
+
+def _train(parser: argparse.ArgumentParser, args) -> int:
+    from fullshard.train.loop import train_main
+
+    return _launch("train", validate(_parsers(parser)["train"], args), train_main)
+
+
+def _eval_lm(parser: argparse.ArgumentParser, args) -> int:
+    from fullshard.train.eval_lm import eval_main, prepare
+
+    return _launch("eval-lm", prepare(_parsers(parser)["eval-lm"], args), eval_main)
 
 
 def _consolidate(parser: argparse.ArgumentParser, args) -> int:
@@ -140,6 +159,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(preprocess_cli.run(args) or 0)
     if args.command == "train":
         return _train(parser, args)
+    if args.command == "eval-lm":
+        return _eval_lm(parser, args)
+    if args.command == "generate":
+        from fullshard.train import generate
+
+        return generate.run(_parsers(parser)["generate"], args)
     if args.command == "consolidate":
         return _consolidate(parser, args)
     if args.command == "plan":

@@ -39,7 +39,15 @@ def threads_per_rank(local_world_size: int) -> int:
 
 
 def launch(cfg: TrainConfig, entry: Callable[[TrainConfig], object]) -> None:
-    """Run `entry(cfg)` on every rank (see module docstring). Raises RankFailed or LaunchError."""
+    """Run `entry(cfg)` on every rank (see module docstring); ``cfg`` is any
+    picklable object with the launch fields of a TrainConfig (``nproc_per_node``,
+    ``max_restarts``, ``nnodes``, ``node_rank``, ``rdzv_endpoint``,
+    ``rdzv_timeout_s``): a TrainConfig, or eval-lm's EvalJob.
+
+    Raises:
+        RankFailed: a rank raised or died.
+        LaunchError: the rendezvous could not be reached or hosted.
+    """
     if under_torchrun():
         entry(cfg)
         return

@@ -366,8 +366,24 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
         p.fail(f"--save-interval-updates must be >= 0, got {args.save_interval_updates}")
     _check_restore(p, args, max_positions, int(meta["vocab_size"]))
     _warn_fp16_on_cpu(args)
+    return config_from_args(args, max_positions=max_positions, vocab_size=int(meta["vocab_size"]),
+                            world_size=world_size, scale_window=scale_window, rdzv_endpoint=rdzv_endpoint)
+
+
+def config_from_args(args, *, max_positions: int, vocab_size: int, world_size: int,
+                     scale_window: int, rdzv_endpoint: str = "localhost:0") -> TrainConfig:
+    """The TrainConfig of parsed `fullshard train` arguments (no checks; see `validate`).
+
+    Args:
+        args: the train parser's Namespace.
+        max_positions: positions of ``args.arch``, tokens.
+        vocab_size: token ids of the model.
+        world_size: ranks of the run.
+        scale_window: resolved fp16 loss-scale window, updates.
+        rdzv_endpoint: resolved rendezvous ``host:port`` (multi-node runs).
+    """
     return TrainConfig(
-        data_dir=args.data, arch=args.arch, max_positions=max_positions, vocab_size=int(meta["vocab_size"]),
+        data_dir=args.data, arch=args.arch, max_positions=max_positions, vocab_size=vocab_size,
         ddp_backend=args.ddp_backend, reshard_after_forward=not args.no_reshard_after_forward,
         tokens_per_sample=args.tokens_per_sample, batch_size=args.batch_size, update_freq=args.update_freq,
         dropout=args.dropout, adam_betas=tuple(args.adam_betas), adam_eps=args.adam_eps,

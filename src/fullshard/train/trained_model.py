@@ -1,0 +1,129 @@
+"""What a trained model is, read offline from its checkpoint: architecture,
+sizes and training arguments, for ``eval-lm`` and ``generate``.
+
+A CHECKPOINT is a directory written by ``fullshard train`` /
+:func:`fullshard.checkpoint.save` (``checkpoint_last``, ...) or a file written
+by ``fullshard consolidate`` (``.safetensors`` or ``.pt``). The vocabulary and
+position-table sizes come from the tensors' shapes; the architecture from the
+run's saved arguments (a checkpoint directory's ``extra``, or the
+``.safetensors`` header that ``consolidate`` writes) or from ``--arch``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fullshard.train.checkpoint_utils import load_weights
+
+
+class ModelSpecError(ValueError):
+    """A CHECKPOINT that names no usable GPT; the message is one line saying what to do."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model a checkpoint holds."""
+
+    path: str
+    """The checkpoint directory or consolidated file."""
+    arch: str
+    """A key of ``fullshard.models.ARCHS``."""
+    vocab_size: int
+    """Token ids V (rows of ``embed_tokens.weight``)."""
+    max_positions: int
+    """Positions P (rows of ``embed_positions.weight``), tokens."""
+    args: Optional[dict]
+    """The training run's arguments (``TrainConfig.to_dict()``), or None."""
+    num_updates: Optional[int]
+    """Updates the checkpoint was trained for, or None when unknown."""
+
+
+def _shapes(path: str) -> dict:
+    """{name: shape} of the model tensors of a checkpoint directory or consolidated file."""
+    if os.path.isdir(path):
+        from fullshard.checkpoint.consolidate import model_tensors
+
+        return {n: tuple(s) for n, s, _ in model_tensors(path)[1]}
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            return {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {n: tuple(t.shape) for n, t in sd.items()}
+
+
+def _saved(path: str) -> tuple[Optional[dict], Optional[int]]:
+    """(training arguments, num_updates) recorded with the checkpoint, each None when absent."""
+    if os.path.isdir(path):
+        from fullshard.checkpoint import read_extra
+
+        extra = read_extra(path) or {}
+        return extra.get("args"), extra.get("train_state", {}).get("num_updates")
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        return (json.loads(meta["fullshard.args"]) if "fullshard.args" in meta else None), None
+    return None, None
+
+
+def read_spec(path: str, arch: Optional[str] = None) -> ModelSpec:
+    """Read what model ``path`` holds; ``arch`` overrides the saved one.
+
+    Raises:
+        ModelSpecError: a missing, damaged or foreign checkpoint, an unknown
+            arch, no arch known (a ``.pt`` file without ``--arch``), or an arch
+            whose shapes differ from the checkpoint's.
+    """
+    from fullshard.checkpoint import CheckpointError
+    from fullshard.models import ARCHS, build_model
+
+    if not os.path.exists(path):
+        raise ModelSpecError(f"checkpoint {path!r} does not exist; give a checkpoint directory "
+                             "(e.g. checkpoints/checkpoint_last) or a consolidated .safetensors/.pt file")
+    if not os.path.isdir(path) and not path.endswith((".safetensors", ".pt")):
+        raise ModelSpecError(f"checkpoint {path!r} is neither a directory nor a .safetensors/.pt file")
+    try:
+        shapes = _shapes(path)
+        args, num_updates = _saved(path)
+    except (CheckpointError, OSError, RuntimeError, ValueError) as e:
+        raise ModelSpecError(f"cannot read checkpoint {path!r}: {str(e).splitlines()[0]}") from None
+    if "embed_tokens.weight" not in shapes or "embed_positions.weight" not in shapes:
+        raise ModelSpecError(f"checkpoint {path!r} holds no fullshard GPT (no embed_tokens.weight / "
+                             "embed_positions.weight)")
+    arch = arch or (args or {}).get("arch")
+    if arch is None:
+        raise ModelSpecError(f"checkpoint {path!r} does not record its architecture; pass --arch")
+    if arch not in ARCHS:
+        raise ModelSpecError(f"unknown --arch {arch!r}; known archs: {', '.join(ARCHS)}")
+    vocab, positions = shapes["embed_tokens.weight"][0], shapes["embed_positions.weight"][0]
+    want = {n: tuple(t.shape) for n, t in build_model(arch, vocab, positions, device="meta").state_dict().items()}
+    if want != shapes:
+        raise ModelSpecError(f"checkpoint {path!r} is not a {arch} model (its tensor names or shapes differ); "
+                             "pass the --arch it was trained with")
+    return ModelSpec(path, arch, vocab, positions, args, num_updates)
+
+
+def load_plain_model(spec: ModelSpec, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The checkpoint's GPT as a plain module in eval mode, offline (no process group).
+
+    Raises:
+        ModelSpecError: the weights cannot be loaded (damaged checkpoint).
+    """
+    from fullshard.checkpoint import CheckpointError
+    from fullshard.models import build_model
+
+    model = build_model(spec.arch, spec.vocab_size, spec.max_positions, device="meta")
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each slot its own Parameter
+    try:
+        load_weights(spec.path, model)
+    except (CheckpointError, RuntimeError) as e:
+        raise ModelSpecError(f"cannot load checkpoint {spec.path!r}: {str(e).splitlines()[0]}") from None
+    return model.eval()

@@ -1,0 +1,122 @@
+"""`fullshard eval-lm` and `fullshard generate` on the checkpoint of a short `fullshard train` run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fullshard.train import cli as fullshard_cli
+from tests.e2e.test_train_cli import json_records
+
+ARCH = "transformer_lm_gpt_mini"
+TRAIN = ["--arch", ARCH, "--tokens-per-sample", "64", "--batch-size", "4", "--lr", "0.003", "--seed", "3",
+         "--log-interval", "1", "--log-format", "json", "--nproc-per-node", "2", "--max-update", "4"]
+
+
+@pytest.fixture(scope="module")
+def trained(cli, corpus_dir, tmp_path_factory):
+    """(checkpoint_last, the trainer's last valid record, a consolidated .safetensors, a .pt) of 4 updates on 2 ranks."""
+    from fullshard.checkpoint.consolidate import consolidate
+
+    root = tmp_path_factory.mktemp("eval")
+    proc = cli("train", str(corpus_dir), *TRAIN, "--save-dir", str(root / "ckpt"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ckpt = root / "ckpt" / "checkpoint_last"
+    consolidate(str(ckpt), str(root / "st" / "model.safetensors"))
+    consolidate(str(ckpt), str(root / "model.pt"))
+    return ckpt, json_records(proc.stdout)["valid"][-1], root / "st" / "model.safetensors", root / "model.pt"
+
+
+def _main(capsys, *argv):
+    """`fullshard ARGV` in this process: (exit code, stdout, stderr)."""
+    try:
+        code = fullshard_cli.main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_eval_lm_equals_trainer_valid_loss(cli, corpus_dir, trained):
+    """The checkpoint directory at world size 2 and the consolidated file at world size 1 give the
+    trainer's last logged valid loss and perplexity (same blocks and batching)."""
+    ckpt, valid, st, _ = trained
+    for path, nproc in ((ckpt, "2"), (st, "1")):
+        proc = cli("eval-lm", str(corpus_dir), "--path", str(path), "--nproc-per-node", nproc, "--log-format", "json")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        got = json_records(proc.stdout)["valid"][-1]
+        assert (got["valid_loss"], got["valid_ppl"]) == (valid["valid_loss"], valid["valid_ppl"]), (path, got, valid)
+        line = next(x for x in proc.stdout.splitlines() if "Loss (base 2):" in x)
+        loss4 = float(line.split("Loss (base 2): ")[1].split(",")[0])
+        assert abs(loss4 - float(valid["valid_loss"])) <= 5e-4 + 1e-9, line
+    assert got["valid_num_updates"] == "0" and valid["valid_num_updates"] == "4"  # a file records no updates
+
+
+def test_eval_lm_bad_input(capsys, corpus_dir, trained, tmp_path):
+    """Missing checkpoint or data, a .pt without --arch, a wrong --arch, too long blocks: one line, exit 2."""
+    ckpt, _, _, pt = trained
+    cases = [
+        (["--path", str(tmp_path / "nope")], "does not exist"),
+        (["--path", str(pt)], "does not record its architecture; pass --arch"),
+        (["--path", str(pt), "--arch", "transformer_lm_gpt_tiny"], "is not a transformer_lm_gpt_tiny model"),
+        (["--path", str(ckpt), "--tokens-per-sample", "4096"], "exceeds the 512 positions"),
+        (["--path", str(ckpt), "--gen-subset", "test"], "has no split 'test'"),
+    ]
+    for flags, message in cases:
+        code, _, err = _main(capsys, "eval-lm", str(corpus_dir), *flags)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (flags, err)
+    code, _, err = _main(capsys, "eval-lm", str(tmp_path / "nodata"), "--path", str(ckpt))
+    assert code == 2 and "does not exist" in err and len(err.strip().splitlines()) == 1, err
+
+
+def _greedy_by_hand(ckpt, corpus_dir, prompt: str, n: int) -> str:
+    """argmax loop over the plain model, the checkpoint loaded with fullshard.checkpoint.load."""
+    from fullshard import checkpoint
+    from fullshard.data import load_gpt2_tokenizer
+    from fullshard.models import build_model
+    from fullshard.train.options import arch_max_positions
+
+    vocab = int(json.loads((corpus_dir / "meta.json").read_text())["vocab_size"])
+    model = build_model(ARCH, vocab_size=vocab, max_positions=arch_max_positions(ARCH))
+    checkpoint.load(str(ckpt), model)
+    model.eval()
+    tok = load_gpt2_tokenizer()
+    ids = tok.encode(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(torch.tensor([ids]))[0, -1, :tok.vocab_size].argmax())
+            ids.append(nxt)
+            if nxt == tok.eos_id:
+                break
+    return tok.decode(ids)
+
+
+def test_generate_greedy_seed_and_errors(cli, capsys, corpus_dir, trained, tmp_path):
+    """Greedy text equals a manual argmax loop (directory and consolidated file alike); a seed
+    reproduces the sampled text and another seed changes it; bad input is one line, exit 2."""
+    ckpt, _, st, _ = trained
+    prompt = "The river flows"
+    want = _greedy_by_hand(ckpt, corpus_dir, prompt, 8)
+    proc = cli("generate", "--path", str(ckpt), "--prompt", prompt, "--max-tokens", "8", "--greedy")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == want + "\n" and proc.stderr == ""
+    assert _main(capsys, "generate", "--path", str(st), "--prompt", prompt, "--max-tokens", "8",
+                 "--temperature", "0")[:2] == (0, want + "\n")
+    sampled = {}
+    for seed in ("5", "5", "6"):
+        code, out, _ = _main(capsys, "generate", "--path", str(st), "--prompt", prompt, "--max-tokens", "12",
+                             "--top-k", "100", "--top-p", "0.95", "--temperature", "1.2", "--seed", seed)
+        assert code == 0 and out.startswith(prompt)
+        sampled.setdefault(seed, set()).add(out)
+    assert len(sampled["5"]) == 1 and sampled["5"] != sampled["6"]
+    cases = [
+        (["--path", str(tmp_path / "nope"), "--prompt", "x"], "does not exist"),
+        (["--path", str(ckpt), "--prompt", ""], "--prompt is empty"),
+        (["--path", str(ckpt), "--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--path", str(ckpt), "--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--path", str(ckpt), "--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
+    ]
+    for flags, message in cases:
+        code, out, err = _main(capsys, "generate", *flags)
+        assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1, (flags, err)
