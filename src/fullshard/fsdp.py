@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
@@ -19,33 +18,12 @@ import torch.nn as nn
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, TrainingState
 from .core import collectives as C
 from .core import state as S
-from .core.unit import ParamSlot, Unit, UnitConfig
+from .core.unit import Unit, UnitConfig
 from .core import param as FU
+from . import construct as K
 from . import wrap as W
 
-_PREFIX = "_fsdp_wrapped_module."
-# Original parameters already taken by a unit, and modules already wrapped:
-# id -> (weakref, unit name). Kept here, never as attributes on foreign objects.
-_TAKEN: dict[int, tuple[weakref.ref, str]] = {}
-_WRAPPED: dict[int, tuple[weakref.ref, str]] = {}
-_HYBRID_GROUPS: dict[tuple[int, int], tuple[Any, Any]] = {}
-
-
-def _registered(reg: dict, obj) -> Optional[str]:
-    entry = reg.get(id(obj))
-    if entry is not None and entry[0]() is obj:
-        return entry[1]
-    return None
-
-
-def _register(reg: dict, obj, name: str) -> None:
-    key = id(obj)
-
-    def forget(ref, reg=reg, key=key):
-        if reg.get(key, (None,))[0] is ref:
-            del reg[key]
-
-    reg[key] = (weakref.ref(obj, forget), name)
+from .construct import _PREFIX
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -106,13 +84,14 @@ class FullyShardedDataParallel(nn.Module):
                 "torch.distributed.init_process_group() before wrapping")
         name = _unit_name or type(module).__name__
         where = f"[rank {C.rank()}] unit '{name}'"
-        _check_not_wrapped(module, name)
-        strategy, mp, offload = _check_policies(name, sharding_strategy, mixed_precision, cpu_offload)
-        process_group = _group_from_mesh(device_mesh, process_group, strategy, where)
-        shard_group, replicate_group = _resolve_groups(strategy, process_group, where)
-        device = _resolve_device(device_id, module)
-        ignored_modules, ignored_params = _split_ignored(ignored_modules, ignored_states, where)
-        ignored = _ignored_ids(module, ignored_modules)
+        is_unit = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
+        K.check_not_wrapped(module, name, is_unit)
+        strategy, mp, offload = K.check_policies(name, sharding_strategy, mixed_precision, cpu_offload)
+        process_group = K.group_from_mesh(device_mesh, process_group, strategy, where)
+        shard_group, replicate_group = K.resolve_groups(strategy, process_group, where)
+        device = K.resolve_device(device_id, module)
+        ignored_modules, ignored_params = K.split_ignored(ignored_modules, ignored_states, where)
+        ignored = K.ignored_ids(module, ignored_modules)
         kwargs = dict(process_group=process_group, sharding_strategy=strategy,
                       backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
                       device_id=device, sync_module_states=sync_module_states,
@@ -124,7 +103,6 @@ class FullyShardedDataParallel(nn.Module):
             return lambda child, name, skip_param_ids: FullyShardedDataParallel(
                 child, _unit_name=name, _skip_param_ids=frozenset(skip_param_ids), **{**kwargs, **over})
 
-        is_unit = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
         if mp.param_dtype is not None and mp.full_precision_module_classes:
             # Norm layers with running statistics first, as full-precision units.
             full_mp = MixedPrecision(cast_forward_inputs=False, full_precision_module_classes=())
@@ -135,9 +113,9 @@ class FullyShardedDataParallel(nn.Module):
         if auto_wrap_policy is not None:
             W.recursive_wrap(module, auto_wrap_policy, unit_fn(), ignored, is_unit)
         own = list(W._unwrapped_modules(module, is_unit, ignored))
-        _materialize(own, param_init_fn, device, mp.buffer_dtype)
-        slots = _collect_slots(module, ignored, _skip_param_ids | {id(p) for p in ignored_params}, name)
-        _prepare_values(slots, own, param_init_fn, device, sync_module_states, name)
+        K.materialize(own, param_init_fn, device, mp.buffer_dtype)
+        slots = K.collect_slots(module, ignored, _skip_param_ids | {id(p) for p in ignored_params}, name, is_unit)
+        K.prepare_values(slots, own, param_init_fn, device, sync_module_states, name)
         cfg = UnitConfig(
             shard_group=shard_group, replicate_group=replicate_group,
             dp_world_size=C.group_size(shard_group) * (
@@ -146,10 +124,10 @@ class FullyShardedDataParallel(nn.Module):
             offload_params=offload.offload_params,
             reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD))
         for s in slots:
-            _register(_TAKEN, s.param, name)
+            K.register(K.TAKEN, s.param, name)
         with torch.no_grad():
             unit = Unit(name, slots, cfg)
-        _register(_WRAPPED, module, name)
+        K.register(K.WRAPPED, module, name)
         self._fsdp_wrapped_module = module
         self._strategy = strategy
         self.use_orig_params = use_orig_params  # informational: original parameters are always exposed
@@ -482,181 +460,6 @@ def _hook_direct_calls(unit: FullyShardedDataParallel, module: nn.Module) -> Non
 
     module.register_forward_pre_hook(pre, with_kwargs=True)
     module.register_forward_hook(post, with_kwargs=True)
-
-
-def _check_policies(name: str, strategy, mp, offload):
-    """Validate and default the policy arguments: (strategy, MixedPrecision, CPUOffload)."""
-    strategy = strategy or ShardingStrategy.FULL_SHARD
-    if not isinstance(strategy, ShardingStrategy):
-        raise ValueError(f"[rank {C.rank()}] unit '{name}': sharding_strategy must be a "
-                         f"fullshard.ShardingStrategy, got {strategy!r}")
-    mp = mp or MixedPrecision()
-    offload = offload or CPUOffload()
-    if not isinstance(mp, MixedPrecision) or not isinstance(offload, CPUOffload):
-        raise ValueError(f"[rank {C.rank()}] unit '{name}': mixed_precision must be a fullshard.MixedPrecision "
-                         f"and cpu_offload a fullshard.CPUOffload; got {type(mp).__name__}, "
-                         f"{type(offload).__name__}")
-    return strategy, mp, offload
-
-
-def _materialize(own: list[nn.Module], param_init_fn, device: torch.device, buffer_dtype) -> None:
-    """Materialize this unit's meta tensors and place its buffers.
-
-    Row-wise init (see ``param.rowwise_init``) leaves meta parameters to the
-    unit, which creates only this rank's rows; modules with meta buffers are
-    then still materialized whole.
-    """
-    rowwise = FU.rowwise_init(param_init_fn)
-    FU.materialize([m for m in own if FU.has_meta_buffers(m)] if rowwise else own, param_init_fn, device)
-    FU.move_buffers(own, device, buffer_dtype)
-
-
-def _prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, device: torch.device,
-                    sync_module_states: bool, name: str) -> None:
-    """Attach row initializers to meta slots; make the other values agree
-    across ranks (broadcast from rank 0, or check and name the first that differs)."""
-    for s in slots:
-        if s.param.is_meta:  # only reachable with row-wise init
-            s.init_rows = functools.partial(param_init_fn.init_rows, s.param, device=device)
-    real = [s for s in slots if not s.param.is_meta]  # deferred rows are identical by construction
-    world = C.world_group()
-    if sync_module_states:
-        FU.broadcast_from_rank0([s.param for s in real] + FU.buffers_of(own), world)
-    else:
-        FU.check_same_across_ranks([(s.fqn, s.param) for s in real], world, name)
-
-
-def _check_not_wrapped(module: nn.Module, name: str) -> None:
-    if isinstance(module, FullyShardedDataParallel):
-        raise ValueError(f"[rank {C.rank()}] module '{name}' is already a FullyShardedDataParallel "
-                         "unit; wrap each module once")
-    prior = _registered(_WRAPPED, module)
-    if prior is not None:
-        raise ValueError(f"[rank {C.rank()}] module '{name}' was already wrapped as unit '{prior}'; "
-                         "wrap each module once")
-
-
-def _collect_slots(module: nn.Module, ignored: set[int], skip: frozenset, unit: str) -> list[ParamSlot]:
-    """This unit's parameters: every not-yet-sharded parameter below ``module``
-    (including tied ones that nested units left to it), with all their owners."""
-    sharded = {id(p) for m in module.modules() if isinstance(m, FullyShardedDataParallel)
-               for p in m.unit.sharded_params}
-    by_id: dict[int, ParamSlot] = {}
-    for mname, m in module.named_modules(remove_duplicate=False):
-        if id(m) in ignored:
-            continue
-        for attr, p in m._parameters.items():
-            if p is None or id(p) in sharded or id(p) in skip:
-                continue
-            fqn = f"{mname}.{attr}".replace(_PREFIX, "") if mname else attr
-            prior = _registered(_TAKEN, p)
-            if prior is not None:
-                raise ValueError(
-                    f"[rank {C.rank()}] parameter '{fqn}' of unit '{unit}' is already sharded by unit "
-                    f"'{prior}' (a tied weight split between units); wrap so that every module "
-                    "using it sits in one unit, or let auto_wrap_policy place it")
-            slot = by_id.get(id(p))
-            if slot is None:
-                slot = by_id[id(p)] = ParamSlot(fqn, p, [])
-            if (m, attr) not in [(o, a) for o, a in slot.owners]:
-                slot.owners.append((m, attr))
-    return list(by_id.values())
-
-
-def _ignored_ids(module: nn.Module, ignored_modules) -> set[int]:
-    out: set[int] = set()
-    for m in ignored_modules or ():
-        if not isinstance(m, nn.Module):
-            raise ValueError(f"ignored_modules must hold nn.Module objects, got {type(m).__name__}")
-        out.update(id(s) for s in m.modules())
-    return out
-
-
-def _split_ignored(ignored_modules, ignored_states, where: str) -> tuple[list[nn.Module], list[nn.Parameter]]:
-    """``ignored_states`` (torch FSDP1): modules or parameters, not both kinds."""
-    modules = list(ignored_modules or ())
-    states = list(ignored_states or ())
-    if states and not (all(isinstance(s, nn.Parameter) for s in states)
-                       or all(isinstance(s, nn.Module) for s in states)):
-        raise ValueError(f"{where}: ignored_states must hold only nn.Parameter or only nn.Module objects")
-    params = [s for s in states if isinstance(s, nn.Parameter)]
-    modules += [s for s in states if isinstance(s, nn.Module)]
-    return modules, params
-
-
-def _group_from_mesh(device_mesh, process_group, strategy: ShardingStrategy, where: str):
-    """The process group(s) a ``DeviceMesh`` stands for: a 1-D mesh is the
-    shard group; a 2-D mesh (replicate, shard) gives HYBRID_SHARD's pair."""
-    if device_mesh is None:
-        return process_group
-    if process_group is not None:
-        raise ValueError(f"{where}: pass either process_group or device_mesh, not both")
-    if device_mesh.ndim == 1 and strategy is not ShardingStrategy.HYBRID_SHARD:
-        return device_mesh.get_group(0)
-    if device_mesh.ndim == 2 and strategy is ShardingStrategy.HYBRID_SHARD:
-        return device_mesh.get_group(1), device_mesh.get_group(0)
-    raise ValueError(f"{where}: {strategy.value} takes a {'2' if strategy is ShardingStrategy.HYBRID_SHARD else '1'}-D "
-                     f"device_mesh (HYBRID_SHARD: (replicate, shard)), got {device_mesh.ndim}-D")
-
-
-def _resolve_device(device_id, module: nn.Module) -> torch.device:
-    if device_id is not None:
-        if isinstance(device_id, int):
-            return torch.device("cuda", device_id)
-        return torch.device(device_id)
-    for p in module.parameters():
-        if not p.is_meta:
-            return p.device
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _resolve_groups(strategy: ShardingStrategy, process_group, where: str):
-    """(shard_group, replicate_group) for the strategy; None means the world."""
-    pair = isinstance(process_group, (tuple, list))
-    if strategy is ShardingStrategy.HYBRID_SHARD:
-        if process_group is None:
-            return _default_hybrid_groups(where)
-        if not pair or len(process_group) != 2:
-            raise ValueError(f"{where}: HYBRID_SHARD takes process_group as a (shard_group, replicate_group) "
-                             f"pair, or None to group by LOCAL_WORLD_SIZE; got {type(process_group).__name__}")
-        shard, rep = process_group
-        if C.group_size(shard) * C.group_size(rep) != C.world_size():
-            raise ValueError(
-                f"{where}: HYBRID_SHARD shard group size {C.group_size(shard)} x replicate group size "
-                f"{C.group_size(rep)} != world size {C.world_size()}; pass groups that tile the world")
-        return shard, rep
-    if pair:
-        raise ValueError(f"{where}: {strategy.value} takes a single process group; a (shard, replicate) "
-                         "pair is only for HYBRID_SHARD")
-    group = process_group if process_group is not None else C.world_group()
-    if strategy is ShardingStrategy.NO_SHARD:
-        # Hybrid sharding with shards of one rank: gradients are all-reduced.
-        return C.SELF_GROUP, group
-    return group, None
-
-
-def _default_hybrid_groups(where: str):
-    world = C.world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world % local:
-        raise ValueError(f"{where}: HYBRID_SHARD world size {world} is not a multiple of LOCAL_WORLD_SIZE "
-                         f"{local}; pass process_group=(shard_group, replicate_group)")
-    key = (local, world)
-    if key not in _HYBRID_GROUPS:
-        me = C.rank()
-        shard = rep = None
-        for start in range(0, world, local):
-            g = C.new_group(list(range(start, start + local)))
-            if start <= me < start + local:
-                shard = g
-        for i in range(local):
-            g = C.new_group(list(range(i, world, local)))
-            if me % local == i:
-                rep = g
-        _HYBRID_GROUPS[key] = (shard, rep)
-    return _HYBRID_GROUPS[key]
 
 
 FSDP = FullyShardedDataParallel
