@@ -88,7 +88,7 @@ class Unit:
         self._gather_work = None
         self.summoned = False  # inside summon_full_params
         # Trainable parameters whose full view received a gradient in the
-        # current backward (set by _MarkUsed hooks), in layout order.
+        # current backward (set by grads.MarkUsed hooks), in layout order.
         self._used: list[bool] = [False] * len(self.layout.params)
         self._stash: Optional[G.GradStash] = None
         # Zero gradients a stash installed on sharded parameters (index ->
@@ -325,7 +325,10 @@ class Unit:
         cfg = self.cfg
         n_grad, n_flags = self.layout.grad_shard_numel, len(self.layout.params)
         block = n_grad + n_flags
-        reduce_in = torch.zeros(self.world * block, dtype=self.reduce_dtype, device=cfg.compute_device)
+        # copy_in writes every gradient element (padding rows included), so
+        # only a missing gradient needs a zeroed buffer.
+        alloc = torch.zeros if full_grad is None else torch.empty
+        reduce_in = alloc(self.world * block, dtype=self.reduce_dtype, device=cfg.compute_device)
         if full_grad is not None:
             F.copy_in(reduce_in, full_grad, self.layout, block_numel=block)
         flags = reduce_in.view(self.world, block)[:, n_grad:]
