@@ -186,16 +186,23 @@ class FullyShardedDataParallel(nn.Module):
             S.lazy_init_root(rt, [u._runtime for u in self.units()])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_as_forward(self._call_wrapped, args, kwargs)
+
+    def _call_wrapped(self, *args: Any, **kwargs: Any) -> Any:
+        if self._full_precision is not None:
+            return self._full_precision(self._fsdp_wrapped_module, args, kwargs)
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def _run_as_forward(self, fn, args: tuple, kwargs: dict) -> Any:
+        """``fn(*args, **kwargs)`` between the unit's pre- and post-forward."""
         self._lazy_init()
         rt = self._runtime
         args, kwargs = S.pre_forward(rt, args, kwargs)
-        before = self._stored_tensor_ids()
+        # Without grad no backward follows: nothing stored needs a hook.
+        before = self._stored_tensor_ids() if torch.is_grad_enabled() else None
         self._in_forward = True
         try:
-            if self._full_precision is not None:
-                out = self._full_precision(self._fsdp_wrapped_module, args, kwargs)
-            else:
-                out = self._fsdp_wrapped_module(*args, **kwargs)
+            out = fn(*args, **kwargs)
         finally:
             self._in_forward = False
         return S.post_forward(rt, out, self._stored_tensors(before))
@@ -203,24 +210,14 @@ class FullyShardedDataParallel(nn.Module):
     def _stored_tensor_ids(self) -> set[int]:
         return {id(v) for m in self._own_modules for v in m.__dict__.values() if torch.is_tensor(v)}
 
-    def _stored_tensors(self, before: set[int]) -> tuple:
+    def _stored_tensors(self, before: Optional[set[int]]) -> tuple:
         """Tensors this unit's forward stored on its modules instead of
         returning them (a loss kept as ``self.loss``): they get the same
         pre-backward hook as outputs, so a backward from them is correct."""
-        if not torch.is_grad_enabled():
+        if before is None:
             return ()
         return tuple(v for m in self._own_modules for v in m.__dict__.values()
                      if torch.is_tensor(v) and v.grad_fn is not None and id(v) not in before)
-
-    def _run_as_forward(self, fn, args: tuple, kwargs: dict) -> Any:
-        self._lazy_init()
-        args, kwargs = S.pre_forward(self._runtime, args, kwargs)
-        self._in_forward = True
-        try:
-            out = fn(*args, **kwargs)
-        finally:
-            self._in_forward = False
-        return S.post_forward(self._runtime, out)
 
     def _require_root_idle(self, what: str, root_only: bool = True) -> S.RootRuntime:
         self._lazy_init()
