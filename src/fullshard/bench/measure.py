@@ -118,10 +118,17 @@ def peak_allocated_bytes(fn) -> tuple[object, int]:
     profiler's allocator events (``profile_memory=True``; each allocation
     +bytes, each free -bytes, storage ``resize_`` included) replayed in time
     order, and the running sum's maximum. Tensors already live at
-    the start (parameter shards, optimizer state) are not in it.
+    the start (parameter shards, optimizer state) are not in it. The buffer
+    pool (core/buffers.py) is emptied first, so the unit buffers ``fn`` uses
+    are allocated, and counted, during it; the pool keeps them afterwards, so
+    they count until the end, as they do in the process's memory.
     """
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
+
+    from fullshard.core.buffers import POOL
+
+    POOL.clear()
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()

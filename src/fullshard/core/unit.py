@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..api import ShardedState
 from . import collectives as C
+from .buffers import POOL
 from . import flat as F
 from . import grads as G
 
@@ -127,14 +128,14 @@ class Unit:
         else:
             self.flat_full = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype,
                                          device=cfg.compute_device)
-            self._free_full()
+            self.flat_full.untyped_storage().resize_(0)  # memory comes from the pool when unsharded
         self.flat_full.requires_grad_(self.needs_grad)
 
     def _full_nbytes(self) -> int:
         return self.layout.unsharded_numel * self.flat_full.element_size()
 
     def _free_full(self) -> None:
-        self.flat_full.untyped_storage().resize_(0)
+        POOL.reclaim(self.flat_full.untyped_storage())  # see core/buffers.py [Note: buffer reuse]
 
     def full_storage_bytes(self) -> int:
         """Bytes currently allocated for full parameters (0 when resharded)."""
@@ -156,8 +157,7 @@ class Unit:
         send = self.flat_shard
         if send.dtype != self.compute_dtype or send.device != self.cfg.compute_device:
             send = send.to(self.cfg.compute_device, self.compute_dtype, non_blocking=True)
-        self._gather_buf = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype,
-                                       device=self.cfg.compute_device)
+        self._gather_buf = POOL.take(self.layout.unsharded_numel, self.compute_dtype, self.cfg.compute_device)
         self._gather_work = C.all_gather(self._gather_buf, send, self.cfg.shard_group, async_op=True,
                                          tag=f"unit '{self.name}'")
 
@@ -168,10 +168,13 @@ class Unit:
             self._gather_work.wait()
             self._gather_work = None
         if self._gather_buf is not None:
-            self.flat_full.untyped_storage().resize_(self._full_nbytes())
+            storage = self.flat_full.untyped_storage()
+            if storage.nbytes() == 0:
+                POOL.lend(storage, self._full_nbytes())
             # .data: a write with its own version counter, so tensors autograd
             # saved in forward (views of this storage) stay valid for backward.
             F.copy_out(self.flat_full.data, self._gather_buf, self.layout)
+            POOL.give(self._gather_buf)
             self._gather_buf = None
         self.state = ShardedState.UNSHARDED
 
@@ -325,11 +328,12 @@ class Unit:
         cfg = self.cfg
         n_grad, n_flags = self.layout.grad_shard_numel, len(self.layout.params)
         block = n_grad + n_flags
+        reduce_in = POOL.take(self.world * block, self.reduce_dtype, cfg.compute_device)
         # copy_in writes every gradient element (padding rows included), so
-        # only a missing gradient needs a zeroed buffer.
-        alloc = torch.zeros if full_grad is None else torch.empty
-        reduce_in = alloc(self.world * block, dtype=self.reduce_dtype, device=cfg.compute_device)
-        if full_grad is not None:
+        # only a missing gradient needs the buffer zeroed.
+        if full_grad is None:
+            reduce_in.zero_()
+        else:
             F.copy_in(reduce_in, full_grad, self.layout, block_numel=block)
         flags = reduce_in.view(self.world, block)[:, n_grad:]
         flags.copy_(torch.tensor(used, dtype=self.reduce_dtype).expand_as(flags))
@@ -371,6 +375,7 @@ class PendingReduce:
     def finish(self) -> None:
         if self.work is not None:
             self.work.wait()
+        POOL.give(self.reduce_in)
         self.reduce_in = None
         rep = self.unit.cfg.replicate_group
         if rep is not None:
@@ -381,4 +386,5 @@ class PendingReduce:
         """Wait for the collective (its buffers must outlive it) and drop the result."""
         if self.work is not None:
             self.work.wait()
+        POOL.give(self.reduce_in)
         self.reduce_in = self.out = None

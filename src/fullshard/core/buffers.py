@@ -1,0 +1,148 @@
+"""Reused flat buffers for the per-iteration collectives.
+
+[Note: buffer reuse]
+Every iteration each unit needs, once in forward and again in backward, an
+all-gather output and an unsharded flat parameter (``N·S`` elements each),
+and after its backward a reduce-scatter input (``N`` blocks). Allocating and
+freeing them each time costs page faults (system CPU time) on the host, and
+under glibc's default settings it also inflates the resident set: a freed
+chunk raises glibc's mmap threshold to its size (up to 32 MiB on 64-bit,
+``mallopt(3)``, M_MMAP_THRESHOLD), so later chunks of that size come from the
+heap, whose freed memory is rarely given back. The pool below keeps freed
+buffers per ``(device, nbytes)`` and hands them out again, so a stack of
+equal-size units reuses a few buffers for the whole run.
+
+A unit's unsharded flat parameter must keep one storage object for its whole
+life: tensors autograd saved in forward are views of it and are read again in
+backward. Its memory still comes from the pool: :func:`lend` moves a pooled
+storage's memory into it (``UntypedStorage._swap_data_ptr_``, which exchanges
+the two storages' data pointers and sizes) and :func:`reclaim` moves it back.
+Where torch lacks that method the storage is resized instead (the memory then
+comes from the allocator each time, as before).
+
+The pool holds at most :data:`CACHE_FACTOR` times the largest buffer it has
+handed out; beyond that the least recently returned buffers are freed, so a
+model whose units all differ in size never keeps more than that cached.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Optional
+
+import torch
+
+CACHE_FACTOR = 8
+"""Cap on cached bytes, as a multiple of the largest buffer handed out."""
+
+GRANULE_BYTES = 1 << 20
+"""Sizes from 1 MiB up are rounded up to a multiple of this, so buffers that
+differ by a few elements (a unit's all-gather output and its reduce-scatter
+input with used flags) share one free list."""
+
+
+def _rounded(nbytes: int) -> int:
+    if nbytes < GRANULE_BYTES:
+        return nbytes
+    return -(-nbytes // GRANULE_BYTES) * GRANULE_BYTES
+
+_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+class BufferPool:
+    """Free storages keyed by ``(device, nbytes)``, most recently returned last."""
+
+    def __init__(self) -> None:
+        self._free: "collections.OrderedDict[tuple, list[torch.UntypedStorage]]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.cached_bytes = 0
+        self.largest_bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.in_use_bytes = 0
+        self.peak_in_use_bytes = 0
+
+    def _take_storage(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        nbytes = _rounded(nbytes)
+        key = (device, nbytes)
+        with self._lock:
+            self.largest_bytes = max(self.largest_bytes, nbytes)
+            self.in_use_bytes += nbytes
+            self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+            stack = self._free.get(key)
+            if stack:
+                self.hits += 1
+                self.cached_bytes -= nbytes
+                s = stack.pop()
+                if not stack:
+                    del self._free[key]
+                return s
+            self.misses += 1
+        return torch.UntypedStorage(nbytes, device=device)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` elements (contents undefined) on ``device``."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        s = self._take_storage(nbytes, torch.device(device))
+        return torch.empty(0, dtype=dtype, device=device).set_(s, 0, (numel,))
+
+    def give(self, t: Optional[torch.Tensor]) -> None:
+        """Return ``t``'s storage for reuse. The caller must hold no other
+        reference to it that is still read or written (collectives finished)."""
+        if t is None:
+            return
+        self._give_storage(t.untyped_storage())
+
+    def _give_storage(self, s: torch.UntypedStorage) -> None:
+        nbytes = s.nbytes()
+        if nbytes == 0:
+            return
+        key = (s.device, nbytes)
+        with self._lock:
+            self.in_use_bytes -= nbytes
+            self._free.setdefault(key, []).append(s)
+            self._free.move_to_end(key)
+            self.cached_bytes += nbytes
+            limit = CACHE_FACTOR * self.largest_bytes
+            while self.cached_bytes > limit and self._free:
+                old_key, stack = next(iter(self._free.items()))
+                stack.pop(0)
+                self.cached_bytes -= old_key[1]
+                if not stack:
+                    del self._free[old_key]
+
+    def lend(self, target: torch.UntypedStorage, nbytes: int) -> None:
+        """Give the empty storage ``target`` at least ``nbytes`` of pooled memory."""
+        if not _CAN_SWAP:
+            target.resize_(nbytes)
+            return
+        src = self._take_storage(nbytes, target.device)
+        target._swap_data_ptr_(src)  # src is now empty; it is dropped
+
+    def reclaim(self, target: torch.UntypedStorage) -> None:
+        """Take ``target``'s memory back into the pool, leaving it empty."""
+        nbytes = target.nbytes()
+        if nbytes == 0:
+            return
+        if not _CAN_SWAP:
+            target.resize_(0)
+            return
+        holder = torch.UntypedStorage(0, device=target.device)
+        target._swap_data_ptr_(holder)
+        self._give_storage(holder)
+
+    def clear(self) -> None:
+        """Free every cached buffer."""
+        with self._lock:
+            self._free.clear()
+            self.cached_bytes = 0
+
+    def stats(self) -> dict:
+        """Bytes cached and in use (now and at peak), the largest buffer, hits and misses."""
+        return {"cached_bytes": self.cached_bytes, "in_use_bytes": self.in_use_bytes,
+                "peak_in_use_bytes": self.peak_in_use_bytes, "largest_bytes": self.largest_bytes,
+                "hits": self.hits, "misses": self.misses}
+
+
+POOL = BufferPool()
+"""The process's pool, shared by every unit (units of one model run in turn)."""
