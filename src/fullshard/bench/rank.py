@@ -358,8 +358,9 @@ def rank_main(job: Job) -> dict:
         ``user_s``/``sys_s`` (CPU seconds over the timed steps),
         ``rss_base_bytes``, ``rss_peak_bytes``, ``rss_method``,
         ``param_bytes``/``grad_bytes``/``optim_bytes``, ``volume_bytes`` and
-        ``calls`` by collective type over the timed steps (``None`` where not
-        measured), ``volume_source``, ``notes``.
+        ``calls`` by collective type summed over the timed steps (collectives
+        of one-rank groups move nothing and are not counted),
+        ``volume_source``, ``notes``.
     Raises:
         Whatever the mode raises; the launcher reports it as that mode's error.
     """

@@ -22,8 +22,9 @@ process's peak RSS is that mode's alone; glibc malloc runs with its defaults
 :mod:`fullshard.bench.report`.
 
 Exit status: 0 when every fullshard mode ran (a baseline may fail: its row
-says ``ERROR: reason``), 1 when a fullshard mode failed, 2 on bad input (one
-``fullshard bench: error: ...`` line, nothing run or written).
+says ``ERROR: reason``), 1 when a fullshard mode failed or the report could
+not be written, 2 on bad input (one ``fullshard bench: error: ...`` line,
+nothing run or written).
 """
 from __future__ import annotations
 
@@ -161,6 +162,11 @@ def validate(args: argparse.Namespace, fail) -> Plan:
         fail(f"--timeout-s must be > 0, got {args.timeout_s:g}")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         fail(f"--out-dir {args.out_dir!r} exists and is not a directory")
+    existing = os.path.abspath(args.out_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"--out-dir {args.out_dir!r}: {existing} is not writable")
     model = ModelSpec(num_layers=values["layers"], embed_dim=values["width"], num_heads=values["heads"],
                       vocab_size=values["vocab_size"], max_positions=max(preset.max_positions or 0, values["seq_len"]))
     job = Job(mode=modes[0], model=model, world_size=world, batch_size=values["batch_size"],
@@ -256,7 +262,11 @@ def _run(plan: Plan) -> int:
     report["config"]["wall_s"] = time.perf_counter() - t_all
     print()
     print(RP.markdown(report), end="")
-    paths = RP.write_files(report, plan.out_dir)
+    try:
+        paths = RP.write_files(report, plan.out_dir)
+    except OSError as e:  # the table above is all there is
+        sys.stderr.write(f"fullshard bench: error: cannot write the report to {plan.out_dir}: {e}\n")
+        return 1
     failed = [r["label"] for r in rows if r["ours"] and "error" in r]
     print(f"wrote {paths['md']}, {paths['json']}, {paths['png']} ({report['config']['wall_s']:.0f} s)"
           + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
