@@ -105,7 +105,8 @@ class PeakRSS:
         return self._start_kib * 1024
 
     def peak_bytes(self) -> int:
-        """The resident set's high-water mark since :meth:`start` (``VmHWM``; ``ru_maxrss``, never reset, in the fallback)."""
+        """The resident set's high-water mark since :meth:`start` (``VmHWM``;
+        in the fallback ``ru_maxrss``, which is never reset)."""
         if self.method == "VmHWM":
             return (_status_kib("VmHWM") or 0) * 1024
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
