@@ -25,9 +25,11 @@ With Ψ parameters the analytic volume of one training step is then
   backward (Ψ), reduce-scatter (Ψ): 3Ψ, 1.5x DDP (§7.2.2);
 
 each element counted with its dtype's bytes: under bf16 mixed precision the
-all-gathers move bf16 (2 B) and the reduce-scatter fp32 (4 B). Torch FSDP1
-and FSDP2 do not reshard the root unit after forward (its parameters are used
-first in backward), so they all-gather the root once and measure below 3Ψ.
+all-gathers move bf16 (2 B) and the reduce-scatter fp32 (4 B). fullshard,
+torch FSDP1 and torch FSDP2 do not reshard the root unit after forward (its
+parameters are used first in backward), so they all-gather the root once and
+measure below 3Ψ; :func:`fullshard.bench.report.expected_volume_bytes` counts
+that.
 """
 from __future__ import annotations
 
@@ -113,9 +115,7 @@ def analytic_volume_bytes(mode: Mode, psi: int) -> dict[str, int]:
 
 def analytic_label(mode: Mode) -> str:
     """The formula of :func:`analytic_volume_bytes` as text, e.g. ``3Ψ·4 B`` or ``2Ψ·2 B + Ψ·4 B``."""
-    if mode.family == "ddp" or mode.strategy == "NO_SHARD":
-        return "2Ψ·4 B"
-    if mode.strategy == "SHARD_GRAD_OP":
+    if mode.family == "ddp" or mode.strategy in ("NO_SHARD", "SHARD_GRAD_OP"):
         return "2Ψ·4 B"
     return "2Ψ·2 B + Ψ·4 B" if mode.bf16 else "3Ψ·4 B"
 
