@@ -33,7 +33,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(PY) -m fullshard.bench.compare
+	$(VENV)/bin/fullshard bench --preset quick
 
 clean:
 	rm -rf $(VENV) data-bin checkpoints

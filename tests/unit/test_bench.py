@@ -1,9 +1,15 @@
-"""Fast single-process checks of the benchmark's measurements and table (no ranks launched)."""
+"""Fast single-process checks of the benchmarks' measurements, tables and files (no ranks launched)."""
+import argparse
+import json
 import mmap
 
+import pytest
 import torch
 
-from fullshard.bench import compare, measure
+from fullshard.bench import measure
+from fullshard.bench import report as RP
+from fullshard.bench import suite
+from fullshard.bench.modes import MODES, ModelSpec, analytic_volume_bytes
 
 
 def test_storage_bytes_counts_shared_storage_once():
@@ -42,30 +48,208 @@ def test_peak_rss_sees_an_allocation():
     buf.close()
 
 
-def _row(backend, total_scale, loss, **extra):
-    return dict(backend=backend, psi=1000, step_ms=10.0, first_loss=loss, last_loss=loss, param_bytes=4000 // total_scale,
-                grad_bytes=4000 // total_scale, optim_bytes=8000 // total_scale, rss_growth_bytes=2 ** 20,
-                rss_method="VmHWM", **extra)
+# ---------------------------------------------------------------- fullshard bench
+PSI = 1000
+MODEL = ModelSpec(num_layers=1, embed_dim=4, num_heads=1, vocab_size=10, max_positions=3)  # Ψ_root = 40 + 12 + 8
 
 
-def test_merge_and_table_report_errors_and_ratios():
-    args = compare.parse_args(["--world-sizes", "1,2", "--backends", "full,ddp,torch_fsdp"])
-    assert args.world_sizes == [1, 2]
-    cfg = compare.bench_config(args)
-    ours = _row("fullshard FULL_SHARD", 2, 10.0, ag_bytes_per_step=1.0, rs_bytes_per_step=2.0,
-                ag_calls_per_step=1, rs_calls_per_step=1)
-    results = [
-        {"rank": 0, "rows": [ours, _row("torch DDP", 1, 10.0), {"backend": "torch FSDP1 FULL_SHARD", "error": "boom"}]},
-        {"rank": 1, "rows": [dict(ours, last_loss=12.0), _row("torch DDP", 1, 12.0),
-                             {"backend": "torch FSDP1 FULL_SHARD", "error": "another rank failed"}]},
-    ]
-    rows = compare.merge_rows(results)
-    assert rows[0]["last_loss"] == 11.0
-    assert rows[2]["error"] == "rank 0: boom"
-    text = "\n".join(compare.format_table(rows, 2, cfg) + compare.format_details(rows, 2))
-    assert "0.500" in text and "ERROR rank 0: boom" in text
-    assert "measured/ZeRO = 1.0000" in text
+def test_model_spec_psi_matches_the_built_model():
+    from fullshard.models import GPT, num_params
 
+    spec = ModelSpec(num_layers=3, embed_dim=16, num_heads=2, vocab_size=37, max_positions=9)
+    with torch.device("meta"):
+        assert spec.psi() == num_params(GPT(spec.gpt_config()))
+
+
+def test_analytic_volume_follows_zero_section_7():
+    # ZeRO §7: DDP all-reduce 2Ψ, ZeRO-3 3Ψ (2Ψ all-gather + Ψ reduce-scatter); fp32 = 4 bytes.
+    vol = lambda key: analytic_volume_bytes(MODES[key], PSI)  # noqa: E731
+    assert vol("ddp") == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 8000}
+    assert vol("no_shard") == vol("ddp")
+    assert vol("grad_op") == {"all_gather": 4000, "reduce_scatter": 4000, "all_reduce": 0}
+    assert vol("full") == {"all_gather": 8000, "reduce_scatter": 4000, "all_reduce": 0}
+    assert vol("fsdp2") == vol("fsdp1") == vol("deepspeed") == vol("full")
+    # bf16 all-gathers move 2 bytes per element, the fp32 reduce-scatter 4.
+    assert vol("full_bf16") == vol("fsdp2_bf16") == {"all_gather": 4000, "reduce_scatter": 4000, "all_reduce": 0}
+
+
+def test_expected_volume_gathers_the_root_once_and_deepspeed_the_tied_weight_per_use():
+    psi, root, tied = MODEL.psi(), 10 * 4 + 3 * 4 + 2 * 4, 10 * 4
+    assert RP.expected_volume_bytes(MODES["full"], MODEL)["all_gather"] == (2 * psi - root) * 4
+    assert RP.expected_volume_bytes(MODES["fsdp2_bf16"], MODEL)["all_gather"] == (2 * psi - root) * 2
+    assert RP.expected_volume_bytes(MODES["deepspeed"], MODEL)["all_gather"] == 2 * (psi + tied) * 4
+    for key in ("grad_op", "no_shard", "ddp"):
+        assert RP.expected_volume_bytes(MODES[key], MODEL) == analytic_volume_bytes(MODES[key], psi)
+
+
+def _rank(rank, step_s, losses, rss=100, ag=0, rs=0, ar=0, state=(10, 10, 20)):
+    return dict(rank=rank, threads=1, psi=PSI, step_s=step_s, losses=losses, user_s=1.0, sys_s=0.5,
+                rss_base_bytes=1000, rss_peak_bytes=1000 + rss, rss_method="VmHWM", notes=[],
+                param_bytes=state[0], grad_bytes=state[1], optim_bytes=state[2],
+                volume_bytes={"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar},
+                calls={"all_gather": 2, "reduce_scatter": 2, "all_reduce": 0}, volume_source="counters")
+
+
+def _rows():
+    two = lambda **kw: [_rank(0, **kw), _rank(1, **kw)]  # noqa: E731
+    losses = [[3.0, 2.0], [3.0, 2.5]]
+    ddp = two(step_s=[0.1, 0.2, 0.3], losses=[3.0, 2.0], rss=200, ar=2 * 8000)
+    ddp[1]["losses"] = losses[1]
+    full = [_rank(0, step_s=[0.1, 0.1, 0.1], losses=[3.0, 2.0], rss=100, ag=2 * 8000, rs=2 * 4000),
+            _rank(1, step_s=[0.3, 0.1, 0.4], losses=[3.0, 2.5], rss=150, ag=2 * 8000, rs=2 * 4000)]
+    bf16 = two(step_s=[0.1] * 3, losses=[3.0, 2.01], rss=50)  # 0.5% off: inside the bf16 tolerance
+    bf16[1]["losses"] = [3.0, 2.5]
+    fsdp2 = two(step_s=[0.4] * 3, losses=[3.0, 2.0001], rss=300)  # 5e-5 off at step 2: fp32 mismatch
+    fsdp2[1]["losses"] = [3.0, 2.5]
+    fsdp2_bf16 = two(step_s=[0.2] * 3, losses=[3.0, 2.0], rss=100)
+    fsdp2_bf16[1]["losses"] = [3.0, 2.5]
+    rows = [RP.merge_ranks(MODES[k], res, MODEL, 2, 256) for k, res in
+            (("full", full), ("full_bf16", bf16), ("ddp", ddp), ("fsdp2", fsdp2), ("fsdp2_bf16", fsdp2_bf16))]
+    rows.append(RP.error_row(MODES["fsdp1"], "rank 1 failed: RuntimeError: boom"))
+    return rows
+
+
+def _config(**extra):
+    cfg = dict(preset="quick", modes=[], world_size=2, threads=1, cpu_cores=2, batch_size=1, seq_len=128,
+               warmup_steps=1, timed_steps=2, model=vars(MODEL), psi=PSI, torch_version="x",
+               load_average_before=[1.0, 1.0, 1.0], load_average_after=[2.0, 1.0, 1.0], deepspeed_available=False)
+    cfg.update(extra)
+    return cfg
+
+
+def test_merge_takes_max_of_rank_medians_and_peaks_and_per_step_volume():
+    full = _rows()[0]
+    assert full["step_ms"] == pytest.approx(300.0)  # rank 1's median of 0.3, 0.1, 0.4
+    assert full["step_ms_per_rank"] == pytest.approx([100.0, 300.0])
+    assert full["tokens_per_s"] == pytest.approx(256 / 0.3)
+    assert full["rss_peak_growth_bytes"] == 150
+    assert full["volume_bytes_per_step"] == {"all_gather": 8000, "reduce_scatter": 4000, "all_reduce": 0}
+    assert full["volume_ratio_analytic"] == pytest.approx(1.0)
+    assert full["user_s_per_step"] == pytest.approx(0.5) and full["sys_s_per_step"] == pytest.approx(0.25)
+    assert full["state_bytes"] == 40 and full["zero_state_bytes"] == 16 * PSI // 2
+
+
+def test_ratios_and_loss_checks():
+    report = RP.build_report(_config(), _rows())
+    rows = {r["mode"]: r for r in report["modes"]}
+    assert rows["ddp"]["step_ratio_ddp"] == 1.0
+    assert rows["full"]["step_ratio_ddp"] == pytest.approx(300 / 200)
+    assert rows["full"]["rss_ratio_ddp"] == pytest.approx(150 / 200)
+    assert rows["full"]["loss_match"] and rows["full"]["loss_max_rel_diff"] == 0.0
+    assert rows["full_bf16"]["loss_match"] and rows["full_bf16"]["loss_rtol"] == RP.BF16_LOSS_RTOL
+    assert not rows["fsdp2"]["loss_match"] and rows["fsdp2"]["loss_first_bad_step"] == 2
+    assert rows["fsdp2"]["loss_max_rel_diff"] == pytest.approx(5e-5)
+    pairs = {p["mode"]: p for p in report["vs_fsdp2"]}
+    assert pairs["fullshard FULL_SHARD"]["step_ratio"] == pytest.approx(300 / 400)
+    assert pairs["fullshard FULL_SHARD bf16"]["rss_ratio"] == pytest.approx(50 / 100)
+
+
+def test_markdown_table_errors_and_notes():
+    text = RP.markdown(RP.build_report(_config(), _rows()))
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| mode |"))
+    widths = {line.count(" | ") for line in lines[header:header + 8]}
+    assert len(widths) == 1  # every row has as many cells as the header, the error row too
+    assert "| torch FSDP1 FULL_SHARD | ERROR: rank 1 failed: RuntimeError: boom |" in text
+    assert "| fullshard FULL_SHARD | 300.0 | 1.50 |" in text
+    assert "MISMATCH (5.0e-05 > 1e-05 from step 2)" in text
+    assert "bf16 match" in text and "| reference |" in text
+    assert "| fullshard FULL_SHARD / torch FSDP2 | 0.75 |" in text
+    assert RP.DEEPSPEED_MISSING in text
+    assert RP.DEEPSPEED_MISSING not in RP.markdown(RP.build_report(_config(deepspeed_available=True), _rows()))
+
+
+def test_files_are_written_atomically(tmp_path):
+    report = RP.build_report(_config(), _rows())
+    paths = RP.write_files(report, str(tmp_path / "out"))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bench.json", "bench.md", "bench.png"]
+    data = json.loads(open(paths["json"]).read())
+    assert data["config"]["psi"] == PSI and len(data["modes"]) == 6
+    assert data["modes"][0]["ranks"][1]["step_s"] == [0.3, 0.1, 0.4]
+    assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert open(paths["md"]).read() == RP.markdown(report)
+
+
+def _bench_args(*argv):
+    p = argparse.ArgumentParser()
+    suite.add_args(p)
+    return p.parse_args(list(argv))
+
+
+class _Fail(Exception):
+    pass
+
+
+def _fail(msg):
+    raise _Fail(msg)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--modes", "full,nope"], "unknown mode nope"),
+    (["--modes", "full,full"], "more than once"),
+    (["--world-size", "0"], "--world-size must be >= 1"),
+    (["--timed-steps", "0"], "--timed-steps must be >= 1"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+    (["--width", "30", "--heads", "4"], "must divide"),
+    (["--arch", "gpt5"], "unknown --arch"),
+])
+def test_bad_input_fails(argv, message):
+    with pytest.raises(_Fail, match=message):
+        suite.validate(_bench_args(*argv), _fail)
+
+
+def test_presets_and_overrides(monkeypatch):
+    monkeypatch.setattr(suite, "deepspeed_available", lambda: False)
+    plan = suite.validate(_bench_args(), _fail)
+    assert "deepspeed" not in plan.modes and plan.modes[0] == "full" and len(plan.modes) == len(MODES) - 1
+    assert (plan.job.model.num_layers, plan.job.model.embed_dim, plan.job.world_size) == (4, 128, 2)
+    with pytest.raises(_Fail, match="not installed"):
+        suite.validate(_bench_args("--modes", "deepspeed"), _fail)
+    monkeypatch.setattr(suite, "deepspeed_available", lambda: True)
+    assert suite.validate(_bench_args(), _fail).modes[-1] == "deepspeed"
+    small = suite.validate(_bench_args("--preset", "gpt2-small", "--layers", "2", "--seq-len", "64"), _fail)
+    assert (small.job.model.num_layers, small.job.model.embed_dim, small.job.model.max_positions) == (2, 768, 1024)
+    assert small.job.model.vocab_size == 50257 and small.job.seq_len == 64
+
+
+def test_a_failed_fullshard_mode_is_an_error_row_and_exit_1(monkeypatch, tmp_path):
+    from fullshard.train.launcher import RankFailed
+
+    def fake_launch(job):
+        if job.mode == "full":
+            raise RankFailed("rank 0 failed: RuntimeError: injected")
+        return [_rank(r, step_s=[0.1], losses=[3.0], ar=16000) for r in range(job.world_size)]
+
+    monkeypatch.setattr(suite, "launch_mode", fake_launch)
+    plan = suite.validate(_bench_args("--modes", "full,ddp", "--out-dir", str(tmp_path / "o")), _fail)
+    assert suite.run(plan) == 1
+    data = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert data["modes"][0]["error"] == "rank 0 failed: RuntimeError: injected"
+    assert "ERROR: rank 0 failed" in (tmp_path / "o" / "bench.md").read_text()
+    monkeypatch.setattr(suite, "launch_mode", lambda job: [_rank(0, step_s=[0.1], losses=[3.0])])
+    assert suite.run(suite.validate(_bench_args("--modes", "ddp", "--out-dir", str(tmp_path / "o")), _fail)) == 0
+
+
+def test_patched_collectives_count_volume_once_per_outer_call():
+    from fullshard.bench.rank import PatchedCollectives
+
+    pc = PatchedCollectives()
+
+    def reduce_scatter_single(output, input, op=None, group=None, async_op=False):
+        return None
+
+    def reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
+        return inner(output, input)  # forwards, as torch's deprecated alias does
+
+    inner = pc._wrap("reduce_scatter_single", reduce_scatter_single)
+    outer = pc._wrap("reduce_scatter_tensor", reduce_scatter_tensor)
+    outer(torch.empty(2), torch.empty(4))
+    gather = pc._wrap("all_gather_single", lambda output_tensor, input_tensor, group=None, async_op=False: None)
+    gather(output_tensor=torch.empty(6, dtype=torch.bfloat16), input_tensor=torch.empty(3, dtype=torch.bfloat16))
+    reduce = pc._wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: None)
+    reduce(torch.empty(5))
+    assert pc.bytes == {"all_gather": 12, "reduce_scatter": 16, "all_reduce": 40}
+    assert pc.calls == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
 
 def test_memory_report_ratios_errors_and_footnote():
     from fullshard.bench import memory

@@ -1,3 +1,6 @@
-"""Benchmarks. ``python -m fullshard.bench.compare`` (``make bench``) trains the
-same GPT with fullshard, torch DDP and torch FSDP1 and prints speed, per-rank
-model-state bytes and communication side by side; see :mod:`.compare`."""
+"""Benchmarks. ``fullshard bench`` (``make bench``; :mod:`.suite`) trains the
+same GPT under fullshard's sharding strategies, torch DDP, torch FSDP2 and
+FSDP1 (and DeepSpeed ZeRO-3 when installed), one launch per mode, and reports
+speed, peak memory and communication side by side; ``fullshard plan``
+(:mod:`.plan`) estimates memory; ``python -m fullshard.bench.memory`` measures
+fullshard's memory features."""

@@ -16,17 +16,24 @@ _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a ``DTensor`` (torch FSDP2's
+    parameters, gradients and optimizer state), else ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def storage_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (None and empty storages skipped).
 
     Views of one flat buffer (a unit's shard, a DDP bucket) are counted once,
-    with the whole storage, padding included.
+    with the whole storage, padding included. A ``DTensor`` counts its local shard.
     """
     seen: dict[int, int] = {}
     for t in tensors:
         if t is None:
             continue
-        st = t.untyped_storage()
+        st = local_tensor(t).untyped_storage()
         if st.nbytes() == 0:
             continue
         seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
@@ -45,8 +52,9 @@ def grad_bytes(model: nn.Module) -> int:
 
 def optim_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Sum of ``numel * element_size`` over every tensor in ``optimizer.state``
-    (AdamW: ``exp_avg``, ``exp_avg_sq`` and the 0-dim fp32 ``step`` per parameter)."""
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values()
+    (AdamW: ``exp_avg``, ``exp_avg_sq`` and the 0-dim fp32 ``step`` per parameter;
+    a ``DTensor`` counts its local shard)."""
+    return sum(local_tensor(v).numel() * v.element_size() for s in optimizer.state.values()
                for v in s.values() if torch.is_tensor(v))
 
 
@@ -91,6 +99,18 @@ class PeakRSS:
         self.method = "VmHWM"
         self._start_kib = 0
 
+    @property
+    def start_bytes(self) -> int:
+        """The resident set at :meth:`start` (``VmRSS``; ``ru_maxrss`` in the fallback)."""
+        return self._start_kib * 1024
+
+    def peak_bytes(self) -> int:
+        """The resident set's high-water mark since :meth:`start` (``VmHWM``;
+        in the fallback ``ru_maxrss``, which is never reset)."""
+        if self.method == "VmHWM":
+            return (_status_kib("VmHWM") or 0) * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
     def start(self) -> None:
         rss = _status_kib("VmRSS")
         try:
@@ -104,11 +124,8 @@ class PeakRSS:
         self._start_kib = rss
 
     def growth_bytes(self) -> int:
-        if self.method == "VmHWM":
-            peak = _status_kib("VmHWM") or 0
-        else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return max(0, peak - self._start_kib) * 1024
+        """``peak_bytes() - start_bytes``, at least 0."""
+        return max(0, self.peak_bytes() - self.start_bytes)
 
 
 def peak_allocated_bytes(fn) -> tuple[object, int]:

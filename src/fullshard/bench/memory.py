@@ -5,7 +5,7 @@ Run::
     python -m fullshard.bench.memory                          # N=2, gpt_mini, T=1024, batch 2/rank
     python -m fullshard.bench.memory --configs fp32,ckpt --seq-len 512
 
-torch's elastic launcher (as :mod:`fullshard.bench.compare`) starts N gloo
+torch's elastic launcher (as `fullshard bench`, :mod:`fullshard.bench.suite`) starts N gloo
 ranks on CPU. Every rank builds the same GPT (same seed) once per config,
 wraps it with fullshard FULL_SHARD and ``ModuleWrapPolicy({TransformerBlock})``
 (plus the root unit) and runs two full training steps (zero_grad, forward,

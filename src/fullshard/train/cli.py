@@ -1,5 +1,5 @@
 """The `fullshard` console script: ``preprocess``, ``train``, ``eval-lm``, ``generate``,
-``consolidate``, ``plan`` and ``plot`` subcommands.
+``consolidate``, ``plan``, ``bench`` and ``plot`` subcommands.
 
     fullshard preprocess --builtin-corpus --destdir data-bin/wiki
     fullshard train data-bin/wiki --nproc-per-node 2 --arch transformer_lm_gpt_tiny ...
@@ -7,9 +7,11 @@
     fullshard generate --path checkpoints/tiny/checkpoint_last --prompt "The city" --top-p 0.9
     fullshard consolidate checkpoints/tiny/checkpoint_last model.safetensors
     fullshard plan --arch transformer_lm_gpt3_xl --world-size 8 --bf16 --budget-gb 16
+    fullshard bench --preset quick --out-dir bench-results
     fullshard plot run_a.log run_b.log -o curve.png
 
-Exit codes: 0 success, 1 a rank failed while training or evaluating, 2 bad input.
+Exit codes: 0 success, 1 a rank failed while training or evaluating (bench: a
+fullshard mode failed), 2 bad input.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from fullshard.train.options import OneLineArgumentParser, add_train_args, valid
 def _build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="fullshard", description="Fully Sharded Data Parallel GPT training.")
     sub = parser.add_subparsers(dest="command",
-                                metavar="{preprocess,train,eval-lm,generate,consolidate,plan,plot}",
+                                metavar="{preprocess,train,eval-lm,generate,consolidate,plan,bench,plot}",
                                 parser_class=OneLineArgumentParser)
     sub.required = True
     from fullshard.data import preprocess_cli
@@ -41,6 +43,10 @@ def _build_parser() -> argparse.ArgumentParser:
     cons.add_argument("out", metavar="OUT", help="output file ending in .safetensors (streamed) or .pt")
     plan = sub.add_parser("plan", help="per-rank memory of a training configuration; what fits a budget")
     _add_plan_args(plan)
+    from fullshard.bench import suite
+
+    suite.add_args(sub.add_parser("bench", help="fullshard vs torch DDP / FSDP (and DeepSpeed): speed, memory, "
+                                                "communication"))
     plot = sub.add_parser("plot", help="plot loss curves from training logs")
     plot.add_argument("logs", nargs="+", metavar="LOG", help="json or simple logs of `fullshard train`")
     plot.add_argument("-o", "--output", default="curve.png", help="image file to write (default: %(default)s)")
@@ -92,6 +98,12 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         for c, est in fits:
             print(f"  {est['device_total'] / 1e9:8.3f} GB  {c.label()}")
     return 0
+
+
+def _bench(parser: argparse.ArgumentParser, args) -> int:
+    from fullshard.bench import suite
+
+    return suite.run(suite.validate(args, _parsers(parser)["bench"].fail))
 
 
 def _parsers(parser: argparse.ArgumentParser) -> dict:
@@ -169,6 +181,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _consolidate(parser, args)
     if args.command == "plan":
         return _plan(parser, args)
+    if args.command == "bench":
+        return _bench(parser, args)
     return _plot(parser, args)
 
 

@@ -1,0 +1,273 @@
+"""`fullshard bench`: the same GPT, data and seed trained under every mode,
+one launch (fresh processes) per mode, and one report.
+
+    fullshard bench                                  # --preset quick, all modes, 2 ranks
+    fullshard bench --preset gpt2-small --modes full,ddp,fsdp2
+    fullshard bench --modes full,ddp --timed-steps 10 --out-dir /tmp/b
+
+Modes (``--modes``, run in this order; see :data:`fullshard.bench.modes.MODES`):
+``full``, ``grad_op``, ``no_shard``, ``full_bf16`` (fullshard FULL_SHARD,
+SHARD_GRAD_OP, NO_SHARD, FULL_SHARD with ``MixedPrecision(param_dtype=bf16,
+reduce_dtype=fp32)``), ``ddp`` (torch DDP), ``fsdp2``, ``fsdp2_bf16`` (torch
+``fully_shard`` on each block and the root, ``MixedPrecisionPolicy(bf16,
+fp32)``), ``fsdp1`` (torch FSDP1 FULL_SHARD) and ``deepspeed`` (DeepSpeed
+ZeRO-3 on its CPU accelerator over gloo; in the default list only when
+``deepspeed`` is installed, which the project does not require).
+
+Each mode is a separate launch of ``--world-size`` gloo ranks by torch's
+elastic launcher (:func:`fullshard.train.launcher.launch_local`), so each
+process's peak RSS is that mode's alone; glibc malloc runs with its defaults
+(nothing here sets ``MALLOC_*``). What a rank does and measures:
+:mod:`fullshard.bench.rank`; the table, JSON and chart:
+:mod:`fullshard.bench.report`.
+
+Exit status: 0 when every fullshard mode ran (a baseline may fail: its row
+says ``ERROR: reason``), 1 when a fullshard mode failed or the report could
+not be written, 2 on bad input (one ``fullshard bench: error: ...`` line,
+nothing run or written).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import platform
+import sys
+import time
+from typing import Optional
+
+from fullshard.bench import report as RP
+from fullshard.bench.modes import MODES, Job, ModelSpec
+
+DEFAULT_OUT_DIR = "bench-results"
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Defaults of a named benchmark size; every field has a flag that overrides it.
+
+    Attributes:
+        arch: a key of :data:`fullshard.models.ARCHS` (layers, width, heads).
+        max_positions: the position table's size (None = the sequence length).
+    """
+
+    arch: str
+    vocab_size: int
+    seq_len: int
+    batch_size: int
+    warmup_steps: int
+    timed_steps: int
+    world_size: int = 2
+    max_positions: Optional[int] = None
+
+
+PRESETS = {
+    # The CPU-sized GPT of `make train` (4 layers, width 128; with the GPT-2
+    # vocabulary most of its 7.2M parameters are the tied embedding): every
+    # mode in under 3 minutes at 2 ranks on 2 cores.
+    "quick": Preset("transformer_lm_gpt_tiny", 50257, 128, 2, 2, 5),
+    # GPT-2 small's shape (12 layers, width 768, 12 heads, 1024 positions,
+    # V = 50257: Ψ = 124.4M); batch 1 × 128 tokens per rank keeps DDP's
+    # 16Ψ bytes of model state plus activations far below 24 GiB per rank.
+    "gpt2-small": Preset("transformer_lm_gpt3_small", 50257, 128, 1, 1, 5, max_positions=1024),
+}
+
+
+def deepspeed_available() -> bool:
+    """Whether ``deepspeed`` can be found (not imported: that takes seconds)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """Register ``fullshard bench``'s flags on ``p``."""
+    p.add_argument("--preset", default="quick", choices=sorted(PRESETS),
+                   help="model and run size (default: %(default)s); the flags below override it")
+    p.add_argument("--modes", help=f"comma-separated, from {','.join(MODES)} (default: all; deepspeed only "
+                                   "when installed)")
+    p.add_argument("--world-size", type=int, help="N, gloo ranks per launch (preset: 2)")
+    p.add_argument("--warmup-steps", type=int, help="untimed steps first")
+    p.add_argument("--timed-steps", type=int, help="timed steps (the median is reported; use at least 5)")
+    p.add_argument("--batch-size", type=int, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--arch", help="a named GPT for layers, width and heads (see `fullshard train --help`)")
+    p.add_argument("--layers", type=int, help="transformer blocks (overrides --arch)")
+    p.add_argument("--width", type=int, help="model width C (overrides --arch)")
+    p.add_argument("--heads", type=int, help="attention heads; must divide the width (overrides --arch)")
+    p.add_argument("--vocab-size", type=int, help="vocabulary size V (preset: 50257)")
+    p.add_argument("--threads", type=int, help="intra-op threads per rank (default: cores // world size, "
+                                               "at least 1)")
+    p.add_argument("--seed", type=int, default=1, help="model init and data seed (default: %(default)s)")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="deadline of each gloo collective, seconds")
+    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
+                   help="where bench.md, bench.json and bench.png go (default: %(default)s)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A validated invocation: the modes to launch and the job template."""
+
+    preset: str
+    modes: tuple[str, ...]
+    job: Job
+    out_dir: str
+    deepspeed_available: bool
+
+
+def validate(args: argparse.Namespace, fail) -> Plan:
+    """Resolve the preset and the overrides into a :class:`Plan`.
+
+    Args:
+        fail: called with a one-line message on bad input (must not return;
+            ``OneLineArgumentParser.fail`` prints ``fullshard bench: error: ...``
+            and exits 2).
+    """
+    from fullshard.models import ARCHS
+    from fullshard.train.launcher import threads_per_rank
+
+    preset = PRESETS[args.preset]
+    has_ds = deepspeed_available()
+    if args.modes is None:
+        modes = [k for k in MODES if k != "deepspeed" or has_ds]
+    else:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        unknown = [m for m in modes if m not in MODES]
+        if unknown or not modes:
+            fail(f"unknown mode{'s' if len(unknown) > 1 else ''} {','.join(unknown) or repr(args.modes)} in "
+                 f"--modes; choose from {','.join(MODES)}")
+        twice = sorted({m for m in modes if modes.count(m) > 1})
+        if twice:
+            fail(f"--modes names {','.join(twice)} more than once")
+        if "deepspeed" in modes and not has_ds:
+            fail("--modes deepspeed: DeepSpeed is not installed (pip install deepspeed)")
+    pick = lambda name, default: default if getattr(args, name) is None else getattr(args, name)  # noqa: E731
+    arch = pick("arch", preset.arch)
+    if arch not in ARCHS:
+        fail(f"unknown --arch {arch!r}; choose from {', '.join(ARCHS)}")
+    spec = ARCHS[arch]
+    world = pick("world_size", preset.world_size)
+    values = dict(world_size=world, warmup_steps=pick("warmup_steps", preset.warmup_steps),
+                  timed_steps=pick("timed_steps", preset.timed_steps), batch_size=pick("batch_size", preset.batch_size),
+                  seq_len=pick("seq_len", preset.seq_len), layers=pick("layers", spec.num_layers),
+                  width=pick("width", spec.embed_dim), heads=pick("heads", spec.num_heads),
+                  vocab_size=pick("vocab_size", preset.vocab_size),
+                  threads=pick("threads", threads_per_rank(world if world >= 1 else 1)))
+    for name, v in values.items():
+        least = 0 if name == "warmup_steps" else 1
+        if v < least:
+            fail(f"--{name.replace('_', '-')} must be >= {least}, got {v}")
+    if values["width"] % values["heads"]:
+        fail(f"--heads {values['heads']} must divide the width {values['width']}")
+    if args.timeout_s <= 0:
+        fail(f"--timeout-s must be > 0, got {args.timeout_s:g}")
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        fail(f"--out-dir {args.out_dir!r} exists and is not a directory")
+    existing = os.path.abspath(args.out_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"--out-dir {args.out_dir!r}: {existing} is not writable")
+    model = ModelSpec(num_layers=values["layers"], embed_dim=values["width"], num_heads=values["heads"],
+                      vocab_size=values["vocab_size"], max_positions=max(preset.max_positions or 0, values["seq_len"]))
+    job = Job(mode=modes[0], model=model, world_size=world, batch_size=values["batch_size"],
+              seq_len=values["seq_len"], warmup_steps=values["warmup_steps"], timed_steps=values["timed_steps"],
+              threads=values["threads"], seed=args.seed, timeout_s=args.timeout_s)
+    return Plan(args.preset, tuple(modes), job, args.out_dir, has_ds)
+
+
+def launch_mode(job: Job) -> list[dict]:
+    """Run :func:`fullshard.bench.rank.rank_main` on ``job.world_size`` fresh ranks; their results by rank.
+
+    Raises:
+        RankFailed: a rank raised or died ("rank R failed: ...").
+        LaunchError: the rendezvous could not be hosted.
+    """
+    from fullshard.bench.rank import rank_main
+    from fullshard.train.launcher import launch_local
+
+    return launch_local(rank_main, job, job.world_size)
+
+
+def _config(plan: Plan, load_before, load_after, per_mode_load: dict) -> dict:
+    import torch
+
+    from fullshard.train.launcher import cpu_cores
+
+    job = plan.job
+    cfg = dict(preset=plan.preset, modes=list(plan.modes), world_size=job.world_size, threads=job.threads,
+               cpu_cores=cpu_cores(), batch_size=job.batch_size, seq_len=job.seq_len,
+               warmup_steps=job.warmup_steps, timed_steps=job.timed_steps, lr=job.lr,
+               weight_decay=job.weight_decay, seed=job.seed, optimizer="AdamW", model=dataclasses.asdict(job.model),
+               psi=job.model.psi(), tokens_per_step=job.world_size * job.batch_size * job.seq_len,
+               torch_version=torch.__version__, python_version=platform.python_version(),
+               platform=platform.platform(), backend="gloo",
+               load_average_before=list(load_before), load_average_after=list(load_after),
+               load_average_per_mode=per_mode_load, deepspeed_available=plan.deepspeed_available,
+               malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+               argv=sys.argv[1:])
+    if plan.deepspeed_available and "deepspeed" in plan.modes:
+        try:
+            from importlib.metadata import version
+
+            cfg["deepspeed_version"] = version("deepspeed")
+        except Exception:  # metadata missing: the row still says what ran
+            pass
+    return cfg
+
+
+def run(plan: Plan) -> int:
+    """Launch every mode in turn, print and write the report; the exit status (see module docstring)."""
+    job0 = plan.job
+    # The ranks set their own intra-op threads; OpenMP's pool follows suit
+    # (the launched processes inherit the variable; restored afterwards).
+    old_omp = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(job0.threads)
+    try:
+        return _run(plan)
+    finally:
+        if old_omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old_omp
+
+
+def _run(plan: Plan) -> int:
+    from fullshard.train.launcher import LaunchError, RankFailed
+
+    job0 = plan.job
+    m = job0.model
+    print(f"fullshard bench: preset {plan.preset}, {len(plan.modes)} modes ({','.join(plan.modes)}), "
+          f"N={job0.world_size} x {job0.threads} threads, GPT L={m.num_layers} C={m.embed_dim} V={m.vocab_size} "
+          f"(Ψ={m.psi():,}), batch {job0.batch_size}x{job0.seq_len}, {job0.warmup_steps}+{job0.timed_steps} "
+          f"steps", flush=True)
+    load_before = os.getloadavg()
+    rows, per_mode_load, t_all = [], {}, time.perf_counter()
+    tokens = job0.world_size * job0.batch_size * job0.seq_len
+    for i, key in enumerate(plan.modes, 1):
+        mode = MODES[key]
+        job = dataclasses.replace(job0, mode=key)
+        t0, load0 = time.perf_counter(), os.getloadavg()[0]
+        try:
+            results = launch_mode(job)
+            row = RP.merge_ranks(mode, results, job.model, job.timed_steps, tokens)
+            what = f"step {row['step_ms']:.1f} ms, RSS peak +{row['rss_peak_growth_bytes'] / RP.MiB:.1f} MiB"
+        except (RankFailed, LaunchError) as e:
+            row = RP.error_row(mode, str(e))
+            what = f"ERROR: {e}"
+        per_mode_load[key] = [load0, os.getloadavg()[0]]
+        row["wall_s"] = time.perf_counter() - t0
+        rows.append(row)
+        print(f"[{i}/{len(plan.modes)}] {mode.label}: {what} ({row['wall_s']:.1f} s)", flush=True)
+    report = RP.build_report(_config(plan, load_before, os.getloadavg(), per_mode_load), rows)
+    report["config"]["wall_s"] = time.perf_counter() - t_all
+    print()
+    print(RP.markdown(report), end="")
+    try:
+        paths = RP.write_files(report, plan.out_dir)
+    except OSError as e:  # the table above is all there is
+        sys.stderr.write(f"fullshard bench: error: cannot write the report to {plan.out_dir}: {e}\n")
+        return 1
+    failed = [r["label"] for r in rows if r["ours"] and "error" in r]
+    print(f"wrote {paths['md']}, {paths['json']}, {paths['png']} ({report['config']['wall_s']:.0f} s)"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
+    return 1 if failed else 0
