@@ -92,6 +92,9 @@ ARCHS: dict[str, ArchSpec] = {
     # CPU-sized; with the 50257 vocab most parameters are the embedding.
     "transformer_lm_gpt_tiny": ArchSpec(4, 128, 4),
     "transformer_lm_gpt_mini": ArchSpec(2, 64, 2),
+    # CPU-sized member of the GPT-3 family: gpt_tiny's shape with the family's 2048
+    # positions, so fairseq's GPT-3 commands (--tokens-per-sample 2048) run on a CPU.
+    "transformer_lm_gpt3_tiny": ArchSpec(4, 128, 4),
 }
 
 

@@ -17,9 +17,11 @@ from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import SCHEDULERS
 
 # Fallback when an ArchSpec carries no `max_positions` of its own: fairseq's
-# GPT-3 family uses 2048 positions; the CPU-sized archs fewer.
-_FALLBACK_MAX_POSITIONS = {"transformer_lm_gpt_tiny": 1024, "transformer_lm_gpt_mini": 512}
+# GPT-3 family uses 2048 positions (the CPU-sized transformer_lm_gpt3_tiny too);
+# the CPU-sized gpt_tiny/gpt_mini fewer.
 _GPT3_MAX_POSITIONS = 2048
+_FALLBACK_MAX_POSITIONS = {"transformer_lm_gpt_tiny": 1024, "transformer_lm_gpt_mini": 512,
+                           "transformer_lm_gpt3_tiny": _GPT3_MAX_POSITIONS}
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -49,7 +51,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     """Register the fairseq-train style flags on `p`."""
     p.add_argument("data", metavar="DATA_DIR", help="directory written by `fullshard preprocess`")
     g = p.add_argument_group("model")
-    g.add_argument("--arch", "-a", default="transformer_lm_gpt_tiny", help="model architecture (default: %(default)s)")
+    from fullshard.models.config import ARCHS
+
+    g.add_argument("--arch", "-a", default="transformer_lm_gpt_tiny", metavar="ARCH",
+                   help=f"model architecture, one of {', '.join(ARCHS)} (default: %(default)s)")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default: %(default)s)")
     g = p.add_argument_group("distributed")
     g.add_argument("--ddp-backend", choices=("fully_sharded", "c10d"), default="fully_sharded",
