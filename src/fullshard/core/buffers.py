@@ -111,6 +111,12 @@ class BufferPool:
                 if not stack:
                     del self._free[old_key]
 
+    def forget(self, nbytes: int) -> None:
+        """A buffer of ``nbytes`` handed out by :meth:`take` will not come back
+        (it lives on as an ordinary tensor): stop counting it as in use."""
+        with self._lock:
+            self.in_use_bytes -= _rounded(nbytes)
+
     def lend(self, target: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty storage ``target`` at least ``nbytes`` of pooled memory."""
         if not _CAN_SWAP:

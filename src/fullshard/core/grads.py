@@ -29,17 +29,64 @@ import torch
 from . import flat as F
 
 
-class MarkUsed:
-    """Hook on a trainable full-parameter view: records that the parameter
-    received a gradient in the current backward. Holds its unit weakly."""
+class UnflattenFull(torch.autograd.Function):
+    """Full-parameter views of a unit's unsharded flat parameter whose
+    backward writes the unit's full gradient into a pooled buffer.
 
-    def __init__(self, unit_ref: weakref.ref, index: int):
-        self.unit_ref, self.index = unit_ref, index
+    [Note: pooled full gradient]
+    ``split_with_sizes`` views would do, but their backward concatenates the
+    parameters' gradients into a fresh ``N·S``-element tensor every backward
+    (``SplitWithSizesBackward``): on the host that is one unit-sized malloc
+    and free per unit per iteration, the allocations that keep glibc's heap
+    large (see core/buffers.py [Note: buffer reuse]). Here the backward copies
+    each gradient into a buffer from the pool (zeros where a parameter got no
+    gradient, and in the padding) and returns it; ``AccumulateGrad`` adopts
+    it as ``flat_full.grad`` without a copy when the unit has no gradient yet,
+    and the unit hands it back after the reduce-scatter's input is written
+    (``Unit.release_full_grad``). All views still meet in this one node, so
+    the post-accumulate-grad hook runs once per backward, as before. The node
+    also records which parameters received a gradient (``Unit.mark_used``).
 
-    def __call__(self, grad: torch.Tensor) -> None:
-        unit = self.unit_ref()
-        if unit is not None:
-            unit.mark_used(self.index)
+    Inputs: ``flat_full`` (1-D, param-major, ``N·S`` elements), a weak
+    reference to the unit, the layout. Outputs: one view per layout
+    parameter, in its full shape.
+    """
+
+    @staticmethod
+    def forward(ctx, flat_full, unit_ref, layout):
+        ctx.unit_ref, ctx.layout = unit_ref, layout
+        ctx.set_materialize_grads(False)
+        return tuple(F.unsharded_views(flat_full, layout))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        layout, unit = ctx.layout, ctx.unit_ref()
+        like = next((g for g in grads if g is not None), None)
+        if like is None:
+            return None, None, None
+        if unit is None:  # the model is gone; any correct gradient will do
+            out = torch.zeros(layout.unsharded_numel, dtype=like.dtype, device=like.device)
+        else:
+            out = unit.take_grad_buffer(like.dtype, like.device)
+        with torch.no_grad():  # the reduce path is not differentiable either
+            world, zero, dst, src = layout.world, [], [], []
+            for i, (p, g) in enumerate(zip(layout.params, grads)):
+                start = world * p.shard_offset
+                seg = out[start:start + world * p.shard_numel]
+                if g is None:
+                    zero.append(seg)
+                else:
+                    if unit is not None:
+                        unit.mark_used(i)
+                    dst.append(seg[:p.numel].view(p.shape))
+                    src.append(g)
+                    if world * p.shard_numel > p.numel:
+                        zero.append(seg[p.numel:])
+            if dst:
+                torch._foreach_copy_(dst, src)
+            if zero:
+                torch._foreach_zero_(zero)
+        return out, None, None
 
 
 def _sentinel_freed(stash_ref: weakref.ref, index: int) -> None:

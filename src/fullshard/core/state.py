@@ -154,7 +154,7 @@ def start_iteration(root: RootRuntime) -> None:
         rt.state = TrainingState.IDLE
         rt.pre_backward_done = False
         unit = rt.unit
-        unit.take_full_grad()  # a partial gradient of a backward that raised
+        unit.release_full_grad(unit.take_full_grad()[0])  # a partial gradient of a backward that raised
         if broken:
             unit.drop_stash()
         if unit.state is not ShardedState.SHARDED:
@@ -317,11 +317,15 @@ class PostBackwardHook:
         if grad is not None:
             if root.no_sync:
                 unit.stash_grad(grad, used)
+                unit.release_full_grad(grad, keep=unit.stash_holds(grad))
                 root.stash_window = True
             else:
                 root.pending.append(unit.reduce_grads(*unit.pop_stashed(grad, used)))
+                unit.release_full_grad(grad)  # reduce_grads copied it into the reduce-scatter input
                 while len(root.pending) > MAX_INFLIGHT_REDUCES:
                     root.pending.pop(0).finish()
+        else:
+            unit.release_full_grad(None)
         _reshard_after_backward(rt)
 
 

@@ -89,9 +89,13 @@ class Unit:
         self._gather_work = None
         self.summoned = False  # inside summon_full_params
         # Trainable parameters whose full view received a gradient in the
-        # current backward (set by grads.MarkUsed hooks), in layout order.
+        # current backward (set by grads.UnflattenFull's backward), in layout order.
         self._used: list[bool] = [False] * len(self.layout.params)
         self._stash: Optional[G.GradStash] = None
+        # (data_ptr, nbytes) of the pooled full gradient UnflattenFull handed
+        # to autograd and nobody has released yet; see core/grads.py
+        # [Note: pooled full gradient].
+        self._pooled_grad: Optional[tuple[int, int]] = None
         # Zero gradients a stash installed on sharded parameters (index ->
         # weakref); see core/grads.py [Note: no_sync and zero_grad].
         self.sentinels: dict[int, weakref.ref] = {}
@@ -189,8 +193,8 @@ class Unit:
 
         Under grad, views are made once per iteration (see ``reset_views``)
         and reused when the unit runs again, so all uses feed one autograd
-        node; each trainable view carries a hook that marks its parameter as
-        used in the current backward. Without grad (``no_grad``,
+        node (:class:`~fullshard.core.grads.UnflattenFull`), which marks the
+        parameters that received a gradient in the current backward. Without grad (``no_grad``,
         ``inference_mode``) detached views are made afresh for that call and
         never cached: a later call with grad in the same iteration must not
         see them.
@@ -210,17 +214,9 @@ class Unit:
         if not self.needs_grad:
             return F.unsharded_views(self.flat_full.detach(), self.layout)
         with torch.enable_grad():  # also when called from a backward hook
-            live = F.unsharded_views(self.flat_full, self.layout)
+            live = G.UnflattenFull.apply(self.flat_full, weakref.ref(self), self.layout)
         frozen = F.unsharded_views(self.flat_full.detach(), self.layout)
-        me = weakref.ref(self)
-        views = []
-        for i, (v, fz, p) in enumerate(zip(live, frozen, self.layout.params)):
-            if p.requires_grad:
-                v.register_hook(G.MarkUsed(me, i))
-                views.append(v)
-            else:
-                views.append(fz)
-        return views
+        return [v if p.requires_grad else fz for v, fz, p in zip(live, frozen, self.layout.params)]
 
     def mark_used(self, index: int) -> None:
         self._used[index] = True
@@ -265,18 +261,44 @@ class Unit:
         self.layout = F.make_layout([(p.fqn, p.shape, rg) for p, rg in zip(self.layout.params, flags)],
                                     self.world)
         self.needs_grad = any(flags)
-        self.flat_full.grad = None
+        self.release_full_grad(self.take_full_grad()[0])
         self.flat_full.requires_grad_(self.needs_grad)
         self._views = None
         return True
 
     def take_full_grad(self) -> tuple[Optional[torch.Tensor], list[bool]]:
         """Detach and return the accumulated unsharded gradient (or None) and
-        which parameters received a gradient since the last call."""
+        which parameters received a gradient since the last call. The caller
+        passes the gradient to :meth:`release_full_grad` when done with it."""
         g = self.flat_full.grad
         self.flat_full.grad = None
         used, self._used = self._used, [False] * len(self.layout.params)
         return g, used
+
+    def take_grad_buffer(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A pooled ``N·S``-element buffer for this backward's full gradient."""
+        self.release_full_grad(None)  # an earlier one autograd did not adopt
+        buf = POOL.take(self.layout.unsharded_numel, dtype, device)
+        self._pooled_grad = (buf.data_ptr(), buf.untyped_storage().nbytes())
+        return buf
+
+    def release_full_grad(self, grad: Optional[torch.Tensor], keep: bool = False) -> None:
+        """Settle the pooled full gradient once ``grad`` (from
+        :meth:`take_full_grad`, or None) is no longer needed. When ``grad``
+        is the pooled buffer it goes back to the pool, or with ``keep`` (a
+        ``no_sync`` stash holds it) it leaves the pool's accounting and is
+        freed like any tensor; when autograd copied or summed instead of
+        adopting the buffer, the buffer is already gone and only the
+        accounting is settled."""
+        if self._pooled_grad is None:
+            return
+        ptr, nbytes = self._pooled_grad
+        self._pooled_grad = None
+        if grad is not None and grad.data_ptr() == ptr and grad.untyped_storage().nbytes() == nbytes:
+            if not keep:
+                POOL.give(grad)
+                return
+        POOL.forget(nbytes)
 
     def stash_grad(self, full_grad: torch.Tensor, used: list[bool]) -> None:
         """Keep a micro-batch's unsharded gradient for a later reduce
@@ -285,6 +307,12 @@ class Unit:
             self._stash = G.GradStash(self, full_grad, used)
         else:
             self._stash.add(full_grad, used)
+
+    def stash_holds(self, full_grad: torch.Tensor) -> bool:
+        """Whether the ``no_sync`` stash keeps ``full_grad``'s memory (it
+        adopts the first micro-batch's gradient when no cast is needed)."""
+        return self._stash is not None and \
+            self._stash.grad.untyped_storage().data_ptr() == full_grad.untyped_storage().data_ptr()
 
     def pop_stashed(self, full_grad: Optional[torch.Tensor],
                     used: list[bool]) -> tuple[Optional[torch.Tensor], list[bool]]:
