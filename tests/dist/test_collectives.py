@@ -61,3 +61,59 @@ def test_unknown_algorithm_is_refused(monkeypatch):
         assert "FULLSHARD_COLLECTIVES='ring'" in str(e)
     else:
         raise AssertionError("expected ValueError")
+
+
+def _pooled_full_grad(rank, world):
+    """A unit's full gradient lives in a pooled buffer that autograd adopts as
+    ``flat_full.grad`` (no copy) and that returns to the pool once the
+    reduce-scatter input is written (core/grads.py [Note: pooled full
+    gradient]); with ``no_sync`` the stash keeps it and the pool stops
+    counting it. Gradients still equal DDP's."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fullshard import FullyShardedDataParallel as FSDP, MixedPrecision
+    from fullshard.models import TransformerBlock
+    from fullshard.wrap import ModuleWrapPolicy
+    from tests.dist.models import batch, loss_fn, make_model
+
+    forgotten = []
+    real_forget = POOL.forget
+    POOL.forget = lambda nbytes: (forgotten.append(nbytes), real_forget(nbytes))
+    try:
+        for mp in (None, MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)):
+            model = FSDP(make_model("gpt"), auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+                         mixed_precision=mp)
+            units = [m._runtime.unit for m in model.modules() if isinstance(m, FSDP)]
+            assert len(units) == 3
+            ref = DDP(make_model("gpt"))
+            for step in range(3):
+                x, y = batch("gpt", rank, step)
+                hits = POOL.stats()["hits"]
+                loss_fn("gpt", model, x, y).backward()
+                loss_fn("gpt", ref, x, y).backward()
+                assert POOL.stats()["in_use_bytes"] == 0 and POOL.stats()["hits"] > hits
+                assert all(u.flat_full.grad is None and u._pooled_grad is None for u in units)
+                assert forgotten == [], "autograd copied the pooled gradient instead of adopting it"
+                got = {n: p.grad for n, p in model.named_parameters()}
+                with model.summon_full_params(model, with_grads=True):
+                    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+                tol = dict(rtol=0, atol=0) if mp is None else dict(rtol=0.05, atol=2e-3)
+                for n, p in ref.module.named_parameters():
+                    torch.testing.assert_close(got[n], p.grad, **tol, msg=f"{mp} step {step} {n}")
+                model.zero_grad()
+                ref.zero_grad()
+            with model.no_sync():
+                loss_fn("gpt", model, *batch("gpt", rank, 9)).backward()
+            # fp32: the stash adopts the pooled buffer (no cast), which leaves the pool's count.
+            assert len(forgotten) == (len(units) if mp is None else 0), forgotten
+            assert POOL.stats()["in_use_bytes"] == 0
+            loss_fn("gpt", model, *batch("gpt", rank, 10)).backward()
+            assert POOL.stats()["in_use_bytes"] == 0 and not any(u.has_stash for u in units)
+            forgotten.clear()
+    finally:
+        POOL.forget = real_forget
+    return "ok"
+
+
+def test_pooled_full_gradient():
+    assert run_ranks(_pooled_full_grad, 2) == ["ok", "ok"]
