@@ -45,3 +45,23 @@ def test_lend_and_reclaim_keep_the_storage_object():
     pool.lend(flat.untyped_storage(), 4000)  # the same memory comes back
     assert torch.equal(saved, torch.arange(10.0, 20.0).view(2, 5))
     assert pool.stats()["hits"] == 1
+
+
+def test_footprint_never_exceeds_the_peak_in_use():
+    """Buffers in use plus cached stay within the most ever in use at once:
+    sizes used at different times share that budget (oldest evicted first)."""
+    pool = B.BufferPool()
+    mib = 1 << 18  # fp32 elements per MiB
+    a = pool.take(4 * mib, torch.float32, torch.device("cpu"))
+    pool.give(a)
+    assert pool.cached_bytes == 4 << 20
+    b = pool.take(2 * mib, torch.float32, torch.device("cpu"))  # another size: a miss
+    assert pool.stats()["misses"] == 2 and pool.stats()["peak_in_use_bytes"] == 4 << 20
+    pool.give(b)  # 4 + 2 MiB cached would exceed the 4 MiB peak: the 4 MiB buffer goes
+    assert pool.cached_bytes == 2 << 20
+    c = pool.take(2 * mib, torch.float32, torch.device("cpu"))
+    d = pool.take(2 * mib, torch.float32, torch.device("cpu"))
+    assert pool.stats()["hits"] == 1 and pool.stats()["in_use_bytes"] == 4 << 20
+    pool.give(c)
+    pool.give(d)
+    assert pool.cached_bytes == 4 << 20 == pool.stats()["peak_in_use_bytes"]

@@ -20,9 +20,15 @@ the two storages' data pointers and sizes) and :func:`reclaim` moves it back.
 Where torch lacks that method the storage is resized instead (the memory then
 comes from the allocator each time, as before).
 
-The pool holds at most :data:`CACHE_FACTOR` times the largest buffer it has
-handed out; beyond that the least recently returned buffers are freed, so a
-model whose units all differ in size never keeps more than that cached.
+What the pool keeps is bounded twice; beyond either bound the least recently
+returned buffers are freed:
+* buffers in use plus cached never exceed the most ever in use at once
+  (``peak_in_use_bytes``), so the pool adds nothing to the footprint a
+  schedule that allocated and freed each buffer would have at its peak. Each
+  size keeps as many buffers as were in use together, and sizes whose uses
+  never overlap (a GPT's root unit, used at both ends of the step, and its
+  blocks) do not each keep their own set;
+* at most :data:`CACHE_FACTOR` times the largest buffer is cached.
 """
 from __future__ import annotations
 
@@ -103,7 +109,7 @@ class BufferPool:
             self._free.setdefault(key, []).append(s)
             self._free.move_to_end(key)
             self.cached_bytes += nbytes
-            limit = CACHE_FACTOR * self.largest_bytes
+            limit = min(CACHE_FACTOR * self.largest_bytes, self.peak_in_use_bytes - self.in_use_bytes)
             while self.cached_bytes > limit and self._free:
                 old_key, stack = next(iter(self._free.items()))
                 stack.pop(0)
