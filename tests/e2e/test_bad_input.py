@@ -47,6 +47,12 @@ def paths(corpus_dir, tmp_path_factory):
     checkpoint.save(str(other), nn.Linear(4, 3))
     out["other"] = str(other)
     out["save_other"] = str(root / "other")
+    # A checkpoint of ARCH as an older run records it (the arch only): 2 layers, width 64, 2 heads.
+    from fullshard.models import build_model
+
+    mini = build_model(ARCH, vocab_size=int(meta["vocab_size"]), max_positions=512, device="cpu")
+    checkpoint.save(str(root / "mini" / "checkpoint_last"), mini, extra={"args": {"arch": ARCH}})
+    out["save_mini"] = str(root / "mini")
     return out
 
 
@@ -99,6 +105,19 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
     (["{data}", "--restore-file", "{missing}"], "does not exist"),
     (["{data}", "--restore-file", "{file}"], "is not a checkpoint directory"),
     (["{data}", "--save-dir", "{save_other}"], "is of another model"),
+    (["{data}", "--decoder-layers", "0"], "--decoder-layers must be >= 1, got 0"),
+    (["{data}", "--decoder-embed-dim", "-64"], "--decoder-embed-dim must be >= 1, got -64"),
+    (["{data}", "--decoder-attention-heads", "0"], "--decoder-attention-heads must be >= 1, got 0"),
+    (["{data}", "--decoder-ffn-embed-dim", "0"], "--decoder-ffn-embed-dim must be >= 1, got 0"),
+    (["{data}", "--decoder-layers", "two"], "invalid int value: 'two'"),
+    (["{data}", "--decoder-embed-dim", "96", "--decoder-attention-heads", "5"],
+     "--decoder-attention-heads 5 must divide --decoder-embed-dim 96"),
+    (["{data}", "--decoder-attention-heads", "3"], f"--decoder-attention-heads 3 must divide the width 64 of --arch {ARCH}"),
+    (["{data}", "--decoder-embed-dim", "99"], f"the 2 attention heads of --arch {ARCH} must divide --decoder-embed-dim 99"),
+    # resuming needs the shape the checkpoint was trained with: tensors, and heads (which no tensor shows)
+    (["{data}", "--save-dir", "{save_mini}", "--decoder-layers", "3"], "is of another model"),
+    (["{data}", "--save-dir", "{save_mini}", "--decoder-attention-heads", "4"],
+     "it was trained with 2 layers, width 64, 2 heads, ffn 256, this run has 2 layers, width 64, 4 heads, ffn 256"),
 ]
 
 

@@ -63,6 +63,45 @@ def test_meta_build_is_instant_and_allocates_nothing(arch):
     assert model.output_projection.weight is model.embed_tokens.weight
 
 
+def psi_ffn(layers, width, ffn, vocab=V, positions=P):
+    """Ψ with any FFN width F: per block 4C² + 2CF + 9C + F (qkv, out, fc1, fc2 with biases, two LayerNorms)."""
+    return vocab * width + positions * width + layers * (4 * width**2 + 2 * width * ffn + 9 * width + ffn) + 2 * width
+
+
+def test_overrides_reshape_the_named_arch():
+    """fairseq's --decoder-* semantics: given sizes replace the arch's; FFN = 4 x the new width unless given."""
+    from fullshard.models import make_config
+
+    medium = ARCHS["transformer_lm_gpt3_medium"]
+    deeper = medium.override(num_layers=30)
+    assert (deeper.num_layers, deeper.embed_dim, deeper.num_heads, deeper.ffn_embed_dim) == (30, 1024, 16, 4096)
+    assert num_params(build_model(deeper, V, P, device="meta")) == psi(30, 1024) == psi_ffn(30, 1024, 4096)
+    assert num_params(build_model(deeper, V, P, device="meta")) > num_params(
+        build_model("transformer_lm_gpt3_medium", V, P, device="meta"))
+    wide = ARCHS["transformer_lm_gpt_mini"].override(num_layers=3, embed_dim=96, num_heads=4)
+    cfg = make_config(wide, 97, 16)
+    assert (cfg.num_layers, cfg.embed_dim, cfg.num_heads, cfg.ffn_embed_dim) == (3, 96, 4, 384)
+    model = build_model(wide, 97, 16, device="meta")
+    assert num_params(model) == psi_ffn(3, 96, 384, vocab=97, positions=16) == 346_560
+    assert len(model.layers) == 3 and all(block.attn.num_heads == 4 for block in model.layers)
+    ffn = wide.override(ffn_embed_dim=200)  # an explicit FFN width is kept, width unchanged
+    assert make_config(ffn, 97, 16).ffn_embed_dim == 200
+    assert num_params(build_model(ffn, 97, 16, device="meta")) == psi_ffn(3, 96, 200, vocab=97, positions=16)
+    assert ffn.override(num_heads=8).ffn_embed_dim == 200 and ffn.override(embed_dim=64).ffn_embed_dim == 256
+    assert medium.override() == medium and "30 layers, width 1024, 16 heads, ffn 4096" == deeper.describe()
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(num_layers=0), "num_layers must be positive"),
+    (dict(embed_dim=-8), "embed_dim must be positive"),
+    (dict(ffn_embed_dim=0), "ffn_embed_dim must be positive"),
+    (dict(num_heads=5), "num_heads=5 must divide embed_dim=64"),
+])
+def test_bad_overrides_raise(sizes, message):
+    with pytest.raises(ValueError, match=message):
+        ARCHS["transformer_lm_gpt_mini"].override(**sizes)
+
+
 def test_unknown_arch_lists_known_names():
     with pytest.raises(ValueError, match="transformer_lm_gpt3_small.*transformer_lm_gpt_mini"):
         build_model("transformer_lm_gpt4", V, P)

@@ -87,3 +87,35 @@ def test_cli_prints_plan_and_rejects_bad_input():
     assert "expected fastest first" in ok.stdout
     bad = run("--arch", "transformer_lm_gpt3_small", "--world-size", "0")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--world-size" in bad.stderr
+
+
+def test_cli_sizes_decoder_overrides():
+    """`plan --decoder-layers 30` sizes the deeper model: Ψ of 30 blocks of gpt3_medium, more than its 24."""
+    import re
+
+    from fullshard.models import ARCHS, build_model, num_params
+
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fullshard.train.cli", "plan",  # noqa: E731
+                                     "--arch", "transformer_lm_gpt3_medium", "--world-size", "8", *a],
+                                    capture_output=True, text=True)
+    psi = lambda proc: int(re.search(r"Ψ=([\d,]+)", proc.stdout).group(1).replace(",", ""))  # noqa: E731
+    base, deeper = run(), run("--decoder-layers", "30")
+    assert base.returncode == 0 and deeper.returncode == 0, base.stderr + deeper.stderr
+    want = num_params(build_model(ARCHS["transformer_lm_gpt3_medium"].override(num_layers=30), 50257, 1024,
+                                  device="meta"))
+    assert psi(deeper) == want > psi(base)
+    bad = run("--decoder-attention-heads", "7")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "--decoder-attention-heads 7 must divide the width 1024 of --arch transformer_lm_gpt3_medium" in bad.stderr
+
+
+def test_ffn_width_enters_activations():
+    """A wider FFN adds 4·s·b·ΔF·p/2 activation bytes per layer (Korthikanti eq. (1), MLP term)."""
+    from fullshard.models import ARCHS
+
+    spec = ARCHS["transformer_lm_gpt_mini"]
+    base = PL.gpt_workload("transformer_lm_gpt_mini", 2, 32, vocab_size=97)
+    wide = PL.gpt_workload(spec.override(ffn_embed_dim=4 * spec.embed_dim + 10), 2, 32, vocab_size=97)
+    assert wide.ffn_embed_dim == 4 * spec.embed_dim + 10 and base.ffn_embed_dim == 4 * spec.embed_dim
+    got = PL.activation_bytes(wide, 2, False) - PL.activation_bytes(base, 2, False)
+    assert got == spec.num_layers * 4 * 32 * 2 * 10

@@ -25,7 +25,8 @@ transient (see the README's planner section).
 Activations per transformer layer follow Korthikanti et al., "Reducing
 Activation Recomputation in Large Transformer Models", MLSys 2023, §4.1,
 equation (1) without tensor or sequence parallelism: s·b·h·(34 + 5·a·s/h)
-bytes with 16-bit activations (scaled by p/2 for other widths). With
+bytes with 16-bit activations (scaled by p/2 for other widths). Its MLP
+share, 19·s·b·h at FFN width 4h, is 3·s·b·h + 4·s·b·F for FFN width F. With
 activation checkpointing each layer keeps only its input (2·s·b·h·p/2 bytes)
 and one layer's activations are rebuilt at a time. The logits and the loss
 add b·s·V·(p + 4) bytes (logits in the compute dtype, fp32 log-softmax).
@@ -75,6 +76,7 @@ class Workload:
         num_layers, embed_dim, num_heads, vocab_size: model shape (L, h, a, V).
         batch_size: sequences per rank (b).
         tokens_per_sample: sequence length (s).
+        ffn_embed_dim: MLP hidden width F; None means 4·h.
     """
 
     psi: int
@@ -86,10 +88,21 @@ class Workload:
     vocab_size: int
     batch_size: int
     tokens_per_sample: int
+    ffn_embed_dim: Optional[int] = None
 
 
-def gpt_workload(arch: str, batch_size: int, tokens_per_sample: int, vocab_size: int = 50257) -> Workload:
-    """Count a named GPT's parameters per unit exactly (built on the meta device)."""
+def gpt_workload(arch, batch_size: int, tokens_per_sample: int, vocab_size: int = 50257) -> Workload:
+    """Count a GPT's parameters per unit exactly (built on the meta device).
+
+    Args:
+        arch: a key of :data:`fullshard.models.ARCHS` or a
+            :class:`fullshard.models.ArchSpec` (a named shape with overrides).
+        batch_size: sequences per rank.
+        tokens_per_sample: sequence length, tokens (also the position table's size).
+        vocab_size: token ids V.
+    Raises:
+        ValueError: unknown arch name or invalid shape.
+    """
     from fullshard.models import TransformerBlock, build_model
     from fullshard.models.config import make_config
 
@@ -99,7 +112,7 @@ def gpt_workload(arch: str, batch_size: int, tokens_per_sample: int, vocab_size:
     blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, TransformerBlock)]
     root = psi - sum(blocks)
     return Workload(psi, max(blocks + [root]), root, cfg.num_layers, cfg.embed_dim, cfg.num_heads,
-                    vocab_size, batch_size, tokens_per_sample)
+                    vocab_size, batch_size, tokens_per_sample, ffn_embed_dim=cfg.ffn_embed_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +167,9 @@ def plan(work: Workload, cfg: Config) -> dict[str, int]:
 def activation_bytes(work: Workload, p: int, checkpoint: bool) -> int:
     """Activations of one step (Korthikanti et al. 2023, §4.1, eq. (1)); see module docstring."""
     s, b, h, a = work.tokens_per_sample, work.batch_size, work.embed_dim, work.num_heads
-    per_layer = s * b * h * (34 + 5 * a * s / h) * p / 2
+    f = work.ffn_embed_dim or 4 * h
+    # eq. (1)'s 34·s·b·h holds an MLP term 19·s·b·h = 3·s·b·h + 4·s·b·f at f = 4h; written for any f.
+    per_layer = s * b * (18 * h + 4 * f + 5 * a * s) * p / 2
     layers = (work.num_layers * 2 * s * b * h * p / 2 + per_layer) if checkpoint else work.num_layers * per_layer
     logits = b * s * work.vocab_size * (p + 4)
     return int(layers + logits)

@@ -11,6 +11,7 @@ input/output embeddings, no dropout.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class GPTConfig:
         embed_dim: Model width C (fairseq ``decoder_embed_dim``).
         num_heads: Attention heads; must divide ``embed_dim``.
         ffn_embed_dim: Hidden width of the MLP, 4 * ``embed_dim`` for every
-            named architecture (fairseq ``decoder_ffn_embed_dim``).
+            named architecture unless overridden (fairseq ``decoder_ffn_embed_dim``).
         vocab_size: Number of token ids V (50257 for the GPT-2 BPE).
         max_positions: Longest sequence, in tokens, the learned position
             table covers (fairseq ``max_target_positions``).
@@ -61,22 +62,59 @@ class GPTConfig:
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """A named architecture without the data-dependent sizes (vocab, positions).
+    """A model shape without the data-dependent sizes (vocab, positions).
+
+    The values of :data:`ARCHS`, or one of them with fairseq's override flags
+    applied (:meth:`override`).
 
     Attributes:
-        num_layers: Number of transformer blocks.
+        num_layers: Number of transformer blocks L.
         embed_dim: Model width C.
-        num_heads: Attention heads.
+        num_heads: Attention heads; must divide ``embed_dim``.
+        ffn_embed_dim: MLP hidden width F; ``None`` (the default) becomes
+            4 x ``embed_dim`` at construction, as fairseq's
+            ``base_gpt3_architecture``.
+
+    Raises:
+        ValueError: On a non-positive size or ``num_heads`` not dividing
+            ``embed_dim``.
     """
 
     num_layers: int
     embed_dim: int
     num_heads: int
+    ffn_embed_dim: Optional[int] = None
 
-    @property
-    def ffn_embed_dim(self) -> int:
-        """MLP hidden width: 4 x width, as fairseq's ``base_gpt3_architecture``."""
-        return 4 * self.embed_dim
+    def __post_init__(self) -> None:
+        if self.ffn_embed_dim is None:
+            object.__setattr__(self, "ffn_embed_dim", 4 * self.embed_dim)
+        for name in ("num_layers", "embed_dim", "num_heads", "ffn_embed_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ArchSpec.{name} must be positive, got {getattr(self, name)}")
+        if self.embed_dim % self.num_heads != 0:
+            raise ValueError(f"ArchSpec.num_heads={self.num_heads} must divide embed_dim={self.embed_dim}")
+
+    def override(self, num_layers: Optional[int] = None, embed_dim: Optional[int] = None,
+                 num_heads: Optional[int] = None, ffn_embed_dim: Optional[int] = None) -> "ArchSpec":
+        """This shape with some sizes replaced (fairseq's ``--decoder-*`` flags).
+
+        ``None`` keeps this shape's value. The FFN width, unless given, is
+        4 x the new width when ``embed_dim`` changes (fairseq's
+        ``base_gpt3_architecture`` computes it after the overrides), else kept.
+
+        Raises:
+            ValueError: The resulting shape is invalid (see the class).
+        """
+        width = self.embed_dim if embed_dim is None else embed_dim
+        if ffn_embed_dim is None:
+            ffn_embed_dim = self.ffn_embed_dim if width == self.embed_dim else 4 * width
+        return ArchSpec(self.num_layers if num_layers is None else num_layers, width,
+                        self.num_heads if num_heads is None else num_heads, ffn_embed_dim)
+
+    def describe(self) -> str:
+        """The shape in words, e.g. ``24 layers, width 1024, 16 heads, ffn 4096``."""
+        return (f"{self.num_layers} layers, width {self.embed_dim}, {self.num_heads} heads, "
+                f"ffn {self.ffn_embed_dim}")
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -98,12 +136,27 @@ ARCHS: dict[str, ArchSpec] = {
 }
 
 
-def make_config(arch: str, vocab_size: int, max_positions: int,
+def arch_spec(arch: str | ArchSpec) -> ArchSpec:
+    """The shape of ``arch``: ``ARCHS[arch]`` for a name, ``arch`` itself for an :class:`ArchSpec`.
+
+    Raises:
+        ValueError: ``arch`` is an unknown name (the message lists the known names).
+    """
+    if isinstance(arch, ArchSpec):
+        return arch
+    spec = ARCHS.get(arch)
+    if spec is None:
+        raise ValueError(f"unknown arch {arch!r}; known archs: {', '.join(ARCHS)}")
+    return spec
+
+
+def make_config(arch: str | ArchSpec, vocab_size: int, max_positions: int,
                 dropout: float = 0.0) -> GPTConfig:
-    """Builds the :class:`GPTConfig` of a named architecture.
+    """Builds the :class:`GPTConfig` of a named architecture or of a shape.
 
     Args:
-        arch: A key of :data:`ARCHS`.
+        arch: A key of :data:`ARCHS`, or an :class:`ArchSpec` (e.g.
+            ``ARCHS[name].override(num_layers=30)``).
         vocab_size: Number of token ids V.
         max_positions: Longest sequence in tokens.
         dropout: Dropout probability (0.0 disables dropout).
@@ -115,9 +168,7 @@ def make_config(arch: str, vocab_size: int, max_positions: int,
         ValueError: ``arch`` is unknown (the message lists the known names),
             or a size is invalid.
     """
-    spec = ARCHS.get(arch)
-    if spec is None:
-        raise ValueError(f"unknown arch {arch!r}; known archs: {', '.join(ARCHS)}")
+    spec = arch_spec(arch)
     return GPTConfig(num_layers=spec.num_layers, embed_dim=spec.embed_dim,
                      num_heads=spec.num_heads, ffn_embed_dim=spec.ffn_embed_dim,
                      vocab_size=vocab_size, max_positions=max_positions, dropout=dropout)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import GPTConfig, make_config
+from .config import ArchSpec, GPTConfig, make_config
 from .init import init_param_
 
 
@@ -193,10 +193,10 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_model(arch: str, vocab_size: int, max_positions: int,
+def build_model(arch: str | ArchSpec, vocab_size: int, max_positions: int,
                 device: torch.device | str | None = None, seed: int | None = None,
                 dropout: float = 0.0) -> GPT:
-    """Builds a GPT of a named architecture.
+    """Builds a GPT of a named architecture or of a shape.
 
     With ``device="meta"`` no storage is allocated, so even
     ``transformer_lm_gpt3_175`` builds instantly (for Ψ or deferred init).
@@ -205,7 +205,8 @@ def build_model(arch: str, vocab_size: int, max_positions: int,
     default init never runs. Without a seed it gets PyTorch's default init.
 
     Args:
-        arch: A key of :data:`ARCHS`.
+        arch: A key of :data:`ARCHS`, or an :class:`ArchSpec` (a named
+            shape with overrides, ``ARCHS[name].override(num_layers=30)``).
         vocab_size: Number of token ids V.
         max_positions: Longest sequence in tokens.
         device: Where to build; ``None`` means the current default (CPU).

@@ -7,6 +7,7 @@
     fullshard generate --path checkpoints/tiny/checkpoint_last --prompt "The city" --top-p 0.9
     fullshard consolidate checkpoints/tiny/checkpoint_last model.safetensors
     fullshard plan --arch transformer_lm_gpt3_xl --world-size 8 --bf16 --budget-gb 16
+    fullshard plan --arch transformer_lm_gpt3_medium --decoder-layers 30 --world-size 8 --bf16
     fullshard bench --preset quick --out-dir bench-results
     fullshard plot run_a.log run_b.log -o curve.png
 
@@ -19,7 +20,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from fullshard.train.options import OneLineArgumentParser, add_train_args, validate
+from fullshard.train.options import (OneLineArgumentParser, add_arch_override_args, add_train_args, resolve_arch,
+                                     validate)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -59,6 +61,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--arch", required=True, choices=sorted(ARCHS), metavar="ARCH",
                    help="a named GPT (see `fullshard train --help`)")
+    add_arch_override_args(p)
     p.add_argument("--world-size", type=int, required=True, help="N, data-parallel ranks")
     p.add_argument("--sharding-strategy", default="FULL_SHARD",
                    choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
@@ -86,7 +89,11 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         sub.fail("--bf16 and --fp16 are exclusive; pick one")
     if args.budget_gb is not None and args.budget_gb <= 0:
         sub.fail(f"--budget-gb must be > 0, got {args.budget_gb}")
-    work = PL.gpt_workload(args.arch, args.batch_size, args.tokens_per_sample, args.vocab_size)
+    try:
+        shape = resolve_arch(args.arch, vars(args))
+    except ValueError as e:
+        sub.fail(str(e))
+    work = PL.gpt_workload(shape, args.batch_size, args.tokens_per_sample, args.vocab_size)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     cfg = PL.Config(ShardingStrategy[args.sharding_strategy], args.world_size, dtype, args.cpu_offload,
                     args.checkpoint_activations)

@@ -75,6 +75,15 @@ class TrainConfig:
     """Write no checkpoint when True."""
     nproc_per_node: int
     """Ranks to launch on this machine."""
+    decoder_layers: Optional[int] = None
+    """Transformer blocks L, overriding the arch's (--decoder-layers); None = the arch's. `validate`
+    stores the effective value, so checkpoints record the shape they were trained with."""
+    decoder_embed_dim: Optional[int] = None
+    """Model width C, overriding the arch's (--decoder-embed-dim); None = the arch's."""
+    decoder_attention_heads: Optional[int] = None
+    """Attention heads, dividing the width (--decoder-attention-heads); None = the arch's."""
+    decoder_ffn_embed_dim: Optional[int] = None
+    """MLP hidden width (--decoder-ffn-embed-dim); None = 4 x the effective width."""
     fp16: bool = False
     """Compute in float16 with dynamic loss scaling (fully_sharded: MixedPrecision(fp16, fp32 reduce,
     fp16 buffers); c10d: torch.autocast). Master parameters and optimizer state stay fp32."""
@@ -141,6 +150,17 @@ class TrainConfig:
     """'adam' (AdamW) or 'cpu_adam' (AdamW stepping on host shards with torch's fused CPU kernel)."""
     hybrid_shard: bool = False
     """HYBRID_SHARD: shard within a node, replicate across nodes."""
+
+    def arch_spec(self):
+        """The model's shape, a `fullshard.models.ArchSpec`: ``arch`` with the decoder_* overrides.
+
+        Raises:
+            ValueError: unknown ``arch`` or an invalid shape (`validate` reports these first).
+        """
+        from fullshard.models import arch_spec
+
+        return arch_spec(self.arch).override(self.decoder_layers, self.decoder_embed_dim,
+                                             self.decoder_attention_heads, self.decoder_ffn_embed_dim)
 
     def to_dict(self) -> dict:
         """Plain-Python copy (for checkpoints)."""

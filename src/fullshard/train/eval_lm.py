@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fullshard.train.config import TrainConfig
-from fullshard.train.options import (OneLineArgumentParser, add_train_args, config_from_args, launched_world_size,
-                                     _check_data)
+from fullshard.train.options import (OneLineArgumentParser, add_arch_override_args, add_train_args, arch_fields,
+                                     config_from_args, launched_world_size, _check_data)
 from fullshard.train.trained_model import ModelSpecError, read_spec
 
 logger = logging.getLogger("fullshard.eval_lm")
@@ -62,6 +62,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint directory (e.g. checkpoints/checkpoint_last) or consolidated .safetensors/.pt")
     p.add_argument("--gen-subset", default="valid", help="split to evaluate (default: %(default)s)")
     p.add_argument("--arch", default=None, help="architecture (default: the one the checkpoint records)")
+    add_arch_override_args(p)  # default: the shape the checkpoint records
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine (default: 1)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="sequences per rank per forward (default: the training run's, else 8)")
@@ -85,7 +86,7 @@ def prepare(p: OneLineArgumentParser, args) -> EvalJob:
         if value is not None and value < 1:
             p.fail(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     try:
-        spec = read_spec(args.path, args.arch)
+        spec = read_spec(args.path, args.arch, vars(args))
     except ModelSpecError as e:
         p.fail(str(e))
     meta = _check_data(p, args)
@@ -111,7 +112,8 @@ def prepare(p: OneLineArgumentParser, args) -> EvalJob:
     kept = {k: (tuple(v) if k == "adam_betas" else v) for k, v in saved.items() if k in known}
     cfg = dataclasses.replace(base, **kept)
     cfg = dataclasses.replace(
-        cfg, data_dir=args.data, arch=spec.arch, vocab_size=spec.vocab_size, max_positions=spec.max_positions,
+        cfg, data_dir=args.data, arch=spec.arch, **arch_fields(spec.shape), vocab_size=spec.vocab_size,
+        max_positions=spec.max_positions,
         tokens_per_sample=tps, batch_size=args.batch_size or saved.get("batch_size") or 8,
         nproc_per_node=world, log_format=args.log_format, log_file=None, no_save=True,
         finetune_from_model=None, checkpoint_activations=False, offload_activations=False,

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from fullshard.train.options import OneLineArgumentParser
+from fullshard.train.options import OneLineArgumentParser, add_arch_override_args
 from fullshard.train.trained_model import ModelSpecError, load_plain_model, read_spec
 
 
@@ -37,6 +37,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="sample among the most likely tokens whose probability reaches p, in (0, 1] (default: 1)")
     p.add_argument("--seed", type=int, default=1, help="sampling seed (default: %(default)s)")
     p.add_argument("--arch", default=None, help="architecture (default: the one the checkpoint records)")
+    add_arch_override_args(p)  # default: the shape the checkpoint records
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -118,7 +119,7 @@ def run(p: OneLineArgumentParser, args) -> int:
     from fullshard.data import DataError, load_gpt2_tokenizer
 
     try:
-        spec = read_spec(args.path, args.arch)
+        spec = read_spec(args.path, args.arch, vars(args))
         tokenizer = load_gpt2_tokenizer()
         model = load_plain_model(spec)
     except (ModelSpecError, DataError) as e:

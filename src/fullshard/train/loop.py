@@ -137,9 +137,9 @@ class Run:
     def log_header(self) -> None:
         n = self.trainer.num_params
         kind = "GPUs" if self.device.type == "cuda" else "CPUs"
-        logger.info(f"model {self.cfg.arch}, ddp-backend {self.cfg.ddp_backend}"
-                    + ("" if self.cfg.ddp_backend == "c10d" else
-                       f" ({self._strategy()})"))
+        logger.info(f"model {self.cfg.arch} ({self.cfg.arch_spec().describe()}), "
+                    f"ddp-backend {self.cfg.ddp_backend}"
+                    + ("" if self.cfg.ddp_backend == "c10d" else f" ({self._strategy()})"))
         logger.info(f"num. model params: {n:,} (num. trained: {n:,})")
         cfg, parts = self.cfg, []
         if cfg.fp16:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import os
 import sys
 from typing import NoReturn, Optional, Sequence
@@ -47,6 +48,63 @@ def _betas(text: str):
     return betas
 
 
+# fairseq's model-override flags (argparse dest, also the TrainConfig field) -> the ArchSpec field each sets.
+ARCH_OVERRIDES = {"decoder_layers": "num_layers", "decoder_embed_dim": "embed_dim",
+                  "decoder_attention_heads": "num_heads", "decoder_ffn_embed_dim": "ffn_embed_dim"}
+
+
+def add_arch_override_args(p) -> None:
+    """Register --decoder-layers / -embed-dim / -attention-heads / -ffn-embed-dim on `p` (a parser or group)."""
+    p.add_argument("--decoder-layers", type=int, default=None, metavar="L",
+                   help="transformer blocks, overriding the --arch's (default: the --arch's)")
+    p.add_argument("--decoder-embed-dim", type=int, default=None, metavar="C",
+                   help="model width, overriding the --arch's (default: the --arch's)")
+    p.add_argument("--decoder-attention-heads", type=int, default=None, metavar="H",
+                   help="attention heads, dividing the width (default: the --arch's)")
+    p.add_argument("--decoder-ffn-embed-dim", type=int, default=None, metavar="F",
+                   help="MLP hidden width (default: 4 x the width, as fairseq's base_gpt3_architecture)")
+
+
+def resolve_arch(arch: str, overrides, base=None, base_name: Optional[str] = None):
+    """The shape of `arch` with fairseq's --decoder-* overrides applied.
+
+    Args:
+        arch: a key of `fullshard.models.ARCHS`.
+        overrides: a mapping (e.g. ``vars(args)`` or a checkpoint's saved arguments) whose
+            `ARCH_OVERRIDES` keys hold an int or None (= the base's value); other keys are ignored.
+        base: the `fullshard.models.ArchSpec` overridden (default: ``ARCHS[arch]``).
+        base_name: what errors call the base (default: ``--arch <arch>``).
+
+    Returns:
+        The `fullshard.models.ArchSpec`; its FFN width is 4 x the width when --decoder-embed-dim
+        changes it and --decoder-ffn-embed-dim is not given, else the base's.
+
+    Raises:
+        ValueError: one line naming the flag: unknown arch, a value < 1, or heads not dividing the width.
+    """
+    from fullshard.models import ARCHS
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown --arch {arch!r}; known archs: {', '.join(ARCHS)}")
+    given = {dest: overrides.get(dest) for dest in ARCH_OVERRIDES if overrides.get(dest) is not None}
+    for dest, value in given.items():
+        if value < 1:
+            raise ValueError(f"--{dest.replace('_', '-')} must be >= 1, got {value}")
+    base, base_name = base or ARCHS[arch], base_name or f"--arch {arch}"
+    heads, width = given.get("decoder_attention_heads", base.num_heads), given.get("decoder_embed_dim", base.embed_dim)
+    if width % heads:
+        h = (f"--decoder-attention-heads {heads}" if "decoder_attention_heads" in given
+             else f"the {heads} attention heads of {base_name}")
+        w = f"--decoder-embed-dim {width}" if "decoder_embed_dim" in given else f"the width {width} of {base_name}"
+        raise ValueError(f"{h} must divide {w}; pick --decoder-attention-heads dividing the width")
+    return base.override(**{ARCH_OVERRIDES[dest]: value for dest, value in given.items()})
+
+
+def arch_fields(shape) -> dict:
+    """TrainConfig's decoder_* fields (effective values) of a `fullshard.models.ArchSpec`."""
+    return {dest: getattr(shape, field) for dest, field in ARCH_OVERRIDES.items()}
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """Register the fairseq-train style flags on `p`."""
     p.add_argument("data", metavar="DATA_DIR", help="directory written by `fullshard preprocess`")
@@ -55,6 +113,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
     g.add_argument("--arch", "-a", default="transformer_lm_gpt_tiny", metavar="ARCH",
                    help=f"model architecture, one of {', '.join(ARCHS)} (default: %(default)s)")
+    add_arch_override_args(g)
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default: %(default)s)")
     g = p.add_argument_group("distributed")
     g.add_argument("--ddp-backend", choices=("fully_sharded", "c10d"), default="fully_sharded",
@@ -282,9 +341,10 @@ def _split_tokens(meta: dict, split: str) -> Optional[int]:
     return None
 
 
-def _check_restore(p: OneLineArgumentParser, args, max_positions: int, vocab_size: int) -> None:
-    """A checkpoint that would be resumed must be readable and of this model (names and shapes)."""
-    from fullshard.checkpoint import CheckpointError, verify
+def _check_restore(p: OneLineArgumentParser, args, shape, max_positions: int, vocab_size: int) -> None:
+    """A checkpoint that would be resumed must be readable and of this model: tensor names and shapes,
+    and the recorded shape (`shape`, an ArchSpec), which also holds what no tensor shows (the heads)."""
+    from fullshard.checkpoint import CheckpointError, read_extra, verify
     from fullshard.checkpoint.save_load import _check_model_keys, _resolve
     from fullshard.models import build_model
 
@@ -300,11 +360,19 @@ def _check_restore(p: OneLineArgumentParser, args, max_positions: int, vocab_siz
     try:
         resolved = _resolve(path)
         verify(resolved)
-        model = build_model(args.arch, device="meta", vocab_size=vocab_size, max_positions=max_positions)
+        model = build_model(shape, device="meta", vocab_size=vocab_size, max_positions=max_positions)
         _check_model_keys(resolved, model.state_dict())
+        saved = (read_extra(resolved) or {}).get("args") or {}
     except (CheckpointError, OSError, ValueError) as e:
         p.fail(f"cannot resume from {path!r}: {str(e).split('] ', 1)[-1]}; use another --save-dir, or "
-               "--restore-file / --finetune-from-model with a checkpoint of this --arch")
+               "--restore-file / --finetune-from-model with a checkpoint of this --arch and --decoder-* shape")
+    try:
+        trained = resolve_arch(saved["arch"], saved) if "arch" in saved else shape
+    except ValueError:  # an arch this version does not know: the tensor check above stands
+        trained = shape
+    if trained != shape:
+        p.fail(f"cannot resume from {path!r}: it was trained with {trained.describe()}, this run has "
+               f"{shape.describe()}; use another --save-dir, or the --arch / --decoder-* flags it was trained with")
 
 
 _FP16_WARNED = []
@@ -342,16 +410,16 @@ def _check_nodes(p: OneLineArgumentParser, args) -> str:
 
 def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     """Check every input; on the first problem print one line and exit 2. Else a TrainConfig."""
-    from fullshard.models import ARCHS
-
     _check_positive(p, args)
     _check_schedule(p, args)
     rdzv_endpoint = _check_nodes(p, args)
     world_size = launched_world_size(args.nproc_per_node, args.nnodes)
     scale_window = _check_memory_flags(p, args, world_size)
     meta = _check_data(p, args)
-    if args.arch not in ARCHS:
-        p.fail(f"unknown --arch {args.arch!r}; known archs: {', '.join(ARCHS)}")
+    try:
+        shape = resolve_arch(args.arch, vars(args))
+    except ValueError as e:
+        p.fail(str(e))
     max_positions = arch_max_positions(args.arch)
     if args.tokens_per_sample > max_positions:
         p.fail(f"--tokens-per-sample {args.tokens_per_sample} exceeds the {max_positions} positions of "
@@ -369,10 +437,11 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
                "file or a checkpoint directory")
     if args.save_interval_updates < 0:
         p.fail(f"--save-interval-updates must be >= 0, got {args.save_interval_updates}")
-    _check_restore(p, args, max_positions, int(meta["vocab_size"]))
+    _check_restore(p, args, shape, max_positions, int(meta["vocab_size"]))
     _warn_fp16_on_cpu(args)
-    return config_from_args(args, max_positions=max_positions, vocab_size=int(meta["vocab_size"]),
-                            world_size=world_size, scale_window=scale_window, rdzv_endpoint=rdzv_endpoint)
+    cfg = config_from_args(args, max_positions=max_positions, vocab_size=int(meta["vocab_size"]),
+                           world_size=world_size, scale_window=scale_window, rdzv_endpoint=rdzv_endpoint)
+    return dataclasses.replace(cfg, **arch_fields(shape))  # checkpoints record the effective shape
 
 
 def config_from_args(args, *, max_positions: int, vocab_size: int, world_size: int,
@@ -412,6 +481,7 @@ def config_from_args(args, *, max_positions: int, vocab_size: int, world_size: i
         debug=args.debug, on_save_error=args.on_save_error, max_restarts=args.max_restarts,
         nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=rdzv_endpoint,
         rdzv_timeout_s=args.rdzv_timeout, hybrid_shard=args.hybrid_shard, optimizer=args.optimizer,
+        **{dest: getattr(args, dest) for dest in ARCH_OVERRIDES},
     )
 
 

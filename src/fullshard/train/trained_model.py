@@ -6,17 +6,21 @@ A CHECKPOINT is a directory written by ``fullshard train`` /
 by ``fullshard consolidate`` (``.safetensors`` or ``.pt``). The vocabulary and
 position-table sizes come from the tensors' shapes; the architecture from the
 run's saved arguments (a checkpoint directory's ``extra``, or the
-``.safetensors`` header that ``consolidate`` writes) or from ``--arch``.
+``.safetensors`` header that ``consolidate`` writes) or from ``--arch``; so
+does the shape: the arch's, with the run's recorded ``--decoder-*`` overrides
+(explicit ``--decoder-*`` flags win; an explicit ``--arch`` other than the
+recorded one drops the recorded overrides).
 """
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
+from fullshard.models import ArchSpec
 from fullshard.train.checkpoint_utils import load_weights
 
 
@@ -40,6 +44,8 @@ class ModelSpec:
     """The training run's arguments (``TrainConfig.to_dict()``), or None."""
     num_updates: Optional[int]
     """Updates the checkpoint was trained for, or None when unknown."""
+    shape: Optional[ArchSpec] = None
+    """The model's shape: ``arch`` with the --decoder-* overrides; None means ``ARCHS[arch]``."""
 
 
 def _shapes(path: str) -> dict:
@@ -73,16 +79,24 @@ def _saved(path: str) -> tuple[Optional[dict], Optional[int]]:
     return None, None
 
 
-def read_spec(path: str, arch: Optional[str] = None) -> ModelSpec:
-    """Read what model ``path`` holds; ``arch`` overrides the saved one.
+def read_spec(path: str, arch: Optional[str] = None,
+              overrides: Optional[Mapping[str, Optional[int]]] = None) -> ModelSpec:
+    """Read what model ``path`` holds; ``arch`` and ``overrides`` override the saved ones.
+
+    Args:
+        path: a checkpoint directory or consolidated ``.safetensors`` / ``.pt`` file.
+        arch: the architecture, or None for the recorded one.
+        overrides: ``{"decoder_layers": L, ...}`` (keys of ``options.ARCH_OVERRIDES``; None = not
+            given, other keys ignored), replacing the recorded shape's values.
 
     Raises:
         ModelSpecError: a missing, damaged or foreign checkpoint, an unknown
-            arch, no arch known (a ``.pt`` file without ``--arch``), or an arch
-            whose shapes differ from the checkpoint's.
+            arch, no arch known (a ``.pt`` file without ``--arch``), an invalid
+            ``--decoder-*`` value, or a shape whose tensors differ from the checkpoint's.
     """
     from fullshard.checkpoint import CheckpointError
     from fullshard.models import ARCHS, build_model
+    from fullshard.train.options import resolve_arch
 
     if not os.path.exists(path):
         raise ModelSpecError(f"checkpoint {path!r} does not exist; give a checkpoint directory "
@@ -97,17 +111,25 @@ def read_spec(path: str, arch: Optional[str] = None) -> ModelSpec:
     if "embed_tokens.weight" not in shapes or "embed_positions.weight" not in shapes:
         raise ModelSpecError(f"checkpoint {path!r} holds no fullshard GPT (no embed_tokens.weight / "
                              "embed_positions.weight)")
-    arch = arch or (args or {}).get("arch")
+    saved = args or {}
+    arch = arch or saved.get("arch")
     if arch is None:
         raise ModelSpecError(f"checkpoint {path!r} does not record its architecture; pass --arch")
-    if arch not in ARCHS:
-        raise ModelSpecError(f"unknown --arch {arch!r}; known archs: {', '.join(ARCHS)}")
+    # The recorded shape belongs to the recorded arch; explicit --decoder-* flags override it.
+    try:
+        recorded = resolve_arch(arch, saved if arch == saved.get("arch") else {})
+    except ValueError as e:
+        raise ModelSpecError(f"checkpoint {path!r} records an invalid shape: {e}") from None
+    try:
+        shape = resolve_arch(arch, overrides or {}, recorded, "the checkpoint" if recorded != ARCHS[arch] else None)
+    except ValueError as e:
+        raise ModelSpecError(str(e)) from None
     vocab, positions = shapes["embed_tokens.weight"][0], shapes["embed_positions.weight"][0]
-    want = {n: tuple(t.shape) for n, t in build_model(arch, vocab, positions, device="meta").state_dict().items()}
+    want = {n: tuple(t.shape) for n, t in build_model(shape, vocab, positions, device="meta").state_dict().items()}
     if want != shapes:
-        raise ModelSpecError(f"checkpoint {path!r} is not a {arch} model (its tensor names or shapes differ); "
-                             "pass the --arch it was trained with")
-    return ModelSpec(path, arch, vocab, positions, args, num_updates)
+        raise ModelSpecError(f"checkpoint {path!r} is not a {arch} model ({shape.describe()}; its tensor names or "
+                             "shapes differ); pass the --arch and --decoder-* flags it was trained with")
+    return ModelSpec(path, arch, vocab, positions, args, num_updates, shape)
 
 
 def load_plain_model(spec: ModelSpec, device: torch.device | str = "cpu") -> torch.nn.Module:
@@ -119,7 +141,7 @@ def load_plain_model(spec: ModelSpec, device: torch.device | str = "cpu") -> tor
     from fullshard.checkpoint import CheckpointError
     from fullshard.models import build_model
 
-    model = build_model(spec.arch, spec.vocab_size, spec.max_positions, device="meta")
+    model = build_model(spec.shape or spec.arch, spec.vocab_size, spec.max_positions, device="meta")
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives each slot its own Parameter
     try:

@@ -90,9 +90,10 @@ class Trainer:
         from fullshard.models import TransformerBlock, build_model, make_param_init_fn, num_params
 
         cfg = self.cfg
+        shape = cfg.arch_spec()  # --arch with the --decoder-* overrides
         kwargs = dict(vocab_size=cfg.vocab_size, max_positions=cfg.max_positions, dropout=cfg.dropout)
         if cfg.ddp_backend == "c10d":
-            model = build_model(cfg.arch, device=self.device, seed=cfg.seed, **kwargs)
+            model = build_model(shape, device=self.device, seed=cfg.seed, **kwargs)
             shapes = {n: p.shape for n, p in model.named_parameters()}
             self._checkpoint_blocks(model)
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -104,7 +105,7 @@ class Trainer:
 
         # Deferred init: build on meta; each unit is materialized and
         # initialized inside the wrapper, so no rank holds the full model.
-        model = build_model(cfg.arch, device="meta", **kwargs)
+        model = build_model(shape, device="meta", **kwargs)
         extra = {"param_init_fn": make_param_init_fn(model, cfg.seed, self.device)}
         shapes = {n: p.shape for n, p in model.named_parameters()}
         total = num_params(model)
