@@ -166,7 +166,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="the only task: GPT language modeling")
     g.add_argument("--optimizer", choices=("adam", "cpu_adam"), default="adam",
                    help="AdamW with decoupled weight decay; cpu_adam: the same, stepping on host shards with "
-                        "multi-tensor (foreach) kernels")
+                        "torch's fused CPU AdamW kernel")
     g.add_argument("--adam-betas", type=_betas, default=(0.9, 0.999), help="betas, e.g. '(0.9,0.98)'")
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--weight-decay", "--wd", type=float, default=0.0, help="applied to >=2-D weights only")
