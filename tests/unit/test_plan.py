@@ -101,9 +101,13 @@ def test_cli_sizes_decoder_overrides():
     psi = lambda proc: int(re.search(r"Ψ=([\d,]+)", proc.stdout).group(1).replace(",", ""))  # noqa: E731
     base, deeper = run(), run("--decoder-layers", "30")
     assert base.returncode == 0 and deeper.returncode == 0, base.stderr + deeper.stderr
-    want = num_params(build_model(ARCHS["transformer_lm_gpt3_medium"].override(num_layers=30), 50257, 1024,
+    # the position table `fullshard train` builds: the arch's 2048 positions, not --tokens-per-sample
+    want = num_params(build_model(ARCHS["transformer_lm_gpt3_medium"].override(num_layers=30), 50257, 2048,
                                   device="meta"))
     assert psi(deeper) == want > psi(base)
+    assert psi(run("--decoder-layers", "30", "--tokens-per-sample", "128")) == want
+    long = run("--tokens-per-sample", "4096")
+    assert long.returncode == 2 and "--tokens-per-sample 4096 exceeds the 2048 positions" in long.stderr
     bad = run("--decoder-attention-heads", "7")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
     assert "--decoder-attention-heads 7 must divide the width 1024 of --arch transformer_lm_gpt3_medium" in bad.stderr

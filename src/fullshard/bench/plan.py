@@ -91,23 +91,27 @@ class Workload:
     ffn_embed_dim: Optional[int] = None
 
 
-def gpt_workload(arch, batch_size: int, tokens_per_sample: int, vocab_size: int = 50257) -> Workload:
+def gpt_workload(arch, batch_size: int, tokens_per_sample: int, vocab_size: int = 50257,
+                 max_positions: Optional[int] = None) -> Workload:
     """Count a GPT's parameters per unit exactly (built on the meta device).
 
     Args:
         arch: a key of :data:`fullshard.models.ARCHS` or a
             :class:`fullshard.models.ArchSpec` (a named shape with overrides).
         batch_size: sequences per rank.
-        tokens_per_sample: sequence length, tokens (also the position table's size).
+        tokens_per_sample: sequence length, tokens.
         vocab_size: token ids V.
+        max_positions: rows of the learned position table (``fullshard train`` uses the
+            arch's, 2048 for the GPT-3 family); None means ``tokens_per_sample``.
     Raises:
         ValueError: unknown arch name or invalid shape.
     """
     from fullshard.models import TransformerBlock, build_model
     from fullshard.models.config import make_config
 
-    model = build_model(arch, vocab_size=vocab_size, max_positions=tokens_per_sample, device="meta")
-    cfg = make_config(arch, vocab_size, tokens_per_sample)
+    positions = max_positions or tokens_per_sample
+    model = build_model(arch, vocab_size=vocab_size, max_positions=positions, device="meta")
+    cfg = make_config(arch, vocab_size, positions)
     psi = sum(p.numel() for p in model.parameters())
     blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, TransformerBlock)]
     root = psi - sum(blocks)
