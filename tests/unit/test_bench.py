@@ -157,6 +157,9 @@ def test_markdown_table_errors_and_notes():
     assert "| fullshard FULL_SHARD / torch FSDP2 | 0.75 |" in text
     assert RP.DEEPSPEED_MISSING in text
     assert RP.DEEPSPEED_MISSING not in RP.markdown(RP.build_report(_config(deepspeed_available=True), _rows()))
+    assert text.startswith("`fullshard bench` — preset `quick`: GPT")
+    overridden = RP.markdown(RP.build_report(_config(overrides=["--arch", "--vocab-size"]), _rows()))
+    assert overridden.startswith("`fullshard bench` — preset `quick with --arch, --vocab-size`: GPT")
 
 
 def test_files_are_written_atomically(tmp_path):
@@ -210,6 +213,9 @@ def test_presets_and_overrides(monkeypatch):
     small = suite.validate(_bench_args("--preset", "gpt2-small", "--layers", "2", "--seq-len", "64"), _fail)
     assert (small.job.model.num_layers, small.job.model.embed_dim, small.job.model.max_positions) == (2, 768, 1024)
     assert small.job.model.vocab_size == 50257 and small.job.seq_len == 64
+    # the report's header names the flags that changed the preset
+    assert suite.validate(_bench_args(), _fail).overrides == () and small.overrides == ("--seq-len", "--layers")
+    assert RP.preset_label("gpt2-small", small.overrides) == "gpt2-small with --seq-len, --layers"
 
 
 def test_a_failed_fullshard_mode_is_an_error_row_and_exit_1(monkeypatch, tmp_path):

@@ -200,12 +200,18 @@ def _md(cells: list[str]) -> str:
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
+def preset_label(preset: str, overrides=()) -> str:
+    """``quick``, or ``quick with --arch, --seq-len`` when flags overrode the preset."""
+    return f"{preset} with {', '.join(overrides)}" if overrides else preset
+
+
 def markdown(report: dict) -> str:
     """The whole report as Markdown: a header line, the table, the FSDP2 ratios and notes."""
     cfg, rows = report["config"], report["modes"]
     m = cfg["model"]
+    preset = preset_label(cfg["preset"], cfg.get("overrides", ()))
     lines = [
-        f"`fullshard bench` — preset `{cfg['preset']}`: GPT {m['num_layers']} layers × width {m['embed_dim']}, "
+        f"`fullshard bench` — preset `{preset}`: GPT {m['num_layers']} layers × width {m['embed_dim']}, "
         f"{m['num_heads']} heads, V={m['vocab_size']}, P={m['max_positions']} (Ψ = {cfg['psi']:,}); "
         f"{cfg['world_size']} gloo ranks × {cfg['threads']} threads on {cfg['cpu_cores']} cores; batch "
         f"{cfg['batch_size']} × {cfg['seq_len']} tokens per rank; AdamW; {cfg['warmup_steps']} warm-up + "
@@ -332,7 +338,8 @@ def chart_png(report: dict) -> bytes:
         for i, v in enumerate(values):
             ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
     cfg = report["config"]
-    fig.suptitle(f"fullshard bench, preset {cfg['preset']}: Ψ = {cfg['psi']:,}, N = {cfg['world_size']} "
+    preset = preset_label(cfg["preset"], cfg.get("overrides", ()))
+    fig.suptitle(f"fullshard bench, preset {preset}: Ψ = {cfg['psi']:,}, N = {cfg['world_size']} "
                  f"(blue: fullshard)", fontsize=10)
     fig.tight_layout()
     buf = io.BytesIO()

@@ -112,6 +112,8 @@ class Plan:
     job: Job
     out_dir: str
     deepspeed_available: bool
+    overrides: tuple[str, ...] = ()
+    """The preset-overriding flags given (e.g. ``("--arch", "--seq-len")``), for the report's header."""
 
 
 def validate(args: argparse.Namespace, fail) -> Plan:
@@ -172,7 +174,8 @@ def validate(args: argparse.Namespace, fail) -> Plan:
     job = Job(mode=modes[0], model=model, world_size=world, batch_size=values["batch_size"],
               seq_len=values["seq_len"], warmup_steps=values["warmup_steps"], timed_steps=values["timed_steps"],
               threads=values["threads"], seed=args.seed, timeout_s=args.timeout_s)
-    return Plan(args.preset, tuple(modes), job, args.out_dir, has_ds)
+    given = tuple(f"--{name.replace('_', '-')}" for name in ("arch", *values) if getattr(args, name) is not None)
+    return Plan(args.preset, tuple(modes), job, args.out_dir, has_ds, given)
 
 
 def launch_mode(job: Job) -> list[dict]:
@@ -194,7 +197,7 @@ def _config(plan: Plan, load_before, load_after, per_mode_load: dict) -> dict:
     from fullshard.train.launcher import cpu_cores
 
     job = plan.job
-    cfg = dict(preset=plan.preset, modes=list(plan.modes), world_size=job.world_size, threads=job.threads,
+    cfg = dict(preset=plan.preset, overrides=list(plan.overrides), modes=list(plan.modes), world_size=job.world_size, threads=job.threads,
                cpu_cores=cpu_cores(), batch_size=job.batch_size, seq_len=job.seq_len,
                warmup_steps=job.warmup_steps, timed_steps=job.timed_steps, lr=job.lr,
                weight_decay=job.weight_decay, seed=job.seed, optimizer="AdamW", model=dataclasses.asdict(job.model),
@@ -236,7 +239,10 @@ def _run(plan: Plan) -> int:
 
     job0 = plan.job
     m = job0.model
-    print(f"fullshard bench: preset {plan.preset}, {len(plan.modes)} modes ({','.join(plan.modes)}), "
+    from fullshard.bench.report import preset_label
+
+    print(f"fullshard bench: preset {preset_label(plan.preset, plan.overrides)}, {len(plan.modes)} modes "
+          f"({','.join(plan.modes)}), "
           f"N={job0.world_size} x {job0.threads} threads, GPT L={m.num_layers} C={m.embed_dim} V={m.vocab_size} "
           f"(Ψ={m.psi():,}), batch {job0.batch_size}x{job0.seq_len}, {job0.warmup_steps}+{job0.timed_steps} "
           f"steps", flush=True)
