@@ -12,15 +12,24 @@ FAST = ["--arch", ARCH, "--tokens-per-sample", "64", "--batch-size", "4", "--log
         "--log-format", "json", "--seed", "3", "--lr", "0.001"]
 
 
-def _with_fault(spec: str):
-    """Set the fault hook for the CLI subprocess (spawned ranks inherit it)."""
+def _with_fault(spec: str, tmpdir=None):
+    """Set the fault hook for the CLI subprocess (spawned ranks inherit it), and TMPDIR when given."""
+    env = {"FULLSHARD_TEST_FAULT": spec, **({"TMPDIR": str(tmpdir)} if tmpdir is not None else {})}
+
     class _Env:
         def __enter__(self):
-            os.environ["FULLSHARD_TEST_FAULT"] = spec
+            os.environ.update(env)
 
         def __exit__(self, *exc):
-            os.environ.pop("FULLSHARD_TEST_FAULT", None)
+            for key in env:
+                os.environ.pop(key, None)
     return _Env()
+
+
+def _assert_no_launcher_dirs(tmpdir) -> None:
+    """torch elastic's per-launch log directories (each rank's error file) are gone after the job."""
+    left = [p.name for p in tmpdir.iterdir() if "elastic" in p.name]
+    assert left == [], left
 
 
 def _stderr_lines(proc) -> list:
@@ -28,20 +37,22 @@ def _stderr_lines(proc) -> list:
             and not line.startswith("  ")]
 
 
-def _two_ranks_with_fault(cli, corpus_dir, spec: str, timeout_s: int):
-    """4 updates on 2 ranks with fault ``spec``; returns (process, seconds); asserts it exited 1."""
+def _two_ranks_with_fault(cli, corpus_dir, spec: str, timeout_s: int, tmpdir):
+    """4 updates on 2 ranks with fault ``spec`` (TMPDIR = ``tmpdir``); returns (process, seconds);
+    asserts it exited 1 and left no launcher directory."""
     start = time.monotonic()
-    with _with_fault(spec):
+    with _with_fault(spec, tmpdir):
         proc = cli("train", str(corpus_dir), *FAST, "--nproc-per-node", "2", "--max-update", "4",
                    "--collective-timeout", str(timeout_s), "--no-save", timeout=240)
     assert proc.returncode == 1, proc.stderr
+    _assert_no_launcher_dirs(tmpdir)
     return proc, time.monotonic() - start
 
 
 def test_stuck_rank_times_out_with_one_line(cli, corpus_dir, tmp_path):
     """Rank 1 stops issuing collectives mid-update 2; rank 0 exits after --collective-timeout
     naming the collective, its unit and rank 1; the launcher stops rank 1; nothing hangs."""
-    proc, took = _two_ranks_with_fault(cli, corpus_dir, "hang:1:2", timeout_s=4)
+    proc, took = _two_ranks_with_fault(cli, corpus_dir, "hang:1:2", timeout_s=4, tmpdir=tmp_path)
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("fullshard train: error: rank 0 failed: [rank 0] "), proc.stderr
     assert "of unit 'layers." in last and "timed out after 4 s" in last and "rank 1 did not arrive" in last, last
@@ -49,10 +60,10 @@ def test_stuck_rank_times_out_with_one_line(cli, corpus_dir, tmp_path):
     assert took < 120, took
 
 
-def test_killed_rank_is_named_and_others_exit(cli, corpus_dir):
+def test_killed_rank_is_named_and_others_exit(cli, corpus_dir, tmp_path):
     """SIGKILL of rank 1 mid-update 2: the job exits 1 at once (well within the timeout) with one
     line saying rank 1 was lost."""
-    proc, took = _two_ranks_with_fault(cli, corpus_dir, "kill:1:2", timeout_s=60)
+    proc, took = _two_ranks_with_fault(cli, corpus_dir, "kill:1:2", timeout_s=60, tmpdir=tmp_path)
     assert _stderr_lines(proc)[-1].startswith("fullshard train: error: rank 1 was lost: killed by SIGKILL"), \
         proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -120,10 +131,12 @@ def test_max_restarts_resumes_after_sigkill_bit_identical(cli, corpus_dir, tmp_p
     straight = cli("train", str(corpus_dir), *args, "--save-dir", str(tmp_path / "a"), timeout=300)
     assert straight.returncode == 0, straight.stderr
     start = time.monotonic()
-    with _with_fault("kill:1:3"):
+    (tmp_path / "tmp").mkdir()
+    with _with_fault("kill:1:3", tmp_path / "tmp"):
         proc = cli("train", str(corpus_dir), *args, "--save-dir", str(tmp_path / "b"), "--max-restarts", "1",
                    timeout=300)
     assert proc.returncode == 0, proc.stderr
+    _assert_no_launcher_dirs(tmp_path / "tmp")  # two attempts, one log directory, removed
     assert "restart 1 of at most 1" in proc.stdout and "loaded checkpoint" in proc.stdout
     assert "epoch 1 offset 2 @ 2 updates" in proc.stdout
 

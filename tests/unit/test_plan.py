@@ -123,3 +123,13 @@ def test_ffn_width_enters_activations():
     assert wide.ffn_embed_dim == 4 * spec.embed_dim + 10 and base.ffn_embed_dim == 4 * spec.embed_dim
     got = PL.activation_bytes(wide, 2, False) - PL.activation_bytes(base, 2, False)
     assert got == spec.num_layers * 4 * 32 * 2 * 10
+
+
+def test_a_reader_closing_stdout_early_is_not_a_traceback():
+    """`fullshard plan ... | head`: the closed pipe ends the command quietly (exit 1, nothing on stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "fullshard.train.cli", "plan", "--arch", "transformer_lm_gpt3_small",
+                             "--world-size", "8", "--budget-gb", "100"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before anything is written
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1 and err == "", err

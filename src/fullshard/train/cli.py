@@ -17,6 +17,7 @@ fullshard mode failed), 2 bad input.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -171,7 +172,22 @@ def _plot(parser: argparse.ArgumentParser, args) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Console-script entry point; returns the process exit code."""
+    """Console-script entry point; returns the process exit code.
+
+    A reader that closes stdout early (``fullshard plan ... | head``) ends the
+    command quietly with exit code 1, as Python's documentation advises
+    (library/signal, "Note on SIGPIPE"), instead of a BrokenPipeError traceback.
+    """
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # inside the try: a closed pipe fails here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush must not fail again
+        return 1
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
 import uuid
 from typing import Callable
@@ -72,6 +74,7 @@ def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max
         RankFailed: a rank raised or died ("rank R was lost: ..." / "rank R failed: <its error>").
         LaunchError: the rendezvous could not be hosted or reached (names host:port).
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -82,23 +85,30 @@ def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max
         rdzv_configs = {"is_host": node_rank == 0, "join_timeout": timeout,
                         "read_timeout": min(timeout, 60)}
     run_id = os.environ.get("FULLSHARD_RUN_ID", "fullshard") if nnodes > 1 else str(uuid.uuid4())
+    log_dir = tempfile.mkdtemp(prefix="fullshard_elastic_")  # see logs_specs below
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint, rdzv_configs=rdzv_configs,
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
         local_addr=rdzv_endpoint.rpartition(":")[0] if nnodes > 1 else None,
+        # torch's agent writes each rank's error file under a log directory; left to itself it
+        # makes a new torchelastic_* directory in the temp dir per launch and never removes it.
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     _quiet_elastic_logs()
-    if nnodes > 1 and node_rank != 0:
-        _wait_reachable(rdzv_endpoint, node_rank, rdzv_timeout_s)
     try:
-        out = elastic_launch(config, entry)(arg)
-    except ChildFailedError as e:
-        raise RankFailed(_describe_failure(e)) from None
-    except Exception as e:  # rendezvous / store errors: one line naming the address
-        if _is_network_error(e):
-            raise LaunchError(_describe_network_error(e, rdzv_endpoint, node_rank)) from None
-        raise
+        if nnodes > 1 and node_rank != 0:
+            _wait_reachable(rdzv_endpoint, node_rank, rdzv_timeout_s)
+        try:
+            out = elastic_launch(config, entry)(arg)
+        except ChildFailedError as e:
+            raise RankFailed(_describe_failure(e)) from None  # reads the error files: before the rmtree
+        except Exception as e:  # rendezvous / store errors: one line naming the address
+            if _is_network_error(e):
+                raise LaunchError(_describe_network_error(e, rdzv_endpoint, node_rank)) from None
+            raise
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
     return [out[r] for r in sorted(out)]
 
 
