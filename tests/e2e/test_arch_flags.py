@@ -7,23 +7,13 @@ import json
 
 import pytest
 
-from fullshard.train import cli as fullshard_cli
+from tests.e2e.test_eval_generate import _main  # `fullshard ARGV` in this process
 from tests.e2e.test_train_cli import json_records
 
 ARCH = "transformer_lm_gpt_mini"  # 2 layers, width 64, 2 heads
 SHAPE = ["--decoder-layers", "3", "--decoder-embed-dim", "96", "--decoder-attention-heads", "4"]
 TRAIN = ["--arch", ARCH, "--tokens-per-sample", "64", "--batch-size", "4", "--seed", "3", "--log-format", "json",
          "--log-interval", "1"]
-
-
-def _main(capsys, *argv):
-    """`fullshard ARGV` in this process: (exit code, stdout, stderr)."""
-    try:
-        code = fullshard_cli.main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
