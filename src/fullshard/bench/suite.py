@@ -239,9 +239,7 @@ def _run(plan: Plan) -> int:
 
     job0 = plan.job
     m = job0.model
-    from fullshard.bench.report import preset_label
-
-    print(f"fullshard bench: preset {preset_label(plan.preset, plan.overrides)}, {len(plan.modes)} modes "
+    print(f"fullshard bench: preset {RP.preset_label(plan.preset, plan.overrides)}, {len(plan.modes)} modes "
           f"({','.join(plan.modes)}), "
           f"N={job0.world_size} x {job0.threads} threads, GPT L={m.num_layers} C={m.embed_dim} V={m.vocab_size} "
           f"(Ψ={m.psi():,}), batch {job0.batch_size}x{job0.seq_len}, {job0.warmup_steps}+{job0.timed_steps} "
