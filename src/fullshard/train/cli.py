@@ -22,7 +22,7 @@ import sys
 from typing import Optional, Sequence
 
 from fullshard.train.options import (OneLineArgumentParser, add_arch_override_args, add_train_args,
-                                     arch_max_positions, resolve_arch, validate)
+                                     check_tokens_per_sample, resolve_arch, validate)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -94,10 +94,7 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         shape = resolve_arch(args.arch, vars(args))
     except ValueError as e:
         sub.fail(str(e))
-    positions = arch_max_positions(args.arch)  # the position table `fullshard train` builds
-    if args.tokens_per_sample > positions:
-        sub.fail(f"--tokens-per-sample {args.tokens_per_sample} exceeds the {positions} positions of "
-                 f"--arch {args.arch}; use at most {positions}")
+    positions = check_tokens_per_sample(sub, args)  # the position table `fullshard train` builds
     work = PL.gpt_workload(shape, args.batch_size, args.tokens_per_sample, args.vocab_size, max_positions=positions)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     cfg = PL.Config(ShardingStrategy[args.sharding_strategy], args.world_size, dtype, args.cpu_offload,

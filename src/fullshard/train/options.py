@@ -408,6 +408,16 @@ def _check_nodes(p: OneLineArgumentParser, args) -> str:
     return endpoint
 
 
+def check_tokens_per_sample(p: OneLineArgumentParser, args) -> int:
+    """The position-table size of ``args.arch``; fails (one line, exit 2) when
+    ``args.tokens_per_sample`` exceeds it."""
+    max_positions = arch_max_positions(args.arch)
+    if args.tokens_per_sample > max_positions:
+        p.fail(f"--tokens-per-sample {args.tokens_per_sample} exceeds the {max_positions} positions of "
+               f"--arch {args.arch}; use --tokens-per-sample <= {max_positions}")
+    return max_positions
+
+
 def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     """Check every input; on the first problem print one line and exit 2. Else a TrainConfig."""
     _check_positive(p, args)
@@ -420,10 +430,7 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
         shape = resolve_arch(args.arch, vars(args))
     except ValueError as e:
         p.fail(str(e))
-    max_positions = arch_max_positions(args.arch)
-    if args.tokens_per_sample > max_positions:
-        p.fail(f"--tokens-per-sample {args.tokens_per_sample} exceeds the {max_positions} positions of "
-               f"--arch {args.arch}; use --tokens-per-sample <= {max_positions}")
+    max_positions = check_tokens_per_sample(p, args)
     _check_split_sizes(p, args, meta, world_size)
     if args.log_file and os.path.isdir(args.log_file):
         p.fail(f"--log-file {args.log_file!r} is a directory; give a file path")
