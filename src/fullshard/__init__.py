@@ -5,8 +5,9 @@ Drop-in names for ``torch.distributed.fsdp``::
     from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy
     from fullshard.wrap import ModuleWrapPolicy
 """
-from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
-                  ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy, StateDictType)
+from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig,
+                  LocalOptimStateDictConfig, LocalStateDictConfig, MixedPrecision, ShardedOptimStateDictConfig,
+                  ShardedStateDictConfig, ShardingStrategy, StateDictType)
 from .fsdp import FSDP, FullyShardedDataParallel
 from . import wrap
 from .amp import ShardedGradScaler
@@ -14,6 +15,7 @@ from .activation_checkpointing import CheckpointWrapper, apply_activation_checkp
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
            "CPUOffload", "StateDictType", "FullStateDictConfig",
-           "ShardedStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "ShardedGradScaler", "apply_activation_checkpointing", "CheckpointWrapper",
+           "ShardedStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig",
+           "LocalStateDictConfig", "LocalOptimStateDictConfig", "ShardedGradScaler", "apply_activation_checkpointing", "CheckpointWrapper",
            "offload_activations", "wrap"]
 __version__ = "0.1.0"

@@ -116,10 +116,17 @@ class StateDictType(enum.Enum):
     SHARDED_STATE_DICT: ``torch.distributed.tensor.DTensor`` values placed
         ``Shard(0)`` on a 1-D device mesh over the shard group; the local tensor
         is this rank's ``torch.chunk`` rows (no copy). Buffers are plain tensors.
+    LOCAL_STATE_DICT: each unit's flat shard as one 1-D tensor under
+        ``<unit prefix>_flat_param`` (``layout.shard_numel`` elements, the
+        master dtype) instead of its parameters; buffers as usual. It loads
+        only at the same world size into the same model (a different size
+        raises ValueError); the optimizer's own ``state_dict()`` is the
+        matching optimizer state.
     """
 
     FULL_STATE_DICT = "FULL_STATE_DICT"
     SHARDED_STATE_DICT = "SHARDED_STATE_DICT"
+    LOCAL_STATE_DICT = "LOCAL_STATE_DICT"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +156,18 @@ class ShardedStateDictConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LocalStateDictConfig:
+    """Options of LOCAL_STATE_DICT.
+
+    Attributes:
+        offload_to_cpu: the flat shard is copied to host memory (a copy,
+            where the default is the live flat shard).
+    """
+
+    offload_to_cpu: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class FullOptimStateDictConfig:
     """Options of the optimizer state under FULL_STATE_DICT (see FullStateDictConfig)."""
 
@@ -159,5 +178,14 @@ class FullOptimStateDictConfig:
 @dataclasses.dataclass(frozen=True)
 class ShardedOptimStateDictConfig:
     """Options of the optimizer state under SHARDED_STATE_DICT (see ShardedStateDictConfig)."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalOptimStateDictConfig:
+    """Options of the optimizer state under LOCAL_STATE_DICT. The optimizer's
+    own ``state_dict()`` already holds this rank's shards, so
+    ``FSDP.optim_state_dict`` refuses LOCAL_STATE_DICT and names it."""
 
     offload_to_cpu: bool = False

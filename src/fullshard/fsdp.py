@@ -22,6 +22,7 @@ from .core.unit import Unit, UnitConfig
 from .core import param as FU
 from . import construct as K
 from . import wrap as W
+from .checkpoint import module_hooks as sd_hooks
 
 from .construct import _PREFIX
 
@@ -139,6 +140,8 @@ class FullyShardedDataParallel(nn.Module):
                                       forward_prefetch=forward_prefetch,
                                       forward_input_caster=FU.input_caster(mp))
         _hook_direct_calls(self, module)
+        self._sd_installed = False  # a state-dict save pre-hook registered values (see sd_hooks)
+        sd_hooks.register(self)
 
     # ------------------------------------------------------------ structure
     @property
@@ -348,27 +351,55 @@ class FullyShardedDataParallel(nn.Module):
     # ----------------------------------------------------------- state dicts
     # [fullshard.checkpoint] Everything below delegates to fullshard/checkpoint/.
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """Full tensors under the original names (default), or DTensor shards
-        under ``FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)``.
-        On a nested unit: that unit's subtree, under names relative to it.
-        See ``fullshard/checkpoint/state_dict.py``."""
-        from .checkpoint import state_dict as SD
+        """``nn.Module.state_dict`` of the unwrapped model: full tensors under
+        the original names (default), DTensor shards under
+        ``FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)``, or
+        each unit's flat shard under LOCAL_STATE_DICT. Extra state, state-dict
+        hooks and ``keep_vars`` behave as on the plain model. On a nested unit:
+        that unit's subtree, under names relative to it. See
+        ``checkpoint/module_hooks.py`` [Note: state dicts through nn.Module].
 
-        if args:  # nn.Module's deprecated positional (destination, prefix, keep_vars)
-            destination = args[0]
-            prefix = args[1] if len(args) > 1 else prefix
-        return SD.state_dict(self, destination, prefix)
+        Raises:
+            RuntimeError: during forward or backward.
+            NotImplementedError: SHARDED_STATE_DICT of a HYBRID_SHARD unit.
+        """
+        try:
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        finally:
+            self._restore_registered()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a plain model's (full) or a sharded state dict into this rank's
-        shards. Raises RuntimeError naming missing/unexpected keys (strict)
-        and any shape mismatch."""
-        from .checkpoint import state_dict as SD
+        """``nn.Module.load_state_dict`` of the unwrapped model: a plain model's
+        (full), a sharded or a local state dict, per the state-dict type.
+        Each rank copies its own rows into its shards; a load that raises
+        changes no shard.
 
+        Raises:
+            RuntimeError: with ``strict``, missing or unexpected keys; any
+                shape mismatch (as ``nn.Module.load_state_dict`` words them,
+                prefixed with the rank); during forward or backward.
+            ValueError: ``assign=True``; a LOCAL_STATE_DICT of another world size.
+        """
         if assign:
             raise ValueError("FullyShardedDataParallel.load_state_dict: assign=True is not supported "
-                             "(values are copied into the shards)")
-        return SD.load_state_dict(self, state_dict, strict)
+                             "(values are copied into the shards); call it without assign")
+        try:
+            with sd_hooks.deferred_row_copies():
+                return super().load_state_dict(state_dict, strict)
+        except RuntimeError as e:
+            if str(e).startswith("[rank"):
+                raise
+            raise RuntimeError(f"[rank {C.rank()}] {e}") from None
+        finally:
+            self._restore_registered()
+
+    def _restore_registered(self) -> None:
+        """Register the sharded parameters again on every unit a state-dict
+        call that raised left with other values (see module_hooks' Note)."""
+        for u in self.units():
+            sd_hooks.forget_load(u)
+            if not u.unit.summoned:
+                u.unit.restore_all_params()
 
     @staticmethod
     @contextlib.contextmanager

@@ -123,13 +123,19 @@ def _errors(rank, world):
     bad = dict(sd)
     bad.pop("inp.weight")
     bad["extra.weight"] = torch.zeros(1)
-    with pytest.raises(RuntimeError, match=r"missing key\(s\): \['inp.weight'\].*unexpected key\(s\): "
-                                           r"\['extra.weight'\]"):
+    before = model.state_dict()
+    with pytest.raises(RuntimeError, match=r"(?s)\[rank \d\] Error\(s\) in loading state_dict.*Missing key\(s\) "
+                                           r"in state_dict: \"inp.weight\".*Unexpected key\(s\) in state_dict: "
+                                           r"\"extra.weight\""):
         model.load_state_dict(bad)
+    for k, v in model.state_dict().items():  # a load that raised changed no shard
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
     keys = model.load_state_dict(bad, strict=False)
     assert keys.missing_keys == ["inp.weight"] and keys.unexpected_keys == ["extra.weight"]
     wrong = dict(sd, **{"out.weight": torch.zeros(5, 4)})
-    with pytest.raises(RuntimeError, match=r"shape mismatch: 'out.weight': checkpoint \(5, 4\) vs model \(5, 3\)"):
+    with pytest.raises(RuntimeError, match=r"size mismatch for out.weight: copying a param with shape "
+                                           r"torch.Size\(\[5, 4\]\) from checkpoint, the shape in current model is "
+                                           r"torch.Size\(\[5, 3\]\)"):
         model.load_state_dict(wrong)
     with pytest.raises(ValueError, match="StateDictType"):
         FSDP.set_state_dict_type(model, "sharded")

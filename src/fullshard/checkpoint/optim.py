@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..api import StateDictType
 from ..core import collectives as C
+from ..core.param import gather_full
 from . import state_dict as SD
 
 
@@ -72,10 +73,14 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
     Every rank must call it (full per-row state is all-gathered per unit).
 
     Raises:
-        ValueError: the optimizer holds a parameter the model does not own.
+        ValueError: the optimizer holds a parameter the model does not own;
+            LOCAL_STATE_DICT (use ``optimizer.state_dict()``).
     """
     SD.check_idle(model, "optim_state_dict()")
     st = SD.settings(model)
+    if st.type is StateDictType.LOCAL_STATE_DICT:
+        raise ValueError(f"[rank {C.rank()}] optim_state_dict() under LOCAL_STATE_DICT: the optimizer's own "
+                         "state_dict() already holds this rank's shards; save optimizer.state_dict() instead")
     full = st.type is StateDictType.FULL_STATE_DICT
     offload = st.optim_config.offload_to_cpu
     keep = not (full and st.optim_config.rank0_only) or C.rank() == 0
@@ -117,7 +122,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
                 for si, v in have.items():
                     p = unit.layout.params[si]
                     flat[p.shard_offset:p.shard_offset + v.numel()].copy_(v.reshape(-1))
-                views = SD.gather_full(unit, flat)
+                views = gather_full(unit, flat)
                 if keep:
                     for si in have:
                         out[info[id(unit.sharded_params[si])][0]][k] = SD.copy_value(views[si], offload)

@@ -69,7 +69,7 @@ def _states(model: nn.Module, optimizer) -> dict:
     if _is_fsdp(model):
         prev = SD.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
         try:
-            state = {"model": SD.state_dict(model)}
+            state = {"model": model.state_dict()}
             if optimizer is not None:
                 state["optim"] = O.optim_state_dict(model, optimizer)
         finally:
@@ -236,14 +236,30 @@ def verify(path: str) -> dict:
     return manifest
 
 
+def _flat_keys(state: dict, prefix: str = "") -> dict:
+    """Leaves of nested dicts and lists (extra state) under dotted keys, as
+    ``torch.distributed.checkpoint`` names them in its metadata."""
+    out = {}
+    for k, v in state.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat_keys(v, key + "."))
+        elif isinstance(v, (list, tuple)) and v:
+            out.update(_flat_keys(dict(enumerate(v)), key + "."))
+        else:
+            out[key] = v
+    return out
+
+
 def _check_model_keys(path: str, template: dict) -> None:
     """Refuse a checkpoint of another model, listing the names."""
+    template = _flat_keys(template)
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     saved = {k[len("model."):]: getattr(v, "size", None) for k, v in md.items() if k.startswith("model.")}
     missing = [k for k in template if k not in saved]
     unexpected = [k for k in saved if k not in template]
     shapes = [f"'{k}': checkpoint {tuple(saved[k])} vs model {tuple(v.shape)}"
-              for k, v in template.items() if k in saved and saved[k] is not None
+              for k, v in template.items() if k in saved and saved[k] is not None and torch.is_tensor(v)
               and torch.Size(saved[k]) != torch.Size(v.shape)]
     if missing or unexpected or shapes:
         parts = ([f"missing from checkpoint: {missing}"] if missing else []) + \
@@ -278,7 +294,7 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
     if fsdp:
         prev = SD.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
         try:
-            SD.load_state_dict(model, state["model"])
+            model.load_state_dict(state["model"])
             if optimizer is not None:
                 optimizer.load_state_dict(O.optim_state_dict_to_load(model, optimizer, state["optim"]))
         finally:

@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ..api import FullStateDictConfig, ShardedStateDictConfig, StateDictType
-from ..api import FullOptimStateDictConfig, ShardedOptimStateDictConfig
+from ..api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
+                   ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType)
 from ..core import collectives as C
 from ..core import flat as F
 
@@ -44,6 +44,13 @@ class Settings:
     config: object = FullStateDictConfig()
     optim_config: object = FullOptimStateDictConfig()
 
+
+# State-dict type -> (its config class, its optimizer config class).
+_CONFIGS = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+}
 
 # Unit -> Settings; kept here, never as attributes on the user's modules.
 _SETTINGS: "weakref.WeakKeyDictionary[nn.Module, Settings]" = weakref.WeakKeyDictionary()
@@ -69,12 +76,9 @@ def set_state_dict_type(model: nn.Module, sd_type: StateDictType, config=None, o
     """
     if not isinstance(sd_type, StateDictType):
         raise ValueError(f"state_dict_type must be a fullshard.StateDictType, got {sd_type!r}")
-    full = sd_type is StateDictType.FULL_STATE_DICT
-    config = config if config is not None else (FullStateDictConfig() if full else ShardedStateDictConfig())
-    optim_config = optim_config if optim_config is not None else (
-        FullOptimStateDictConfig() if full else ShardedOptimStateDictConfig())
-    want = (FullStateDictConfig, FullOptimStateDictConfig) if full else (ShardedStateDictConfig,
-                                                                        ShardedOptimStateDictConfig)
+    want = _CONFIGS[sd_type]
+    config = config if config is not None else want[0]()
+    optim_config = optim_config if optim_config is not None else want[1]()
     if not isinstance(config, want[0]) or not isinstance(optim_config, want[1]):
         raise ValueError(f"{sd_type.value} takes {want[0].__name__} and {want[1].__name__}; got "
                          f"{type(config).__name__} and {type(optim_config).__name__}")
@@ -148,39 +152,6 @@ def check_idle(model: nn.Module, what: str) -> None:
 
 
 # ------------------------------------------------------------------- values
-def gather_full(unit, flat: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-    """All-gather ``flat`` (default: the unit's fp32 flat shard; any tensor laid
-    out like it) and return full per-parameter views of one new buffer."""
-    lay, dev = unit.layout, unit.cfg.compute_device
-    src = unit.flat_shard if flat is None else flat
-    buf = torch.empty(lay.unsharded_numel, dtype=src.dtype, device=dev)
-    C.all_gather(buf, src.to(dev), unit.cfg.shard_group, async_op=False, tag=f"unit '{unit.name}' state dict")
-    full = torch.empty_like(buf)
-    F.copy_out(full, buf, lay)
-    return F.unsharded_views(full, lay)
-
-
-def summoned_full(unit) -> list[torch.Tensor]:
-    """The full parameters ``summon_full_params`` registered on a summoned
-    unit's modules (no collective), so a full state dict taken inside the
-    context on some ranks only (``if rank == 0: model.save_pretrained(...)``)
-    neither gathers nor hangs.
-
-    Raises:
-        RuntimeError: this rank holds no full parameters (``rank0_only=True``
-            on a rank other than 0).
-    """
-    out = []
-    for slot, lay in zip(unit.slots, unit.layout.params):
-        module, attr = slot.owners[0]
-        p = module._parameters[attr]
-        if tuple(p.shape) != tuple(lay.shape):
-            raise RuntimeError(f"[rank {C.rank()}] state_dict() inside summon_full_params(rank0_only=True): "
-                               f"unit '{unit.name}' holds no full parameters on this rank; call it on rank 0 only")
-        out.append(p.detach())
-    return out
-
-
 def copy_value(t: torch.Tensor, offload: bool) -> torch.Tensor:
     return t.detach().to("cpu", copy=True) if offload else t.detach().clone()
 
@@ -234,84 +205,3 @@ def local_rows(unit, si: int, value: torch.Tensor, key: str) -> torch.Tensor:
     return value.detach().reshape(lay.rows, lay.row_numel)[lo:hi].reshape(want)
 
 
-# --------------------------------------------------------------- public API
-@torch.no_grad()
-def state_dict(model: nn.Module, destination: Optional[dict] = None, prefix: str = "") -> dict:
-    """``model.state_dict()`` per the unit's state-dict type (see module docstring)."""
-    check_idle(model, "state_dict()")
-    st = settings(model)
-    units, ents = entries(model)
-    out = destination if destination is not None else {}
-    offload = st.config.offload_to_cpu
-    if st.type is StateDictType.SHARDED_STATE_DICT:
-        for unit in units:
-            check_shardable(unit)
-        views = [F.shard_views(u.flat_shard, u.layout, u.rank) for u in units]
-        for e in ents:
-            out[prefix + e.key] = (copy_value(e.tensor, offload) if offload else e.tensor.detach()) \
-                if e.tensor is not None else shard_value(units[e.unit], e.slot, views[e.unit][e.slot], offload)
-        return out
-    keep = not st.config.rank0_only or C.rank() == 0
-    values = {}
-    for ui, unit in enumerate(units):  # one unit's full parameters alive at a time
-        # Inside summon_full_params the full parameters are already on the modules: no gather.
-        full = summoned_full(unit) if unit.summoned else gather_full(unit)
-        if keep:
-            for si, v in enumerate(full):
-                values[(ui, si)] = copy_value(v, offload)
-        del full
-    if keep:
-        for e in ents:
-            out[prefix + e.key] = values[(e.unit, e.slot)] if e.tensor is None else (
-                copy_value(e.tensor, True) if offload else e.tensor.detach())
-    return out
-
-
-@torch.no_grad()
-def load_state_dict(model: nn.Module, sd: dict, strict: bool = True) -> _IncompatibleKeys:
-    """Copy a full (plain model's) or sharded state dict into this rank's shards.
-
-    No collectives: each rank copies its own rows out of full tensors, or the
-    local shard out of DTensors laid out as ours.
-
-    Raises:
-        RuntimeError: with ``strict``, missing or unexpected keys (both listed);
-            always, a value whose shape differs from the parameter's (named).
-    """
-    check_idle(model, "load_state_dict()")
-    units, ents = entries(model)
-    expected = {e.key for e in ents}
-    missing = [e.key for e in ents if e.key not in sd]
-    unexpected = [k for k in sd if k not in expected]
-    bad = []
-    for e in ents:
-        if e.key in sd:
-            want = e.tensor.shape if e.tensor is not None else units[e.unit].layout.params[e.slot].shape
-            if torch.Size(sd[e.key].shape) != want:
-                bad.append(f"'{e.key}': checkpoint {tuple(torch.Size(sd[e.key].shape))} vs model {tuple(want)}")
-    errors = []
-    if strict and missing:
-        errors.append(f"missing key(s): {missing}")
-    if strict and unexpected:
-        errors.append(f"unexpected key(s): {unexpected}")
-    if bad:
-        errors.append(f"shape mismatch: {'; '.join(bad)}")
-    if errors:
-        raise RuntimeError(f"[rank {C.rank()}] error(s) loading state_dict for {type(model).__name__}: "
-                           + " | ".join(errors) + "; load a state dict of this model (or pass strict=False "
-                           "for missing/unexpected keys)")
-    done = set()
-    views = [F.shard_views(u.flat_shard, u.layout, u.rank) for u in units]
-    for e in ents:
-        if e.key not in sd:
-            continue
-        v = sd[e.key]
-        if e.tensor is not None:
-            e.tensor.copy_(v)
-        elif (e.unit, e.slot) not in done:
-            done.add((e.unit, e.slot))
-            dst = views[e.unit][e.slot]
-            src = local_rows(units[e.unit], e.slot, v, e.key)
-            if src.data_ptr() != dst.data_ptr() or dst.numel() == 0:
-                dst.copy_(src)
-    return _IncompatibleKeys(missing, unexpected)

@@ -192,14 +192,27 @@ def global_norm(sharded: list[torch.Tensor], local: list[torch.Tensor], group, n
     return (part + rest).pow(1.0 / norm_type)
 
 
-def _gather_full(unit, flat_shard: torch.Tensor) -> torch.Tensor:
-    """All-gather a unit-shaped flat shard; return it param-major (N·S elements)."""
+def gather_full(unit, flat: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    """All-gather ``flat`` (default: the unit's master flat shard; any tensor
+    laid out like it, e.g. an optimizer-state flat) over the unit's shard group.
+
+    The one "gather one unit" of the library: ``summon_full_params``, the full
+    model state dict and the full optimizer state dict all use it.
+
+    Returns:
+        Full-shape views, one per parameter in layout order, of one new
+        param-major buffer (``N·S`` elements, ``flat``'s dtype, on the
+        compute device). Empty for a unit without parameters (no collective).
+    """
+    if not unit.layout.params:
+        return []
     lay, dev = unit.layout, unit.cfg.compute_device
-    buf = torch.empty(lay.unsharded_numel, dtype=flat_shard.dtype, device=dev)
-    C.all_gather(buf, flat_shard.to(dev), unit.cfg.shard_group, async_op=False, tag=f"unit '{unit.name}' summon")
+    src = unit.flat_shard if flat is None else flat
+    buf = torch.empty(lay.unsharded_numel, dtype=src.dtype, device=dev)
+    C.all_gather(buf, src.to(dev), unit.cfg.shard_group, async_op=False, tag=f"unit '{unit.name}' full gather")
     full = torch.empty_like(buf)
     F.copy_out(full, buf, lay)
-    return full
+    return F.unsharded_views(full, lay)
 
 
 def _gather_grads(unit) -> list[Optional[torch.Tensor]]:
@@ -211,7 +224,7 @@ def _gather_grads(unit) -> list[Optional[torch.Tensor]]:
         if sp.grad is not None:
             view.copy_(sp.grad)
     C.all_reduce(has, unit.cfg.shard_group, "max", tag=f"unit '{unit.name}' summon grads")
-    full = F.unsharded_views(_gather_full(unit, flat), lay)
+    full = gather_full(unit, flat)
     return [g if h else None for g, h in zip(full, has.tolist())]
 
 
@@ -233,20 +246,19 @@ def full_params(units: list, writeback: bool = True, rank0_only: bool = False,
                 unit.summoned = True
                 if not unit.slots:
                     continue
-                full = _gather_full(unit, unit.flat_shard)
+                views = gather_full(unit)
                 grads = _gather_grads(unit) if with_grads else [None] * len(unit.slots)
                 if rank0_only and C.rank() != 0:
                     continue
                 if offload_to_cpu:
-                    full = full.cpu()
+                    views = [v.cpu() for v in views]
                     grads = [None if g is None else g.cpu() for g in grads]
-                views = F.unsharded_views(full, unit.layout)
                 unit.hide_full_params()
-                for slot, view, grad, lay in zip(unit.slots, views, grads, unit.layout.params):
-                    fp = nn.Parameter(view, requires_grad=lay.requires_grad)
-                    fp.grad = grad
-                    for module, attr in slot.owners:
-                        module._parameters[attr] = fp
+                full = []
+                for view, grad, lay in zip(views, grads, unit.layout.params):
+                    full.append(nn.Parameter(view, requires_grad=lay.requires_grad))
+                    full[-1].grad = grad
+                unit.install_params(full)
                 gathered.append((unit, views))
         yield
     finally:
@@ -254,8 +266,6 @@ def full_params(units: list, writeback: bool = True, rank0_only: bool = False,
             for unit, views in gathered:
                 if writeback:
                     F.shard_into(unit.flat_shard, unit.layout, views, unit.rank)
-                for slot, sp in zip(unit.slots, unit.sharded_params):
-                    for module, attr in slot.owners:
-                        module._parameters[attr] = sp
+                unit.restore_params()
         for unit in todo:
             unit.summoned = False

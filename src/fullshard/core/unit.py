@@ -88,6 +88,8 @@ class Unit:
         self._gather_buf: Optional[torch.Tensor] = None
         self._gather_work = None
         self.summoned = False  # inside summon_full_params
+        # Stack of install_params records: (module, attr, previous value).
+        self._installed: list[list[tuple[nn.Module, str, object]]] = []
         # Trainable parameters whose full view received a gradient in the
         # current backward (set by grads.UnflattenFull's backward), in layout order.
         self._used: list[bool] = [False] * len(self.layout.params)
@@ -226,6 +228,30 @@ class Unit:
         for slot in self.slots:
             for module, attr in slot.owners:
                 module.__dict__.pop(attr, None)
+
+    def install_params(self, values: list[Optional[torch.Tensor]]) -> None:
+        """Register ``values[i]`` as parameter ``i`` on every owning module
+        until :meth:`restore_params` (full parameters of ``summon_full_params``,
+        state-dict values and load targets; None hides a parameter from
+        ``nn.Module.state_dict``). Installs nest: each restore undoes the
+        latest one."""
+        prev = []
+        for slot, value in zip(self.slots, values):
+            for module, attr in slot.owners:
+                prev.append((module, attr, module._parameters[attr]))
+                module._parameters[attr] = value
+        self._installed.append(prev)
+
+    def restore_params(self) -> None:
+        """Undo the latest :meth:`install_params` (no-op when none is active)."""
+        if self._installed:
+            for module, attr, value in reversed(self._installed.pop()):
+                module._parameters[attr] = value
+
+    def restore_all_params(self) -> None:
+        """Undo every active install: the sharded parameters are registered again."""
+        while self._installed:
+            self.restore_params()
 
     def reset_views(self) -> None:
         self._views = None

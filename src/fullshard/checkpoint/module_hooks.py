@@ -1,0 +1,278 @@
+"""Model state dicts through ``nn.Module.state_dict`` / ``load_state_dict``.
+
+[Note: state dicts through nn.Module]
+A unit does not build its state dict itself. ``nn.Module.state_dict`` and
+``load_state_dict`` walk the model as for a plain one, so every module's
+``get_extra_state`` / ``set_extra_state``, every state-dict hook a user or a
+library registered, ``keep_vars`` and ``strict`` behave as on the plain
+model, and a plain root holding units works like a unit root. Each unit
+takes part through four hooks registered at construction:
+
+* save pre-hook: registers, on every module that owns one of the unit's
+  parameters, the value the state-dict type asks for (``Unit.install_params``):
+  the full tensor gathered by ``core.param.gather_full`` (FULL), a
+  ``DTensor`` view of the shard (SHARDED), or None (LOCAL, where one
+  ``_flat_param`` entry stands for all of them);
+* save post-hook: registers the sharded parameters again and drops the
+  unit's ``_fsdp_wrapped_module.`` segment from the keys below it (torch
+  FSDP1's names); FULL with ``rank0_only`` empties the subtree on ranks > 0;
+* load pre-hook: adds the segment back to the incoming keys and registers
+  load targets: full-shape tensors (FULL), ``DTensor`` views of the shard
+  (SHARDED; a plain full tensor in the incoming dict is first cut to this
+  rank's rows), or None (LOCAL, whose ``_flat_param`` it copies itself);
+* load post-hook: copies this rank's rows of every FULL target that the
+  module's own loading wrote into the shard (a target counts as written
+  when its version counter or storage changed, so a module's load hooks
+  that rename or transform entries are respected), registers the sharded
+  parameters again and removes wrapper segments from reported key names.
+
+When the load runs through a unit's ``load_state_dict`` the row copies wait
+until the whole load succeeded, so a load that raises (missing keys, a
+shape mismatch) leaves every shard as it was. A state-dict call that raised
+half-way leaves targets registered only until the next forward (the root's
+pre-forward restores them, ``core/state.py`` ``start_iteration``) or the
+next state-dict call of that unit.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from ..api import StateDictType
+from ..core import collectives as C
+from ..core import flat as F
+from ..core.param import gather_full
+from . import state_dict as SD
+
+SEGMENT = "_fsdp_wrapped_module."
+FLAT_PARAM_KEY = "_flat_param"
+"""LOCAL_STATE_DICT key of a unit's flat shard (torch FSDP1's name)."""
+
+
+def clean_name(name: str) -> str:
+    """A state-dict key or parameter name without wrapper segments
+    (``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``)."""
+    for seg in SD.WRAPPER_SEGMENTS:
+        name = name.replace(seg + ".", "")
+    return name
+
+
+@dataclasses.dataclass
+class _LoadTargets:
+    """What a unit's load pre-hook registered, for its post-hook."""
+
+    targets: list[Optional[torch.Tensor]]
+    marks: list[Optional[tuple[int, int]]]  # (version, data_ptr) at registration; None: written in place
+    error_msgs: list
+
+
+# Unit module -> its pending load; row copies deferred by a unit's load_state_dict.
+_LOADS: dict[int, _LoadTargets] = {}
+_DEFERRED: list[Optional[list[Callable[[], None]]]] = [None]
+
+
+def register(unit_module: nn.Module) -> None:
+    """Install the four state-dict hooks on a unit (see the module Note)."""
+    unit_module.register_state_dict_pre_hook(_save_pre)
+    unit_module.register_state_dict_post_hook(_save_post)
+    unit_module.register_load_state_dict_pre_hook(_load_pre)
+    unit_module.register_load_state_dict_post_hook(_load_post)
+
+
+def _check_usable(unit_module: nn.Module, what: str) -> None:
+    """Raises RuntimeError during forward or backward; undoes what an earlier
+    state-dict call that raised left registered."""
+    unit_module._lazy_init()
+    SD.check_idle(unit_module, what)
+    if not unit_module.unit.summoned:
+        unit_module.unit.restore_all_params()
+
+
+# ----------------------------------------------------------------------- save
+def _save_values(unit_module: nn.Module) -> Optional[list]:
+    """The values the save pre-hook registers, or None to register nothing."""
+    unit, st = unit_module.unit, SD.settings(unit_module)
+    offload = st.config.offload_to_cpu
+    if st.type is StateDictType.LOCAL_STATE_DICT:
+        return [None] * len(unit.slots)
+    if st.type is StateDictType.SHARDED_STATE_DICT:
+        SD.check_shardable(unit)
+        views = F.shard_views(unit.flat_shard, unit.layout, unit.rank)
+        return [nn.Parameter(SD.shard_value(unit, si, v, offload), requires_grad=lay.requires_grad)
+                for si, (v, lay) in enumerate(zip(views, unit.layout.params))]
+    if unit.summoned:  # summon_full_params already registered full parameters: no gather
+        _check_summoned(unit)
+        return None
+    full = gather_full(unit)
+    if st.config.rank0_only and C.rank() != 0:
+        return [None] * len(unit.slots)
+    # One storage per value (not views of the unit's buffer): safetensors and
+    # torch.save of a single entry must not see the others.
+    return [nn.Parameter(SD.copy_value(v, offload), requires_grad=lay.requires_grad)
+            for v, lay in zip(full, unit.layout.params)]
+
+
+def _check_summoned(unit) -> None:
+    """Raises RuntimeError when ``summon_full_params(rank0_only=True)`` left this
+    rank without full parameters."""
+    for slot, lay in zip(unit.slots, unit.layout.params):
+        module, attr = slot.owners[0]
+        if tuple(module._parameters[attr].shape) != tuple(lay.shape):
+            raise RuntimeError(f"[rank {C.rank()}] state_dict() inside summon_full_params(rank0_only=True): "
+                               f"unit '{unit.name}' holds no full parameters on this rank; call it on rank 0 only")
+
+
+def _save_pre(unit_module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    _check_usable(unit_module, "state_dict()")
+    values = _save_values(unit_module)
+    unit_module._sd_installed = values is not None
+    if values is not None:
+        unit_module.unit.install_params(values)
+
+
+def _save_post(unit_module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    unit, st = unit_module.unit, SD.settings(unit_module)
+    if unit_module._sd_installed:
+        unit.restore_params()
+        unit_module._sd_installed = False
+    mine = [k for k in state_dict if k.startswith(prefix)]
+    drop = st.type is StateDictType.FULL_STATE_DICT and st.config.rank0_only and C.rank() != 0
+    for k in mine:  # re-inserted in order: they are the dict's last entries
+        v = state_dict.pop(k)
+        if not drop:
+            state_dict[prefix + k[len(prefix):].removeprefix(SEGMENT)] = v
+    if st.type is StateDictType.LOCAL_STATE_DICT and unit.slots:
+        flat = unit.flat_shard.detach()
+        state_dict[prefix + FLAT_PARAM_KEY] = flat.to("cpu", copy=True) if st.config.offload_to_cpu else flat
+
+
+# ----------------------------------------------------------------------- load
+def _owner_keys(unit_module: nn.Module, prefix: str) -> dict[str, int]:
+    """Incoming key (segment added, deeper wrapper segments not yet) -> slot index."""
+    owner = {(id(m), a): si for si, slot in enumerate(unit_module.unit.slots) for m, a in slot.owners}
+    out = {}
+    for mprefix, m in SD.walk(unit_module._fsdp_wrapped_module, prefix + SEGMENT):
+        for attr in m._parameters:
+            si = owner.get((id(m), attr))
+            if si is not None:
+                out[mprefix + attr] = si
+    return out
+
+
+def _load_pre(unit_module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    _check_usable(unit_module, "load_state_dict()")
+    unit, st = unit_module.unit, SD.settings(unit_module)
+    where = f"[rank {C.rank()}] unit '{unit.name}'"
+    if local_metadata.get("assign_to_params_buffers"):
+        raise ValueError(f"{where}: load_state_dict(assign=True) is not supported (values are copied into "
+                         "the shards); call it without assign")
+    if unit.summoned:
+        raise RuntimeError(f"{where}: load_state_dict() inside summon_full_params(); leave the context first "
+                           "(its writeback would overwrite what was loaded)")
+    for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + SEGMENT)]:
+        state_dict[prefix + SEGMENT + k[len(prefix):]] = state_dict.pop(k)
+    lays = unit.layout.params
+    from torch.distributed.tensor import DTensor
+
+    if st.type is StateDictType.LOCAL_STATE_DICT:
+        _load_local(unit, state_dict.pop(prefix + SEGMENT + FLAT_PARAM_KEY, None), prefix, missing_keys)
+        targets = [None] * len(lays)
+    elif st.type is StateDictType.SHARDED_STATE_DICT:
+        SD.check_shardable(unit)
+        for key, si in _owner_keys(unit_module, prefix).items():
+            v = state_dict.get(key)
+            if torch.is_tensor(v) and unit.world > 1 and len(lays[si].shape) > 0 and \
+                    not isinstance(v, DTensor) and v.shape == lays[si].shape:
+                state_dict[key] = SD.shard_value(unit, si, SD.local_rows(unit, si, v, clean_name(key)), False)
+            elif isinstance(v, DTensor):
+                SD.local_rows(unit, si, v, clean_name(key))  # raises on a local shard laid out otherwise
+        views = F.shard_views(unit.flat_shard, unit.layout, unit.rank)
+        targets = []
+        for si, (view, lay) in enumerate(zip(views, lays)):
+            live = unit.world == 1 or len(lay.shape) > 0  # writes land in the shard itself
+            local = view if live else torch.zeros(lay.shape, dtype=view.dtype, device=view.device)
+            targets.append(nn.Parameter(SD.shard_value(unit, si, local, False) if live else local,
+                                        requires_grad=lay.requires_grad))
+    else:
+        dev = unit.flat_shard.device
+        targets = [nn.Parameter(torch.empty(lay.shape, dtype=unit.flat_shard.dtype, device=dev),
+                                requires_grad=lay.requires_grad) for lay in lays]
+    live_sharded = st.type is StateDictType.SHARDED_STATE_DICT
+    marks = [None if t is None or (live_sharded and (unit.world == 1 or len(lay.shape) > 0))
+             else (t._version, t.data_ptr()) for t, lay in zip(targets, lays)]
+    _LOADS[id(unit_module)] = _LoadTargets(targets, marks, error_msgs)
+    unit.install_params(targets)
+
+
+def _load_local(unit, flat: Optional[torch.Tensor], prefix: str, missing_keys: list) -> None:
+    """Copy a LOCAL_STATE_DICT ``_flat_param`` into the unit's flat shard.
+
+    Raises:
+        ValueError: a flat shard of another size (another world size or model).
+    """
+    if not unit.slots:
+        return
+    if flat is None:
+        missing_keys.append(prefix + SEGMENT + FLAT_PARAM_KEY)
+        return
+    if flat.numel() != unit.flat_shard.numel():
+        raise ValueError(f"[rank {C.rank()}] unit '{unit.name}': LOCAL_STATE_DICT '{prefix}{FLAT_PARAM_KEY}' has "
+                         f"{flat.numel()} elements, this rank's flat shard {unit.flat_shard.numel()}; a local state "
+                         "dict loads only at the world size and model it was saved with (use FULL or SHARDED)")
+    unit.flat_shard.copy_(flat.reshape(-1))
+
+
+def _written(target: torch.Tensor, now, mark) -> bool:
+    return now is not target or target._version != mark[0] or target.data_ptr() != mark[1]
+
+
+def _load_post(unit_module: nn.Module, incompatible_keys) -> None:
+    unit = unit_module.unit
+    pending = _LOADS.pop(id(unit_module), None)
+    if pending is None:
+        return
+    writes = []
+    for si, (slot, target, mark) in enumerate(zip(unit.slots, pending.targets, pending.marks)):
+        module, attr = slot.owners[0]
+        now = module._parameters[attr]
+        if mark is not None and _written(target, now, mark):
+            writes.append((si, now))
+    unit.restore_params()
+    for names in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        names[:] = [clean_name(n) for n in names]
+    pending.error_msgs[:] = [clean_name(m) for m in pending.error_msgs]
+
+    @torch.no_grad()
+    def copy_rows():
+        views = F.shard_views(unit.flat_shard, unit.layout, unit.rank)
+        for si, value in writes:
+            views[si].copy_(SD.local_rows(unit, si, value, unit.layout.params[si].fqn))
+
+    if _DEFERRED[-1] is not None:
+        _DEFERRED[-1].append(copy_rows)
+    elif not pending.error_msgs:
+        copy_rows()
+
+
+class deferred_row_copies:
+    """Context of a unit's ``load_state_dict``: the row copies of every unit
+    below wait until the load returned without error, then run."""
+
+    def __enter__(self):
+        _DEFERRED.append([])
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        copies = _DEFERRED.pop()
+        if exc_type is None:
+            for fn in copies:
+                fn()
+
+
+def forget_load(unit_module: nn.Module) -> None:
+    """Drop a load that raised before its post-hook ran (targets are restored by the caller)."""
+    _LOADS.pop(id(unit_module), None)
