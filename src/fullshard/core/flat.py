@@ -210,7 +210,8 @@ def copy_out(flat_full: torch.Tensor, gathered: torch.Tensor, layout: FlatLayout
     """All-gather output (rank-major, N·S) → unsharded flat (param-major, N·S)."""
     dst = _param_major_blocks(flat_full, layout, grad=False)
     src = _rank_major_blocks(gathered, layout, layout.shard_numel, grad=False)
-    torch._foreach_copy_(dst, src)
+    if dst:  # a unit with no parameters (a tied weight left to an enclosing unit)
+        torch._foreach_copy_(dst, src)
 
 
 def copy_in(reduce_in: torch.Tensor, full_grad: torch.Tensor, layout: FlatLayout,
@@ -221,4 +222,5 @@ def copy_in(reduce_in: torch.Tensor, full_grad: torch.Tensor, layout: FlatLayout
     fills the first ``grad_shard_numel`` of each and the rest is untouched."""
     dst = _rank_major_blocks(reduce_in, layout, block_numel or layout.grad_shard_numel, grad=True)
     src = _param_major_blocks(full_grad, layout, grad=True)
-    torch._foreach_copy_(dst, src)
+    if dst:
+        torch._foreach_copy_(dst, src)
