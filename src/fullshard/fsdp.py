@@ -163,6 +163,12 @@ class FullyShardedDataParallel(nn.Module):
         except AttributeError:
             return getattr(self._modules["_fsdp_wrapped_module"], name)
 
+    def __getitem__(self, key: int) -> Any:
+        """Index the wrapped module (an ``nn.Sequential`` or ``nn.ModuleList``
+        unit, e.g. under ``always_wrap_policy``); also makes ``for x in unit``
+        iterate it, as in torch FSDP1."""
+        return self._fsdp_wrapped_module[key]
+
     def units(self) -> list["FullyShardedDataParallel"]:
         """This unit and every unit nested in it, in module order."""
         return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]

@@ -10,9 +10,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import Any, Callable, Iterable, Optional
 
 import torch.nn as nn
+
+
+def always_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    """Wrap every module (torch FSDP1's ``always_wrap_policy``): each
+    submodule becomes a unit nested in its parent's unit, containers
+    (``nn.ModuleList``, ``nn.Sequential``) and parameter-free modules
+    included. Many small units mean many small collectives; this is mostly
+    for tests and for models of a few large layers.
+
+    Returns:
+        Always True.
+    """
+    return True
 
 
 def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
@@ -72,14 +86,36 @@ class ModuleWrapPolicy:
         return f"ModuleWrapPolicy({[c.__name__ for c in self.module_classes]})"
 
 
-def _owners(root: nn.Module) -> dict[int, set[int]]:
-    """param id -> ids of every module holding it (to keep tied weights in one unit)."""
-    owners: dict[int, set[int]] = {}
+def _owners(root: nn.Module) -> dict[int, tuple[weakref.ref, set[int]]]:
+    """param id -> (weak reference to the param, ids of every module holding it),
+    to keep tied weights in one unit. The reference tells an original
+    parameter from a shard a nested unit made later under a reused id,
+    without keeping the full tensor alive."""
+    owners: dict[int, tuple[weakref.ref, set[int]]] = {}
     for m in root.modules():
         for p in m._parameters.values():
             if p is not None:
-                owners.setdefault(id(p), set()).add(id(m))
+                owners.setdefault(id(p), (weakref.ref(p), set()))[1].add(id(m))
     return owners
+
+
+def _shared_outside(child: nn.Module, owners: dict[int, tuple[weakref.ref, set[int]]]) -> set[int]:
+    """Ids of ``child``'s original parameters also held by a module outside it.
+
+    Walks into units already nested in ``child``: a parameter they left
+    unsharded (tied to a module outside them) is still an original one and
+    goes to ``child``'s unit, or further out if it is shared beyond ``child``.
+    Their shards are new objects (absent from ``owners``, or under a reused id
+    whose weak reference no longer points at them); those units keep them.
+    """
+    inside = {id(s) for s in child.modules()}
+    skip = set()
+    for sub in child.modules():
+        for p in sub._parameters.values():
+            entry = None if p is None else owners.get(id(p))
+            if entry is not None and entry[0]() is p and not entry[1] <= inside:
+                skip.add(id(p))
+    return skip
 
 
 def recursive_wrap(module: nn.Module, policy: Callable, wrap_fn: Callable[..., nn.Module],
@@ -87,10 +123,14 @@ def recursive_wrap(module: nn.Module, policy: Callable, wrap_fn: Callable[..., n
                    prefix: str = "") -> nn.Module:
     """Replace ``module``'s descendants chosen by ``policy`` with units, bottom-up.
 
-    ``wrap_fn(child, name=..., skip_param_ids=...)`` builds a unit;
-    ``skip_param_ids`` are parameters the child shares with modules outside it,
-    which stay with an enclosing unit so tied weights stay tied. ``module``
-    itself is not wrapped (its caller is the wrapper).
+    A policy may choose a module and some of its descendants (e.g.
+    ``ModuleWrapPolicy({Block, nn.Linear})``): the descendants are wrapped
+    first and their units nest inside the module's unit, as in torch FSDP1.
+    ``wrap_fn(child, name=..., skip_param_ids=...)`` builds a unit named by
+    the child's path from ``module``; ``skip_param_ids`` are parameters the
+    child shares with modules outside it, which stay with an enclosing unit
+    so tied weights stay tied. ``module`` itself is not wrapped (its caller
+    is the wrapper). Modules whose id is in ``ignored`` are not entered.
     """
     owners = _owners(module)
 
@@ -112,10 +152,7 @@ def recursive_wrap(module: nn.Module, policy: Callable, wrap_fn: Callable[..., n
                 continue
             visit(child, full)
             if policy(module=child, recurse=False, nonwrapped_numel=numel_of(child)):
-                inside = {id(s) for s in child.modules()}
-                skip = {pid for sub in child.modules() for pid in
-                        (id(p) for p in sub._parameters.values() if p is not None)
-                        if not owners[pid] <= inside}
+                skip = _shared_outside(child, owners)
                 setattr(m, child_name, wrap_fn(child, name=full, skip_param_ids=skip))
 
     visit(module, prefix)
@@ -169,6 +206,6 @@ def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
 
 
 __all__ = [
-    "size_based_auto_wrap_policy", "transformer_auto_wrap_policy", "lambda_auto_wrap_policy",
+    "always_wrap_policy", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy", "lambda_auto_wrap_policy",
     "ModuleWrapPolicy", "enable_wrap", "wrap",
 ]
