@@ -1,0 +1,112 @@
+"""Single-process tests of the flat-layout math (``core/flat.py``): what an
+all-gather of every rank's flat shard reassembles, what a reduce-scatter
+input hands each rank, ``torch.chunk`` semantics, padding, and units whose
+parameters have fewer rows than ranks."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fullshard.core import flat
+
+SHAPES = [
+    [(7, 3)],
+    [(1,), (2, 2)],
+    [(5, 4), (3,), (), (2, 3, 2)],
+    [(0, 3), (4,)],  # an empty parameter
+    [(1, 1), (1, 1), (9,)],  # fewer rows than ranks
+]
+
+
+def _params(shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def _flat_shards(params, layout):
+    shards = []
+    for r in range(layout.world):
+        s = torch.full((layout.shard_numel,), float("nan"))
+        flat.shard_into(s, layout, params, r)
+        shards.append(s)
+    return shards
+
+
+@pytest.mark.parametrize("shapes,world", list(itertools.product(SHAPES, range(1, 6))))
+def test_all_gather_round_trip(shapes, world):
+    params = _params(shapes)
+    layout = flat.make_layout([(f"p{i}", p.shape, True) for i, p in enumerate(params)], world)
+    shards = _flat_shards(params, layout)
+    for r, s in enumerate(shards):
+        assert not torch.isnan(s).any(), "padding must be zeroed"
+        for p, lay, view in zip(params, layout.params, flat.shard_views(s, layout, r)):
+            chunks = torch.chunk(p.reshape(lay.rows, lay.row_numel), world, dim=0) if lay.rows else ()
+            want = chunks[r] if r < len(chunks) else p.reshape(lay.rows, lay.row_numel)[:0]
+            assert view.shape == lay.local_shape(r)
+            assert torch.equal(view.reshape(-1), want.reshape(-1)), (lay.fqn, r)
+    gathered = torch.cat(shards)  # what all_gather_into_tensor produces
+    full = torch.full((layout.unsharded_numel,), float("nan"))
+    flat.copy_out(full, gathered, layout)
+    for p, v in zip(params, flat.unsharded_views(full, layout)):
+        assert torch.equal(v, p)
+    assert layout.numel == sum(p.numel() for p in params)
+    assert layout.unsharded_numel == world * layout.shard_numel >= layout.numel
+
+
+@pytest.mark.parametrize("shapes,world", list(itertools.product(SHAPES, range(1, 6))))
+def test_reduce_scatter_input(shapes, world):
+    """copy_in of each rank's full gradient, summed over ranks block by block,
+    gives every rank the sum of its chunk (frozen parameters skipped)."""
+    params = _params(shapes)
+    frozen = {1}
+    layout = flat.make_layout([(f"p{i}", p.shape, i not in frozen) for i, p in enumerate(params)], world)
+    grads = [_params(shapes, seed=10 + r) for r in range(world)]
+    total = None
+    for r in range(world):
+        full = torch.zeros(layout.unsharded_numel)
+        for v, g in zip(flat.unsharded_views(full, layout), grads[r]):
+            v.copy_(g)
+        reduce_in = torch.full((world * layout.grad_shard_numel,), float("nan"))
+        flat.copy_in(reduce_in, full, layout)
+        total = reduce_in if total is None else total + reduce_in
+    for r in range(world):
+        block = total.view(world, layout.grad_shard_numel)[r]
+        for i, (lay, view) in enumerate(zip(layout.params, flat.grad_shard_views(block, layout, r))):
+            if i in frozen:
+                assert view is None
+                continue
+            want = sum(g[i] for g in grads).reshape(lay.rows, lay.row_numel)
+            lo, hi = lay.local_row_range(r)
+            assert torch.allclose(view.reshape(-1), want[lo:hi].reshape(-1)), (lay.fqn, r)
+
+
+def test_unit_without_parameters():
+    layout = flat.make_layout([], 3)
+    assert layout.shard_numel == layout.unsharded_numel == layout.numel == 0
+    flat.copy_out(torch.empty(0), torch.empty(0), layout)
+    flat.copy_in(torch.empty(0), torch.empty(0), layout)
+    assert flat.unsharded_views(torch.empty(0), layout) == []
+
+
+def test_row_deferred_init():
+    """``shard_into`` with ``fn(row_start, row_end)`` creates only the rank's rows."""
+    p = torch.arange(20.0).reshape(5, 4)
+    layout = flat.make_layout([("w", p.shape, True)], 3)
+    calls = []
+
+    def rows(lo, hi):
+        calls.append((lo, hi))
+        return p[lo:hi]
+
+    for r in range(3):
+        s = torch.empty(layout.shard_numel)
+        flat.shard_into(s, layout, [rows], r)
+        assert torch.equal(flat.shard_views(s, layout, r)[0], p[[0, 2, 4][r]:[2, 4, 5][r]])
+    assert calls == [(0, 2), (2, 4), (4, 5)]
+
+
+def test_bad_world_size():
+    with pytest.raises(ValueError, match="shard group size must be >= 1"):
+        flat.make_layout([("w", torch.Size((2,)), True)], 0)
