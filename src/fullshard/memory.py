@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .construct import clean_name
+from .core import collectives as C
 from .core.buffers import POOL
 from .fsdp import FullyShardedDataParallel
 
@@ -62,7 +63,8 @@ def memory_stats(model: nn.Module) -> dict[str, dict[str, int]]:
         ``_checkpoint_wrapped_module`` removed; ``""`` for ``model`` itself),
         in module order. All sizes are bytes of memory held now on this rank
         (storage sizes: buffers of 1 MiB and more come from the pool rounded
-        up to a multiple of 1 MiB). Per unit:
+        up to a multiple of 1 MiB). N is the unit's shard-group size and S
+        the elements of its flat shard. Per unit:
 
         * ``sharded_bytes``: the flat shard (this rank's parameter chunks and
           padding, master dtype; in host memory under CPU offload).
@@ -71,17 +73,23 @@ def memory_stats(model: nn.Module) -> dict[str, dict[str, int]]:
           all-gather output in flight); 0 when resharded. A unit whose shard
           group has one rank and that needs no cast or move (NO_SHARD
           without mixed precision or offload) computes on its shard: its
-          full parameters are ``sharded_bytes`` and this stays 0.
+          full parameters are ``sharded_bytes`` and this stays 0. The
+          full-precision copies ``summon_full_params`` makes are its own
+          tensors, freed on exit, and not counted.
         * ``full_grad_bytes``: an unsharded gradient held now
-          (``N·S`` elements, the compute dtype): between the unit's backward
-          and its reduce-scatter, or left by a backward that raised (cleared
-          by the next root forward).
+          (``N·S`` elements, the compute dtype): the unit's ``.grad`` of
+          its unsharded flat parameter, else the pooled buffer handed to
+          autograd for it and not yet given back. It lives from the unit's
+          backward until its reduce-scatter input is written, or, after a
+          backward that raised, until the next root forward clears it (the
+          pool counts that buffer as in use until then, even where autograd
+          already dropped it).
         * ``stashed_grad_bytes``: the ``no_sync`` accumulation
           (``N·S`` elements, the reduce dtype) until the synchronizing
           backward reduces it or gradients are zeroed.
         * ``pending_reduce_scatters``: this unit's reduce-scatters in flight
-          in its root's pending list (count, not bytes; each holds an
-          ``N·S``-element input buffer from the pool until waited on, at the
+          in its root's pending list (count, not bytes; each holds a
+          unit-sized input buffer from the pool until waited on, at the
           latest at the end of backward).
 
         ``"pool"``: the process-wide buffer pool (core/buffers.py), shared by
@@ -99,7 +107,7 @@ def memory_stats(model: nn.Module) -> dict[str, dict[str, int]]:
             key = clean_name(name)
             if key == POOL_KEY:
                 raise ValueError(
-                    f"memory_stats: the unit at module path {POOL_KEY!r} would hide the buffer pool's entry; "
+                    f"[rank {C.rank()}] memory_stats: the unit at module path {POOL_KEY!r} would hide the buffer pool's entry; "
                     "rename that submodule, or call memory_stats(model.pool) for that unit alone")
             out.setdefault(key, _unit_entry(module))
     stats = POOL.stats()
