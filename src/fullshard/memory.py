@@ -21,6 +21,8 @@ UNIT_FIELDS = ("sharded_bytes", "unsharded_bytes", "full_grad_bytes", "stashed_g
 POOL_FIELDS = ("in_use_bytes", "cached_bytes")
 """Keys of the ``"pool"`` entry, in order."""
 POOL_KEY = "pool"
+TOTAL_FIELDS = UNIT_FIELDS + tuple(f"{POOL_KEY}_{k}" for k in POOL_FIELDS)
+"""Keys of :func:`memory_totals`, in order."""
 
 
 def _held(t) -> int:
@@ -118,7 +120,7 @@ def memory_stats(model: nn.Module) -> dict[str, dict[str, int]]:
 def memory_totals(stats: dict[str, dict[str, int]]) -> dict[str, int]:
     """Each unit field summed over the units of :func:`memory_stats`' result,
     then the pool fields prefixed ``pool_`` (``pool_in_use_bytes``, ...)."""
-    totals = {k: 0 for k in UNIT_FIELDS}
+    totals = dict.fromkeys(UNIT_FIELDS, 0)
     for name, entry in stats.items():
         if name != POOL_KEY:
             for k in UNIT_FIELDS:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from fullshard import faults
 from fullshard.amp import ShardedGradScaler
 from fullshard.core import collectives as C
-from fullshard.memory import memory_stats, memory_totals
+from fullshard.memory import TOTAL_FIELDS, memory_stats, memory_totals
 from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import build_lr_scheduler
 from fullshard.train.progress import safe_round
@@ -256,18 +256,18 @@ class Trainer:
                 self.memory_peaks[key] = max(self.memory_peaks.get(key, 0), value)
 
     def memory_record(self) -> "OrderedDict[str, float]":
-        """--log-memory fields of a train_inner line: each `fullshard.memory_totals` field, the
+        """--log-memory fields of a train_inner line: each `fullshard.memory.memory_totals` field, the
         largest value sampled after a micro-batch's forward or backward since the last call, max over
         ranks (one all-reduce), in MiB with one decimal (``mem_<field>_mb``; ``mem_pending_rs``: a
         count). Every rank must call it; empty (no collective) without --log-memory or under c10d."""
         if self.memory_peaks is None:
             return OrderedDict()
-        keys = list(memory_totals(memory_stats(self.model)))
-        peaks = torch.tensor([self.memory_peaks.get(key, 0) for key in keys], dtype=torch.int64, device=self.device)
+        peaks = torch.tensor([self.memory_peaks.get(key, 0) for key in TOTAL_FIELDS], dtype=torch.int64,
+                             device=self.device)
         C.all_reduce(peaks, C.world_group(), "max", tag="--log-memory statistics")
         self.memory_peaks = {}
         out = OrderedDict()
-        for key, value in zip(keys, peaks.tolist()):
+        for key, value in zip(TOTAL_FIELDS, peaks.tolist()):
             if key.endswith("_bytes"):
                 out[f"mem_{key[:-len('_bytes')]}_mb"] = safe_round(value / 2**20, 1)
             else:  # pending_reduce_scatters
