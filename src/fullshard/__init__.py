@@ -12,10 +12,11 @@ from .fsdp import FSDP, FullyShardedDataParallel
 from . import wrap
 from .amp import ShardedGradScaler
 from .activation_checkpointing import CheckpointWrapper, apply_activation_checkpointing, offload_activations
+from .memory import memory_stats
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
            "CPUOffload", "StateDictType", "FullStateDictConfig",
            "ShardedStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig",
-           "LocalStateDictConfig", "LocalOptimStateDictConfig", "ShardedGradScaler", "apply_activation_checkpointing", "CheckpointWrapper",
-           "offload_activations", "wrap"]
+           "LocalStateDictConfig", "LocalOptimStateDictConfig", "ShardedGradScaler",
+           "apply_activation_checkpointing", "CheckpointWrapper", "offload_activations", "memory_stats", "wrap"]
 __version__ = "0.1.0"

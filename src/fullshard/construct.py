@@ -19,11 +19,18 @@ from .core import param as FU
 from .core.unit import ParamSlot
 
 _PREFIX = "_fsdp_wrapped_module."
+WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+"""Module-path segments of our wrappers, absent from the names users see."""
 # Original parameters already taken by a unit, and modules already wrapped:
 # id -> (weakref, unit name). Kept here, never as attributes on foreign objects.
 TAKEN: dict[int, tuple[weakref.ref, str]] = {}
 WRAPPED: dict[int, tuple[weakref.ref, str]] = {}
 HYBRID_GROUPS: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def clean_name(path: str) -> str:
+    """A module path as the unwrapped model names it: wrapper segments dropped."""
+    return ".".join(s for s in path.split(".") if s not in WRAPPER_SEGMENTS)
 
 
 def registered(reg: dict, obj) -> Optional[str]:

@@ -71,7 +71,7 @@ def _pooled_full_grad(rank, world):
     counting it. Gradients still equal DDP's."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from fullshard import FullyShardedDataParallel as FSDP, MixedPrecision
+    from fullshard import FullyShardedDataParallel as FSDP, MixedPrecision, memory_stats
     from fullshard.models import TransformerBlock
     from fullshard.wrap import ModuleWrapPolicy
     from tests.dist.models import batch, loss_fn, make_model
@@ -85,14 +85,18 @@ def _pooled_full_grad(rank, world):
                          mixed_precision=mp)
             units = [m._runtime.unit for m in model.modules() if isinstance(m, FSDP)]
             assert len(units) == 3
+
+            def held(field):
+                stats = memory_stats(model)
+                return [e[field] for name, e in stats.items() if name != "pool"]
             ref = DDP(make_model("gpt"))
             for step in range(3):
                 x, y = batch("gpt", rank, step)
                 hits = POOL.stats()["hits"]
                 loss_fn("gpt", model, x, y).backward()
                 loss_fn("gpt", ref, x, y).backward()
-                assert POOL.stats()["in_use_bytes"] == 0 and POOL.stats()["hits"] > hits
-                assert all(u.flat_full.grad is None and u._pooled_grad is None for u in units)
+                assert memory_stats(model)["pool"]["in_use_bytes"] == 0 and POOL.stats()["hits"] > hits
+                assert held("full_grad_bytes") == [0, 0, 0]
                 assert forgotten == [], "autograd copied the pooled gradient instead of adopting it"
                 got = {n: p.grad for n, p in model.named_parameters()}
                 with model.summon_full_params(model, with_grads=True):
@@ -106,9 +110,10 @@ def _pooled_full_grad(rank, world):
                 loss_fn("gpt", model, *batch("gpt", rank, 9)).backward()
             # fp32: the stash adopts the pooled buffer (no cast), which leaves the pool's count.
             assert len(forgotten) == (len(units) if mp is None else 0), forgotten
-            assert POOL.stats()["in_use_bytes"] == 0
+            assert memory_stats(model)["pool"]["in_use_bytes"] == 0
+            assert all(held("stashed_grad_bytes")) and held("full_grad_bytes") == [0, 0, 0]
             loss_fn("gpt", model, *batch("gpt", rank, 10)).backward()
-            assert POOL.stats()["in_use_bytes"] == 0 and not any(u.has_stash for u in units)
+            assert memory_stats(model)["pool"]["in_use_bytes"] == 0 and held("stashed_grad_bytes") == [0, 0, 0]
             forgotten.clear()
     finally:
         POOL.forget = real_forget

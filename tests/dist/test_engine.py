@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy
+from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy, memory_stats
 from fullshard.core import collectives as C
 from fullshard.core.state import TrainingStateError
 from fullshard.api import TrainingState
@@ -58,22 +58,25 @@ def _counts_and_memory(rank, world):
         loss = M.loss_fn("gpt", model, x, y)
         if strategy is ShardingStrategy.FULL_SHARD:
             # After forward no full parameters remain except the root's.
-            assert units[0].unit.full_storage_bytes() > 0
-            for u in units[1:]:
-                assert u.unit.full_storage_bytes() == 0, u.unit.name
+            stats = memory_stats(model)
+            assert stats[""]["unsharded_bytes"] > 0
+            nested = [name for name in stats if name not in ("", "pool")]
+            assert len(nested) == 2, list(stats)
+            for name in nested:
+                assert stats[name]["unsharded_bytes"] == 0, name
         loss.backward()
         non_root = len(units) - 1
         expected_gathers = gathers_per_unit * non_root + 1
         assert C.COUNTS["all_gather"] == expected_gathers, (strategy, dict(C.COUNTS))
         assert C.COUNTS["reduce_scatter"] == len(units), (strategy, dict(C.COUNTS))
-        for u in units:  # after backward every unit is resharded
-            assert u.unit.full_storage_bytes() == 0, u.unit.name
+        for name, entry in memory_stats(model).items():  # after backward every unit is resharded
+            assert name == "pool" or entry["unsharded_bytes"] == 0, name
         out[strategy.value] = dict(C.COUNTS)
         # Evaluation without grad keeps nothing gathered, root included.
         with torch.no_grad():
             model(x)
-        for u in units:
-            assert u.unit.full_storage_bytes() == 0, (strategy, u.unit.name)
+        for name, entry in memory_stats(model).items():
+            assert name == "pool" or entry["unsharded_bytes"] == 0, (strategy, name)
     # Model-state bytes per rank after a step: ≈ 1/N of DDP's (plus padding).
     ddp = DDP(M.clone(base))
     fsdp = FSDP(M.clone(base), auto_wrap_policy=M.unit_policy("gpt"))

@@ -44,6 +44,7 @@ import torch.nn as nn
 from ..api import StateDictType
 from ..core import collectives as C
 from ..core import flat as F
+from ..construct import WRAPPER_SEGMENTS, clean_name
 from ..core.param import gather_full
 from . import state_dict as SD
 
@@ -52,12 +53,11 @@ FLAT_PARAM_KEY = "_flat_param"
 """LOCAL_STATE_DICT key of a unit's flat shard (torch FSDP1's name)."""
 
 
-def clean_name(name: str) -> str:
-    """A state-dict key or parameter name without wrapper segments
-    (``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``)."""
-    for seg in SD.WRAPPER_SEGMENTS:
-        name = name.replace(seg + ".", "")
-    return name
+def _clean_message(message: str) -> str:
+    """``nn.Module.load_state_dict``'s error text with the keys in it cleaned."""
+    for seg in WRAPPER_SEGMENTS:
+        message = message.replace(seg + ".", "")
+    return message
 
 
 @dataclasses.dataclass
@@ -244,7 +244,7 @@ def _load_post(unit_module: nn.Module, incompatible_keys) -> None:
     unit.restore_params()
     for names in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         names[:] = [clean_name(n) for n in names]
-    pending.error_msgs[:] = [clean_name(m) for m in pending.error_msgs]
+    pending.error_msgs[:] = [_clean_message(m) for m in pending.error_msgs]
 
     @torch.no_grad()
     def copy_rows():

@@ -31,9 +31,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 from ..api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
                    ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType)
 from ..core import collectives as C
+from ..construct import WRAPPER_SEGMENTS
 from ..core import flat as F
-
-WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,6 +67,9 @@ class TrainConfig:
     """Log a train_inner record every this many updates."""
     log_file: Optional[str]
     """Also write the log lines to this file (rank 0), or None."""
+    log_memory: bool
+    """Add mem_* fields (`fullshard.memory_stats` totals, MiB, max over ranks of the largest value
+    sampled after each micro-batch's forward and backward) to train_inner lines; fully_sharded only."""
     validate_interval_updates: int
     """Validate every this many updates (0 = only at end of epoch / training)."""
     save_dir: str

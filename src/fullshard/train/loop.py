@@ -154,6 +154,8 @@ class Run:
             parts.append(f"update-freq {cfg.update_freq} accumulated by {cfg.accumulate_mode}")
         if parts:
             logger.info("precision and memory: " + ", ".join(parts))
+        if cfg.log_memory and cfg.ddp_backend == "c10d":
+            logger.info("--log-memory: ddp-backend c10d has no fullshard units; no mem_* fields are logged")
         logger.info(f"loaded {len(self.train_data):,} blocks from {self.cfg.data_dir} train, "
                     f"{len(self.valid_data):,} from valid")
         logger.info(f"training on {dist.get_world_size()} devices ({kind})")
@@ -198,8 +200,9 @@ class Run:
                 for meters in (inner, whole):
                     meters.add(out["loss_sum"], out["ntokens"], out["nsentences"], out["gnorm"], out["seconds"])
                 if n % cfg.log_interval == 0:
-                    bar.log(inner.stats(n, self.trainer.get_lr(), self.device, self.wall(), out["loss_scale"]),
-                            tag="train_inner")
+                    stats = inner.stats(n, self.trainer.get_lr(), self.device, self.wall(), out["loss_scale"])
+                    stats.update(self.trainer.memory_record())  # --log-memory (all ranks: one all-reduce)
+                    bar.log(stats, tag="train_inner")
                     inner.reset()
             stop = self.should_stop()
             end_of_epoch = i == len(groups) - 1

@@ -186,6 +186,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="default: tqdm on a terminal, else simple")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--log-file", default=None, help="also write the log to this file")
+    g.add_argument("--log-memory", action="store_true",
+                   help="log FSDP memory on train_inner lines: fullshard.memory_stats totals (mem_*_mb, MiB), "
+                        "the most seen after any forward or backward since the last line, on any rank (c10d: none)")
     g.add_argument("--validate-interval-updates", type=int, default=0,
                    help="validate every N updates (0 = end of epoch/training only)")
     g.add_argument("--save-dir", default="checkpoints")
@@ -249,8 +252,9 @@ def _check_positive(p: OneLineArgumentParser, args) -> None:
     for flag in ("tokens_per_sample", "batch_size", "update_freq", "nproc_per_node", "log_interval"):
         if getattr(args, flag) < 1:
             p.fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    for flag in ("warmup_updates", "total_num_update", "max_update", "max_epoch",
-                 "validate_interval_updates", "weight_decay", "clip_norm", "end_learning_rate"):
+    for flag in ("warmup_updates", "total_num_update", "max_update", "max_epoch", "max_restarts",
+                 "validate_interval_updates", "save_interval_updates", "weight_decay", "clip_norm",
+                 "end_learning_rate"):
         if getattr(args, flag) < 0:
             p.fail(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.lr <= 0:
@@ -258,8 +262,6 @@ def _check_positive(p: OneLineArgumentParser, args) -> None:
     for flag in ("collective_timeout", "rdzv_timeout"):
         if not getattr(args, flag) > 0:
             p.fail(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
-    if args.max_restarts < 0:
-        p.fail(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not 0.0 <= args.dropout < 1.0:
         p.fail(f"--dropout must be in [0, 1), got {args.dropout}")
 
@@ -442,8 +444,6 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     if args.finetune_from_model and not os.path.exists(args.finetune_from_model):
         p.fail(f"--finetune-from-model {args.finetune_from_model!r} does not exist; give a consolidated "
                "file or a checkpoint directory")
-    if args.save_interval_updates < 0:
-        p.fail(f"--save-interval-updates must be >= 0, got {args.save_interval_updates}")
     _check_restore(p, args, shape, max_positions, int(meta["vocab_size"]))
     _warn_fp16_on_cpu(args)
     cfg = config_from_args(args, max_positions=max_positions, vocab_size=int(meta["vocab_size"]),
@@ -473,7 +473,7 @@ def config_from_args(args, *, max_positions: int, vocab_size: int, world_size: i
         end_learning_rate=args.end_learning_rate, power=args.power, max_update=args.max_update,
         max_epoch=args.max_epoch, clip_norm=args.clip_norm, seed=args.seed,
         log_format=_resolve_log_format(args.log_format), log_interval=args.log_interval,
-        log_file=args.log_file, validate_interval_updates=args.validate_interval_updates,
+        log_file=args.log_file, log_memory=args.log_memory, validate_interval_updates=args.validate_interval_updates,
         save_dir=args.save_dir, no_save=args.no_save,
         nproc_per_node=world_size if under_torchrun() else args.nproc_per_node,
         fp16=args.fp16, bf16=args.bf16, fp16_init_scale=args.fp16_init_scale, fp16_scale_window=scale_window,

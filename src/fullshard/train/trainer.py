@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import OrderedDict
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -22,8 +23,10 @@ import torch.nn.functional as F
 from fullshard import faults
 from fullshard.amp import ShardedGradScaler
 from fullshard.core import collectives as C
+from fullshard.memory import TOTAL_FIELDS, memory_stats, memory_totals
 from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import build_lr_scheduler
+from fullshard.train.progress import safe_round
 
 logger = logging.getLogger("fullshard.train")
 
@@ -83,6 +86,9 @@ class Trainer:
         # c10d computes in low precision through autocast; fully_sharded through MixedPrecision.
         self.autocast_dtype = (torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None) \
             if cfg.ddp_backend == "c10d" else None
+        # --log-memory: largest memory_stats totals sampled since the last log line
+        # (c10d has no units: nothing is sampled or logged).
+        self.memory_peaks = {} if cfg.log_memory and cfg.ddp_backend == "fully_sharded" else None
 
     # ------------------------------------------------------------------ build
     def _build_model(self):
@@ -185,10 +191,12 @@ class Trainer:
             local_accumulate = j < k - 1 and self.cfg.accumulate_mode == "no_sync"
             with self.model.no_sync() if local_accumulate else contextlib.nullcontext():
                 loss_sum, ntokens = self._loss(batch)
+                self._sample_memory()  # gathered units (SHARD_GRAD_OP, the root)
                 if j == 0:
                     faults.in_update(self.num_updates + 1)
                 loss_sum = faults.poison_loss(loss_sum, self.num_updates + 1)
                 self.scaler.scale(loss_sum / (ntokens * k)).backward()
+                self._sample_memory()  # no_sync stashes; anything a backward left behind
             local += torch.tensor([loss_sum.item(), ntokens, batch[0].size(0)], dtype=torch.float64)
         total = local.to(self.device)
         C.all_reduce(total, C.world_group(), "sum", tag="training loss")
@@ -241,6 +249,30 @@ class Trainer:
         C.all_reduce(total, C.world_group(), "sum", tag="validation loss")
         loss_sum, ntokens, nsentences = total.tolist()
         return dict(loss_sum=loss_sum, ntokens=int(ntokens), nsentences=int(nsentences), steps=len(batches))
+
+    def _sample_memory(self) -> None:
+        if self.memory_peaks is not None:
+            for key, value in memory_totals(memory_stats(self.model)).items():
+                self.memory_peaks[key] = max(self.memory_peaks.get(key, 0), value)
+
+    def memory_record(self) -> "OrderedDict[str, float]":
+        """--log-memory fields of a train_inner line: each `fullshard.memory.memory_totals` field, the
+        largest value sampled after a micro-batch's forward or backward since the last call, max over
+        ranks (one all-reduce), in MiB with one decimal (``mem_<field>_mb``; ``mem_pending_rs``: a
+        count). Every rank must call it; empty (no collective) without --log-memory or under c10d."""
+        if self.memory_peaks is None:
+            return OrderedDict()
+        peaks = torch.tensor([self.memory_peaks.get(key, 0) for key in TOTAL_FIELDS], dtype=torch.int64,
+                             device=self.device)
+        C.all_reduce(peaks, C.world_group(), "max", tag="--log-memory statistics")
+        self.memory_peaks = {}
+        out = OrderedDict()
+        for key, value in zip(TOTAL_FIELDS, peaks.tolist()):
+            if key.endswith("_bytes"):
+                out[f"mem_{key[:-len('_bytes')]}_mb"] = safe_round(value / 2**20, 1)
+            else:  # pending_reduce_scatters
+                out["mem_pending_rs"] = value
+        return out
 
     def get_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
