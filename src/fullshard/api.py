@@ -64,14 +64,33 @@ class ShardedState(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class MixedPrecision:
     """Mixed-precision policy; the sharded (master) parameters stay in their
-    original dtype (fp32) and are what the optimizer updates.
+    original dtype (fp32; a later ``model.double()`` / ``.half()`` converts
+    them, while the dtypes set here stay) and are what the optimizer updates.
 
     Attributes:
         param_dtype: dtype of full parameters: the all-gather moves it and
             forward/backward compute in it (None = the master dtype).
         reduce_dtype: dtype gradients are reduce-scattered in (None =
-            param_dtype); the result is accumulated into fp32 gradient shards.
+            param_dtype); the result is accumulated into fp32 gradient shards
+            (but see ``keep_low_precision_grads``).
         buffer_dtype: dtype module buffers are cast to (None = unchanged).
+        keep_low_precision_grads: leave the sharded parameters' ``.grad`` in
+            ``param_dtype`` after the reduce instead of casting it to the
+            master dtype (torch FSDP1's option): gradient shards take half
+            the memory of fp32 ones. Reduced gradients are still summed in
+            the master dtype (across backwards without ``zero_grad``, one
+            rounding per backward), then rounded to ``param_dtype``. The
+            parameters stay in the master dtype, so ``p.grad.dtype !=
+            p.dtype``: the optimizer must accept that. ``torch.optim.SGD``,
+            ``Adagrad``, ``RMSprop``, ``Adadelta``, ``ASGD``, ``Rprop`` and
+            ``Adafactor`` do (their state may then be in ``param_dtype``);
+            ``Adam``, ``AdamW``, ``Adamax``, ``NAdam`` and ``RAdam`` raise
+            RuntimeError ("expected dtype float for `end`") at ``step()``.
+            ``clip_grad_norm_`` (norm computed in fp32), ``no_sync``, CPU
+            offload and ``ShardedGradScaler`` work with such gradients. No
+            effect without ``param_dtype`` and on units of
+            ``full_precision_module_classes`` (their gradients stay in the
+            master dtype, as in torch FSDP1).
         cast_forward_inputs: cast floating-point tensors passed to each unit's
             forward (inside tensors, lists, tuples, dicts and dataclasses) to
             ``param_dtype``.
@@ -88,6 +107,7 @@ class MixedPrecision:
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     buffer_dtype: Optional[torch.dtype] = None
+    keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = True
     full_precision_module_classes: tuple[type, ...] = (nn.modules.batchnorm._NormBase,)
 

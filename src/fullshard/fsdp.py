@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, TrainingState
 from .core import collectives as C
+from .core import convert as CV
 from .core import state as S
 from .core.unit import Unit, UnitConfig
 from .core import param as FU
@@ -122,7 +123,7 @@ class FullyShardedDataParallel(nn.Module):
             dp_world_size=C.group_size(shard_group) * (
                 C.group_size(replicate_group) if replicate_group is not None else 1),
             compute_device=device, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-            offload_params=offload.offload_params,
+            offload_params=offload.offload_params, keep_low_precision_grads=mp.keep_low_precision_grads,
             reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD))
         for s in slots:
             K.register(K.TAKEN, s.param, name)
@@ -133,6 +134,7 @@ class FullyShardedDataParallel(nn.Module):
         self._strategy = strategy
         self.use_orig_params = use_orig_params  # informational: original parameters are always exposed
         self._own_modules = own
+        self._buffer_dtype = mp.buffer_dtype
         self._in_forward = False
         self._full_precision = FU.FullPrecisionRun(unit.flat_shard.dtype) if _full_precision else None
         self._runtime = S.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
@@ -272,10 +274,8 @@ class FullyShardedDataParallel(nn.Module):
         sharded, local = FU.grads_by_kind(root.units, self.parameters())
         group = self._runtime.unit.cfg.shard_group
         total = FU.global_norm(sharded, local, group, norm_type)
-        grads = sharded + local
         coef = torch.clamp(torch.as_tensor(max_norm, dtype=torch.float32) / (total + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
+        FU.scale_grads(sharded + local, coef)
         return total
 
     @contextlib.contextmanager
@@ -336,23 +336,30 @@ class FullyShardedDataParallel(nn.Module):
             u.unit.drop_stash()
 
     def _apply(self, fn, recurse: bool = True):
-        """``.to()`` / ``.half()`` / ``.double()`` / ``.cuda()`` after wrapping:
-        allowed only when they change no parameter (the flat shard the
-        collectives use would silently stop matching the parameters).
+        """``.double()`` / ``.half()`` / ``.bfloat16()`` / ``.float()`` /
+        ``.to(dtype)`` after wrapping: converts every unit's master shard and
+        so its sharded parameters (the same ``nn.Parameter`` objects: an
+        optimizer made before keeps them), their gradients, and the compute
+        and reduce dtypes that default to the master dtype; buffers and
+        unmanaged parameters convert as in ``nn.Module``. ``MixedPrecision``
+        dtypes set explicitly stay (``.half()`` on a bf16-compute unit makes
+        an fp16 master, bf16 compute). A device move that changes nothing
+        (``.to("cpu")`` on CPU) is a no-op. See core/convert.py
+        [Note: conversion after wrapping].
 
         Raises:
-            RuntimeError: naming the first parameter that would change.
+            RuntimeError: a move to another device; called during forward or
+                backward, between a forward and its backward, inside
+                ``summon_full_params`` or with a ``no_sync`` stash not reduced.
         """
-        for name, p in self.named_parameters():
-            probe = fn(torch.empty(0, dtype=p.dtype, device=p.device))
-            if probe.dtype != p.dtype or probe.device != p.device:
-                raise RuntimeError(
-                    f"[rank {C.rank()}] unit '{self.unit.name}': converting parameter '{name}' from "
-                    f"{p.dtype}/{p.device} to {probe.dtype}/{probe.device} after wrapping is not supported; "
-                    "convert the model before FullyShardedDataParallel, pass device_id, or use "
-                    "MixedPrecision(param_dtype=...) for low-precision compute")
-        return super()._apply(fn, recurse)
-
+        CV.check_convertible([u._runtime for u in (self.units() if recurse else [self])], fn)
+        if CV.convert(self._runtime, fn) and self._full_precision is not None:
+            self._full_precision = FU.FullPrecisionRun(self.unit.flat_shard.dtype)
+        with CV.sharded_params_hidden(self._runtime):
+            super()._apply(fn, recurse)  # nested units convert themselves in this recursion
+        if self._buffer_dtype is not None:
+            FU.move_buffers(self._own_modules, self.unit.cfg.compute_device, self._buffer_dtype)
+        return self
 
     # ----------------------------------------------------------- state dicts
     # [fullshard.checkpoint] Everything below delegates to fullshard/checkpoint/.

@@ -89,6 +89,40 @@ class UnflattenFull(torch.autograd.Function):
         return out, None, None
 
 
+def set_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Install ``grad`` as ``param.grad``, also when its dtype differs from
+    ``param``'s (``MixedPrecision.keep_low_precision_grads``: fp32 master,
+    bf16 gradient). Autograd refuses such an assignment, so a placeholder of
+    the parameter's dtype and shape (one element, expanded) is installed and
+    its ``.data`` swapped for ``grad``, as torch FSDP1 does.
+
+    Returns:
+        The tensor now at ``param.grad`` (the placeholder when the dtypes
+        differ; it shares ``grad``'s memory).
+    """
+    if grad.dtype == param.dtype:
+        param.grad = grad
+        return grad
+    holder = torch.empty((), dtype=param.dtype, device=param.device).expand(param.shape)
+    param.grad = holder
+    holder.data = grad
+    return holder
+
+
+def add_to_grad(param: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -> None:
+    """``param.grad += grad`` with the result in ``dtype``. ``grad`` is in the
+    accumulation dtype (the master dtype), so a low-precision ``.grad`` is
+    summed in it and rounded once; an existing ``.grad`` keeps its identity
+    when it already has ``dtype``."""
+    cur = param.grad
+    if cur is None:
+        set_grad(param, grad.to(dtype))
+    elif cur.dtype == dtype:
+        cur.add_(grad)  # computed in the wider dtype, rounded once on store
+    else:
+        cur.data = grad.add(cur).to(dtype)
+
+
 def _sentinel_freed(stash_ref: weakref.ref, index: int) -> None:
     stash = stash_ref()
     if stash is not None:
@@ -121,8 +155,7 @@ class GradStash:
                    if p.requires_grad and sp.grad is None]
         if missing:
             # One allocation for all sentinels of the unit.
-            zeros = torch.zeros(lay.grad_shard_numel, dtype=unit.flat_shard.dtype,
-                                device=unit.flat_shard.device)
+            zeros = torch.zeros(lay.grad_shard_numel, dtype=unit.grad_dtype, device=unit.flat_shard.device)
             views = F.grad_shard_views(zeros, lay, unit.rank)
             for i in missing:
                 self._install_sentinel(unit, i, views[i])
@@ -131,14 +164,14 @@ class GradStash:
                 self._watch(unit, i)
 
     def _install_sentinel(self, unit, i: int, zeros: torch.Tensor) -> None:
-        unit.sharded_params[i].grad = zeros
-        unit.sentinels[i] = weakref.ref(zeros)
-        weakref.finalize(zeros, _sentinel_freed, weakref.ref(self), i)
+        installed = set_grad(unit.sharded_params[i], zeros)
+        unit.sentinels[i] = weakref.ref(installed)
+        weakref.finalize(installed, _sentinel_freed, weakref.ref(self), i)
 
     def _watch(self, unit, i: int) -> None:
         sp = unit.sharded_params[i]
         if sp.grad is None:
-            self._install_sentinel(unit, i, torch.zeros_like(sp))
+            self._install_sentinel(unit, i, torch.zeros_like(sp, dtype=unit.grad_dtype))
         self.watch[i] = (weakref.ref(sp.grad), sp.grad._version)
 
     def add(self, full_grad: torch.Tensor, used: list[bool]) -> None:

@@ -192,6 +192,17 @@ def global_norm(sharded: list[torch.Tensor], local: list[torch.Tensor], group, n
     return (part + rest).pow(1.0 / norm_type)
 
 
+def scale_grads(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply ``grads`` in place by the 0-dim fp32 ``coef``, one foreach
+    call per device; a low-precision gradient is multiplied in fp32 and
+    rounded once (as ``torch.nn.utils.clip_grad_norm_`` does)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, coef.to(device))
+
+
 def gather_full(unit, flat: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """All-gather ``flat`` (default: the unit's master flat shard; any tensor
     laid out like it, e.g. an optimizer-state flat) over the unit's shard group.

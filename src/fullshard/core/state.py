@@ -115,6 +115,14 @@ class UnitRuntime:
             self._grad_hook = self.unit.flat_full.register_post_accumulate_grad_hook(
                 PostBackwardHook(weakref.ref(self)))
 
+    def rearm_grad_hook(self) -> None:
+        """Move the post-accumulate-grad hook to a new ``unit.flat_full``
+        (made by a dtype conversion, see core/convert.py)."""
+        if self._grad_hook is not None:
+            self._grad_hook.remove()
+            self._grad_hook = None
+        self.arm_grad_hook()
+
     def transition(self, new: TrainingState) -> None:
         if new not in _LEGAL[self.state]:
             raise TrainingStateError(
@@ -143,6 +151,8 @@ def start_iteration(root: RootRuntime) -> None:
     """Begin a clean iteration: clear whatever an interrupted one left behind
     (see [Note: one iteration]) and adopt changes the user made between
     iterations (``requires_grad_()``, gradients zeroed after ``no_sync``)."""
+    for rt in root.units:  # before anything is cleared: the user must fix this first
+        rt.unit.check_views()
     broken = backward_broken(root)
     for pending in root.pending:
         pending.abandon()

@@ -48,6 +48,8 @@ class UnitConfig:
         reduce_dtype: dtype gradients are reduced in.
         offload_params: keep shards and gradient shards on the host.
         reshard_after_forward: free full parameters after forward (FULL_SHARD).
+        keep_low_precision_grads: gradient shards in the compute dtype
+            instead of the master dtype (see ``MixedPrecision``).
     """
 
     shard_group: object
@@ -58,6 +60,7 @@ class UnitConfig:
     reduce_dtype: Optional[torch.dtype] = None
     offload_params: bool = False
     reshard_after_forward: bool = True
+    keep_low_precision_grads: bool = False
 
 
 class UnitStateError(RuntimeError):
@@ -69,10 +72,11 @@ class Unit:
 
     The sharded ``nn.Parameter`` objects (what the optimizer sees and
     ``named_parameters()`` returns) are views of ``flat_shard`` (fp32 master,
-    1-D, ``layout.shard_numel`` elements). While unsharded, each owning module
-    attribute resolves to a view of ``flat_full`` (param-major, ``N · S``
-    elements, ``param_dtype``), which is an autograd leaf whose ``.grad``
-    collects the unit's full gradient.
+    1-D, ``layout.shard_numel`` elements); their ``.grad`` is in
+    ``grad_dtype``. While unsharded, each owning module attribute resolves to
+    a view of ``flat_full`` (param-major, ``N · S`` elements,
+    ``compute_dtype``), which is an autograd leaf whose ``.grad`` collects
+    the unit's full gradient.
     """
 
     def __init__(self, name: str, slots: list[ParamSlot], cfg: UnitConfig):
@@ -123,19 +127,78 @@ class Unit:
             for module, attr in slot.owners:
                 module._parameters[attr] = sp
             slot.param = None  # the full tensor is no longer ours to keep
-        self.compute_dtype = cfg.param_dtype or master_dtype
+        self._make_full()
+
+    def _make_full(self) -> None:
+        """Derive the dtypes from the master dtype and make a (freed) unsharded flat."""
+        cfg, master = self.cfg, self.flat_shard
+        self.compute_dtype = cfg.param_dtype or master.dtype
         self.reduce_dtype = cfg.reduce_dtype or self.compute_dtype
+        self.grad_dtype = self.compute_dtype if cfg.keep_low_precision_grads else master.dtype
+        # Where each sharded parameter's memory must stay (see check_views).
+        self._view_ptrs = [sp.data_ptr() if sp.numel() else None for sp in self.sharded_params]
         # With one rank per shard and nothing to cast or move, the unsharded
         # flat is the shard itself: no copy, never freed.
-        self.aliased = (self.world == 1 and self.compute_dtype == master_dtype
-                        and shard_device == cfg.compute_device)
+        on_compute = not cfg.offload_params or cfg.compute_device == torch.device("cpu")
+        self.aliased = self.world == 1 and self.compute_dtype == master.dtype and on_compute
         if self.aliased:
-            self.flat_full = self.flat_shard.detach()
+            self.flat_full = master.detach()
         else:
             self.flat_full = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype,
                                          device=cfg.compute_device)
             self.flat_full.untyped_storage().resize_(0)  # memory comes from the pool when unsharded
         self.flat_full.requires_grad_(self.needs_grad)
+
+    def convert(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+        """Apply an ``nn.Module._apply`` function (``.double()``, ``.half()``,
+        ``.to(dtype)``) to the master shard: ``flat_shard`` becomes
+        ``fn(flat_shard)``, each sharded parameter (the same ``nn.Parameter``
+        object, so an optimizer holding it keeps working) a view of it, and
+        gradients, the compute, reduce and gradient dtypes that default to the
+        master dtype, and ``flat_full`` follow. The caller checks the unit is
+        idle, resharded and holds no ``no_sync`` stash.
+
+        Returns:
+            True when ``flat_full`` was replaced (hooks on it must be re-armed).
+        Raises:
+            RuntimeError: ``fn`` moves the shard to another device, changes
+                its shape, or makes it a non-floating-point dtype.
+        """
+        self._check((ShardedState.SHARDED,), "convert its parameters")
+        old = self.flat_shard
+        new = fn(old)
+        if new is old:  # nothing to convert; share_memory_() may have moved the storage
+            self._view_ptrs = [sp.data_ptr() if sp.numel() else None for sp in self.sharded_params]
+            return False
+        if new.device != old.device or new.shape != old.shape or not new.is_floating_point():
+            raise RuntimeError(
+                f"[rank {C.rank()}] unit '{self.name}': converting the parameters to {new.dtype}/{new.device} "
+                f"(shape {tuple(new.shape)}) after wrapping is not supported; only a floating-point dtype change "
+                "on the same device is (convert the model before FullyShardedDataParallel instead)")
+        if old.is_pinned() and not new.is_pinned():
+            new = new.pin_memory()
+        self.flat_shard = new
+        for sp, view in zip(self.sharded_params, F.shard_views(new, self.layout, self.rank)):
+            sp.data = view  # keeps the Parameter object (and its place in any optimizer)
+        self._make_full()
+        for sp in self.sharded_params:
+            if sp.grad is not None and sp.grad.dtype != self.grad_dtype:
+                sp.grad.data = sp.grad.to(self.grad_dtype)
+        self._views = None
+        return True
+
+    def check_views(self) -> None:
+        """Raise if a sharded parameter's memory is no longer its view of
+        ``flat_shard`` (``.half()`` / ``.to()`` called on a module inside the
+        unit instead of on the wrapper, or ``p.data = ...``): the all-gather
+        would read values the optimizer no longer updates."""
+        for slot, sp, ptr in zip(self.slots, self.sharded_params, self._view_ptrs):
+            if ptr is not None and (sp.data_ptr() != ptr or sp.dtype != self.flat_shard.dtype):
+                raise RuntimeError(
+                    f"[rank {C.rank()}] unit '{self.name}': parameter '{slot.fqn}' ({sp.dtype}) no longer views "
+                    f"the unit's {self.flat_shard.dtype} flat shard (.half()/.to() on a module inside the wrapper, "
+                    "or p.data = ...); convert the FullyShardedDataParallel model itself (model.half()) and "
+                    "write values with p.copy_() under torch.no_grad()")
 
     def _full_nbytes(self) -> int:
         return self.layout.unsharded_numel * self.flat_full.element_size()
@@ -402,11 +465,13 @@ class Unit:
         used are left alone (``grad None`` stays None)."""
         n_grad = self.layout.grad_shard_numel
         used = (out[n_grad:] > 0).tolist()
-        master = self.flat_shard
-        grad_shard = out[:n_grad].to(master.device, master.dtype)
-        views = F.grad_shard_views(grad_shard, self.layout, self.rank)
+        master, grads = self.flat_shard, out[:n_grad]
+        # Stored in grad_dtype; added to an existing gradient in the master
+        # dtype (keep_low_precision_grads: rounded once per backward).
+        store = F.grad_shard_views(grads.to(master.device, self.grad_dtype), self.layout, self.rank)
+        wide = store if self.grad_dtype == master.dtype else None
         sentinels, self.sentinels = self.sentinels, {}
-        for i, (sp, view, u) in enumerate(zip(self.sharded_params, views, used)):
+        for i, (sp, view, u) in enumerate(zip(self.sharded_params, store, used)):
             if view is None:
                 continue
             if not u:
@@ -415,9 +480,11 @@ class Unit:
                     sp.grad = None  # a zero we installed, never a gradient
                 continue
             if sp.grad is None:
-                sp.grad = view
-            else:
-                sp.grad.add_(view)
+                G.set_grad(sp, view)
+                continue
+            if wide is None:
+                wide = F.grad_shard_views(grads.to(master.device, master.dtype), self.layout, self.rank)
+            G.add_to_grad(sp, wide[i], self.grad_dtype)
 
 
 class PendingReduce:

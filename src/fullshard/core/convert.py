@@ -1,0 +1,92 @@
+"""Dtype conversion of units after wrapping (``model.double()``, ``.half()``,
+``.to(torch.bfloat16)``): the checks that make it safe and the steps around
+:meth:`fullshard.core.unit.Unit.convert`.
+
+[Note: conversion after wrapping]
+A conversion applies the module function to each unit's master flat shard;
+the sharded ``nn.Parameter`` objects stay the same (their ``.data`` becomes a
+view of the new shard), so an optimizer made before keeps working, whatever
+``torch.__future__`` says about swapping parameters. Dtypes that a
+``MixedPrecision`` policy names explicitly (``param_dtype``, ``reduce_dtype``,
+``buffer_dtype``) stay in force; those that default to the master dtype
+follow it. Device moves are refused (the process groups and the compute
+device were chosen for the old device), as is a conversion while a unit is
+busy: during forward or backward, between a forward and its backward, inside
+``summon_full_params`` and with a ``no_sync`` stash not yet reduced.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+
+from ..api import ShardedState, TrainingState
+from . import collectives as C
+from . import state as S
+
+
+def check_convertible(rts: list[S.UnitRuntime], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Raise unless ``fn`` may convert every unit of ``rts`` now.
+
+    Raises:
+        RuntimeError: ``fn`` moves parameters to another device, or a unit is
+            busy (see [Note: conversion after wrapping]); one line naming the
+            rank, the unit and what to do.
+    """
+    root = next((rt.root for rt in rts if rt.root is not None), None)
+    if root is not None and not S.in_backward_pass() and S.backward_broken(root):
+        S.start_iteration(root)  # the last backward raised: start clean, as the next forward would
+    for rt in rts:
+        unit = rt.unit
+        where = f"[rank {C.rank()}] unit '{unit.name}'"
+        if rt.state is not TrainingState.IDLE:
+            problem = f"cannot convert parameters during forward or backward (state {rt.state.value})"
+            fix = "convert between iterations"
+        elif unit.summoned:
+            problem, fix = "cannot convert parameters inside summon_full_params()", "leave the context first"
+        elif unit.has_stash:
+            problem = "cannot convert parameters while gradients accumulated under no_sync() wait to be reduced"
+            fix = "run the synchronizing backward (outside no_sync) or zero_grad() first"
+        elif unit.state is not ShardedState.SHARDED:
+            problem = "cannot convert parameters between a forward and its backward"
+            fix = "run the backward first (a forward under torch.no_grad() needs none)"
+        else:
+            shard = unit.flat_shard
+            probe = fn(torch.empty(0, dtype=shard.dtype, device=shard.device))
+            if probe.device == shard.device:
+                continue
+            name = unit.slots[0].fqn if unit.slots else "(none)"
+            problem = (f"moving parameters (first: '{name}') from {shard.device} to {probe.device} after "
+                       "wrapping is not supported")
+            fix = "move the model before FullyShardedDataParallel or pass device_id"
+        raise RuntimeError(f"{where}: {problem}; {fix}")
+
+
+def convert(rt: S.UnitRuntime, fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Convert one unit's master shard with ``fn`` (see ``Unit.convert``) and
+    move the post-backward hook to its new unsharded flat parameter.
+    Returns True when the master dtype or storage changed."""
+    with torch.no_grad():
+        changed = rt.unit.convert(fn)
+    if changed:
+        rt.rearm_grad_hook()
+    return changed
+
+
+@contextlib.contextmanager
+def sharded_params_hidden(rt: S.UnitRuntime) -> Iterator[None]:
+    """Within the context the unit's sharded parameters are ``None`` in their
+    owning modules' ``_parameters`` (``nn.Module._apply`` skips None), so
+    the module function converts only what the unit does not manage (buffers,
+    ignored parameters); positions in ``_parameters`` are kept."""
+    unit = rt.unit
+    owners = [(module, attr, sp) for slot, sp in zip(unit.slots, unit.sharded_params)
+              for module, attr in slot.owners]
+    for module, attr, _ in owners:
+        module._parameters[attr] = None
+    try:
+        yield
+    finally:
+        for module, attr, sp in owners:
+            module._parameters[attr] = sp
