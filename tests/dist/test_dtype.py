@@ -349,6 +349,17 @@ def _conversion(rank, world):
     model = FSDP(P._clone(base), auto_wrap_policy=P.policy())
     model.module.pre.double()
     out["inner_conversion"] = refused(lambda: model(x.double()), "no longer views the unit's")
+
+    # An optimizer whose state was made before the conversion is refused at
+    # its next step (torch's own error would be an opaque dtype mismatch).
+    model = FSDP(P._clone(base), auto_wrap_policy=P.policy())
+    opt = adamw(model.parameters())
+    _backward(model, rank, 0)
+    opt.step()
+    opt.zero_grad()
+    model.double()
+    _backward(model, rank, 1, dtype=torch.float64)
+    out["stale_optimizer_state"] = refused(opt.step, "create the optimizer after converting the model")
     return out
 
 

@@ -17,9 +17,11 @@ busy: during forward or backward, between a forward and its backward, inside
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Iterator
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..api import ShardedState, TrainingState
 from . import collectives as C
@@ -71,7 +73,43 @@ def convert(rt: S.UnitRuntime, fn: Callable[[torch.Tensor], torch.Tensor]) -> bo
         changed = rt.unit.convert(fn)
     if changed:
         rt.rearm_grad_hook()
+        for slot, sp in zip(rt.unit.slots, rt.unit.sharded_params):
+            _CONVERTED[id(sp)] = (weakref.ref(sp, lambda _, key=id(sp): _CONVERTED.pop(key, None)), slot.fqn)
+        _watch_optimizer_steps()
     return changed
+
+
+# id(sharded parameter converted after wrapping) -> (weakref, name); an
+# optimizer whose state was made before the conversion is refused at its next
+# step. Keyed by id: tensors compare element-wise, so they cannot be dict keys.
+_CONVERTED: dict[int, tuple[weakref.ref, str]] = {}
+_STEP_HOOK: list = []
+
+
+def _watch_optimizer_steps() -> None:
+    """Register (once per process, after the first conversion) an optimizer
+    step pre-hook that checks converted parameters' state dtypes."""
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_check_state_dtypes))
+
+
+def _check_state_dtypes(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Raises RuntimeError when a converted parameter's optimizer state (made
+    before the conversion) has another floating dtype: torch's optimizers
+    would fail with an opaque dtype error or mix precisions."""
+    if not _CONVERTED:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref, name = _CONVERTED.get(id(p), (None, None))
+            if ref is None or ref() is not p:
+                continue
+            for key, v in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.is_floating_point() and v.dtype != p.dtype:
+                    raise RuntimeError(
+                        f"[rank {C.rank()}] {type(optimizer).__name__} state '{key}' of parameter '{name}' is "
+                        f"{v.dtype}, the parameter was converted to {p.dtype} after the state was made; create the "
+                        "optimizer after converting the model (or load its state dict into a new one)")
 
 
 @contextlib.contextmanager
