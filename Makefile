@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test bench docs clean
 
 setup: $(STAMP)
 
@@ -35,5 +36,15 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/fullshard bench --preset quick
 
+# The docs extras (mkdocs, Material, mkdocstrings) get a stamp of their own, so
+# `make test` never needs them. --strict: a broken link, anchor, included file
+# or docstring fails the build.
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) data-bin checkpoints
+	rm -rf $(VENV) data-bin checkpoints site

@@ -12,16 +12,17 @@ import torch.nn as nn
 class ShardingStrategy(enum.Enum):
     """How a unit's parameters, gradients and optimizer state are split.
 
-    FULL_SHARD: parameters, gradients and optimizer state sharded; full
-        parameters are freed after each unit's forward and gathered again for
-        its backward (ZeRO-3; Rajbhandari et al. 2020, §5.3). 3Ψ elements of
-        communication per step.
-    SHARD_GRAD_OP: gradients and optimizer state sharded; full parameters are
-        kept from forward until the unit's backward ends (ZeRO-2-like). 2Ψ.
-    NO_SHARD: every rank keeps everything; gradients are all-reduced (DDP).
-    HYBRID_SHARD: FULL_SHARD inside a shard group, replicated across groups;
-        gradients are reduce-scattered in the shard group, then all-reduced
-        across the replicate group.
+    Attributes:
+        FULL_SHARD: parameters, gradients and optimizer state sharded; full
+            parameters are freed after each unit's forward and gathered again for
+            its backward (ZeRO-3; Rajbhandari et al. 2020, §5.3). 3Ψ elements of
+            communication per step.
+        SHARD_GRAD_OP: gradients and optimizer state sharded; full parameters are
+            kept from forward until the unit's backward ends (ZeRO-2-like). 2Ψ.
+        NO_SHARD: every rank keeps everything; gradients are all-reduced (DDP).
+        HYBRID_SHARD: FULL_SHARD inside a shard group, replicated across groups;
+            gradients are reduce-scattered in the shard group, then all-reduced
+            across the replicate group.
     """
 
     FULL_SHARD = "FULL_SHARD"
@@ -33,10 +34,12 @@ class ShardingStrategy(enum.Enum):
 class BackwardPrefetch(enum.Enum):
     """When the next unit's all-gather is issued during backward.
 
-    BACKWARD_PRE: as soon as the current unit's backward starts (more overlap,
-        one extra unit of full parameters alive).
-    BACKWARD_POST: after the current unit's gradients were handed to
-        reduce-scatter (less memory, less overlap).
+    Attributes:
+        BACKWARD_PRE: as soon as the current unit's backward starts (more overlap,
+            one extra unit of full parameters alive).
+        BACKWARD_POST: after the current unit's gradients were handed to
+            reduce-scatter (less memory, less overlap).
+
     Pass ``None`` to the wrapper for no prefetch.
     """
 
@@ -131,17 +134,18 @@ class StateDictType(enum.Enum):
     """What ``state_dict()`` / ``load_state_dict()`` and
     ``FullyShardedDataParallel.optim_state_dict`` exchange (torch FSDP1's names).
 
-    FULL_STATE_DICT: full tensors under the original (unwrapped) names, the
-        same keys and shapes as the plain model's ``state_dict()``.
-    SHARDED_STATE_DICT: ``torch.distributed.tensor.DTensor`` values placed
-        ``Shard(0)`` on a 1-D device mesh over the shard group; the local tensor
-        is this rank's ``torch.chunk`` rows (no copy). Buffers are plain tensors.
-    LOCAL_STATE_DICT: each unit's flat shard as one 1-D tensor under
-        ``<unit prefix>_flat_param`` (``layout.shard_numel`` elements, the
-        master dtype) instead of its parameters; buffers as usual. It loads
-        only at the same world size into the same model (a different size
-        raises ValueError); the optimizer's own ``state_dict()`` is the
-        matching optimizer state.
+    Attributes:
+        FULL_STATE_DICT: full tensors under the original (unwrapped) names, the
+            same keys and shapes as the plain model's ``state_dict()``.
+        SHARDED_STATE_DICT: ``torch.distributed.tensor.DTensor`` values placed
+            ``Shard(0)`` on a 1-D device mesh over the shard group; the local tensor
+            is this rank's ``torch.chunk`` rows (no copy). Buffers are plain tensors.
+        LOCAL_STATE_DICT: each unit's flat shard as one 1-D tensor under
+            ``<unit prefix>_flat_param`` (``layout.shard_numel`` elements, the
+            master dtype) instead of its parameters; buffers as usual. It loads
+            only at the same world size into the same model (a different size
+            raises ValueError); the optimizer's own ``state_dict()`` is the
+            matching optimizer state.
     """
 
     FULL_STATE_DICT = "FULL_STATE_DICT"
