@@ -47,6 +47,8 @@ class Settings:
 
 # Unit -> Settings; kept here, never as attributes on the user's modules.
 _SETTINGS: "weakref.WeakKeyDictionary[nn.Module, Settings]" = weakref.WeakKeyDictionary()
+# (id(shard group), device type) -> (the group, its 1-D DeviceMesh): a unit's
+# DTensors live on a mesh over the unit's own shard group.
 _MESHES: dict = {}
 
 
@@ -134,6 +136,14 @@ def entries(root: nn.Module) -> tuple[list, list[Entry]]:
     return units, out
 
 
+def first_rank(model: nn.Module) -> bool:
+    """Whether this rank keeps ``rank0_only`` state dicts of ``model`` (a
+    unit): the first rank of its groups (``collectives.is_first_rank``),
+    global rank 0 for the world, rank 2 for a model on ranks {2, 3}."""
+    cfg = model.unit.cfg
+    return C.is_first_rank(cfg.shard_group, cfg.replicate_group)
+
+
 def check_idle(model: nn.Module, what: str) -> None:
     """Raises RuntimeError when a forward or backward is in flight."""
     root = model._runtime.root
@@ -176,7 +186,8 @@ def summoned_full(unit) -> list[torch.Tensor]:
         p = module._parameters[attr]
         if tuple(p.shape) != tuple(lay.shape):
             raise RuntimeError(f"[rank {C.rank()}] state_dict() inside summon_full_params(rank0_only=True): "
-                               f"unit '{unit.name}' holds no full parameters on this rank; call it on rank 0 only")
+                               f"unit '{unit.name}' holds no full parameters on this rank; call it only on the first "
+                               "rank of the unit's process group (global rank 0 for the world)")
         out.append(p.detach())
     return out
 
@@ -206,10 +217,12 @@ def shard_value(unit, si: int, local: torch.Tensor, offload: bool) -> torch.Tens
     from torch.distributed.tensor import DTensor, Shard
 
     local = local.detach().to("cpu", copy=True) if offload else local.detach()
-    key = (id(unit.cfg.shard_group), local.device.type)
-    if key not in _MESHES:
-        _MESHES[key] = C.device_mesh(unit.cfg.shard_group, local.device.type)
-    return DTensor.from_local(local, _MESHES[key], [Shard(0)], run_check=False, shape=lay.shape,
+    group = unit.cfg.shard_group
+    key = (id(group), local.device.type)
+    if key not in _MESHES or _MESHES[key][0] is not group:
+        # The group is held with its mesh, so its id cannot be reused by another group.
+        _MESHES[key] = (group, C.device_mesh(group, local.device.type))
+    return DTensor.from_local(local, _MESHES[key][1], [Shard(0)], run_check=False, shape=lay.shape,
                               stride=torch.empty(lay.shape, device="meta").stride())
 
 
@@ -251,7 +264,7 @@ def state_dict(model: nn.Module, destination: Optional[dict] = None, prefix: str
             out[prefix + e.key] = (copy_value(e.tensor, offload) if offload else e.tensor.detach()) \
                 if e.tensor is not None else shard_value(units[e.unit], e.slot, views[e.unit][e.slot], offload)
         return out
-    keep = not st.config.rank0_only or C.rank() == 0
+    keep = not st.config.rank0_only or first_rank(model)
     values = {}
     for ui, unit in enumerate(units):  # one unit's full parameters alive at a time
         # Inside summon_full_params the full parameters are already on the modules: no gather.
