@@ -65,12 +65,7 @@ def _barrier(group=None) -> None:
 
 
 def _unit_group(cfg):
-    """The group whose ranks hold a unit (HYBRID_SHARD's pair tiles the world)."""
-    if cfg.replicate_group is None:
-        return cfg.shard_group
-    if cfg.shard_group is C.SELF_GROUP:
-        return cfg.replicate_group
-    return C.world_group()
+    return C.holding_group(cfg.shard_group, cfg.replicate_group)
 
 
 def _group(model: nn.Module):

@@ -186,8 +186,8 @@ def summoned_full(unit) -> list[torch.Tensor]:
         p = module._parameters[attr]
         if tuple(p.shape) != tuple(lay.shape):
             raise RuntimeError(f"[rank {C.rank()}] state_dict() inside summon_full_params(rank0_only=True): "
-                               f"unit '{unit.name}' holds no full parameters on this rank; call it only on the first "
-                               "rank of the unit's process group (global rank 0 for the world)")
+                               f"unit '{unit.name}' holds no full parameters on this rank; call it on rank 0 only "
+                               "(group rank 0 of the unit's process group)")
         out.append(p.detach())
     return out
 

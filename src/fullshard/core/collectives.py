@@ -322,6 +322,18 @@ def is_first_rank(shard_group, replicate_group) -> bool:
     return group_rank(shard_group) == 0 and (replicate_group is None or group_rank(replicate_group) == 0)
 
 
+def holding_group(shard_group, replicate_group):
+    """The group of every rank that holds a unit sharded over ``shard_group``
+    and replicated over ``replicate_group``: the shard group (no replicas),
+    the replicate group (NO_SHARD: shards of one rank), else the world
+    (HYBRID_SHARD's pair tiles it; checked at construction)."""
+    if replicate_group is None:
+        return shard_group
+    if shard_group is SELF_GROUP:
+        return replicate_group
+    return world_group()
+
+
 def _count(name: str, t: torch.Tensor) -> None:
     COUNTS[name] += 1
     BYTES[name] += t.numel() * t.element_size()
