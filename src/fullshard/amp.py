@@ -84,7 +84,10 @@ class ShardedGradScaler:
         min_loss_scale: backing off to S <= this raises ``FloatingPointError``
             (fairseq ``--min-loss-scale``); 0 disables the check.
         process_group: group over which the found-inf flag is reduced (None =
-            the world). Must contain every rank that holds a shard.
+            the world). Must contain every rank that holds a shard; for a
+            model wrapped on a process group pass that group, or the scaler
+            couples it to whatever the other ranks run (another model's
+            overflow would skip this model's step).
         enabled: False makes every method a pass-through (``scale`` returns the
             loss, ``step`` steps, ``get_scale`` is 1.0) so callers need no branches.
 

@@ -26,6 +26,7 @@ WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 TAKEN: dict[int, tuple[weakref.ref, str]] = {}
 WRAPPED: dict[int, tuple[weakref.ref, str]] = {}
 HYBRID_GROUPS: dict[tuple[int, int], tuple[Any, Any]] = {}
+HYBRID_CHECKED: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id shard, id replicate) -> the groups
 
 
 def clean_name(path: str) -> str:
@@ -78,18 +79,20 @@ def materialize(own: list[nn.Module], param_init_fn, device: torch.device, buffe
 
 
 def prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, device: torch.device,
-                    sync_module_states: bool, name: str) -> None:
+                   sync_module_states: bool, name: str, groups: tuple) -> None:
     """Attach row initializers to meta slots; make the other values agree
-    across ranks (broadcast from rank 0, or check and name the first that differs)."""
+    across the ranks of the unit's ``groups`` = (shard_group, replicate_group):
+    broadcast the unit's first rank's parameters and buffers, or check the
+    parameters and name the first that differs. Ranks outside the groups
+    take no part (see ``param.broadcast_from_first``)."""
     for s in slots:
         if s.param.is_meta:  # only reachable with row-wise init
             s.init_rows = functools.partial(param_init_fn.init_rows, s.param, device=device)
     real = [s for s in slots if not s.param.is_meta]  # deferred rows are identical by construction
-    world = C.world_group()
     if sync_module_states:
-        FU.broadcast_from_rank0([s.param for s in real] + FU.buffers_of(own), world)
+        FU.broadcast_from_first([s.param for s in real] + FU.buffers_of(own), *groups)
     else:
-        FU.check_same_across_ranks([(s.fqn, s.param) for s in real], world, name)
+        FU.check_same_across_ranks([(s.fqn, s.param) for s in real], *groups, name)
 
 
 def check_not_wrapped(module: nn.Module, name: str, is_unit) -> None:
@@ -193,6 +196,7 @@ def resolve_groups(strategy: ShardingStrategy, process_group, where: str):
             raise ValueError(
                 f"{where}: HYBRID_SHARD shard group size {C.group_size(shard)} x replicate group size "
                 f"{C.group_size(rep)} != world size {C.world_size()}; pass groups that tile the world")
+        check_hybrid_layout(shard, rep, where)
         return shard, rep
     if pair:
         raise ValueError(f"{where}: {strategy.value} takes a single process group; a (shard, replicate) "
@@ -202,6 +206,32 @@ def resolve_groups(strategy: ShardingStrategy, process_group, where: str):
         # Hybrid sharding with shards of one rank: gradients are all-reduced.
         return C.SELF_GROUP, group
     return group, None
+
+
+def check_hybrid_layout(shard, rep, where: str) -> None:
+    """Check (once per pair) that the replicas in each replicate group hold
+    the same shard (the same shard-group rank): otherwise the gradient
+    all-reduce would sum different shards. Two small all-reduces (replicate,
+    then shard group), so every rank reaches the same verdict.
+
+    Raises:
+        ValueError: naming this rank's replicate group and its shard ranks.
+    """
+    key = (id(shard), id(rep))
+    if key in HYBRID_CHECKED and HYBRID_CHECKED[key][0] is shard and HYBRID_CHECKED[key][1] is rep:
+        return
+    mine = float(C.group_rank(shard))
+    seen = torch.tensor([mine, -mine])
+    C.all_reduce(seen, rep, "max", tag="HYBRID_SHARD layout check")
+    bad = torch.tensor([float(seen[0] != -seen[1])])
+    C.all_reduce(bad, shard, "max", tag="HYBRID_SHARD layout check")
+    if bad.item():
+        raise ValueError(
+            f"{where}: HYBRID_SHARD replicate group {C.group_ranks(rep)} (or another) joins ranks at different "
+            f"shard-group ranks (this rank is shard rank {int(mine)} of {C.group_ranks(shard)}), so replicas "
+            "would hold different shards; pass replicate groups of the ranks with equal shard rank, e.g. a "
+            "2-D DeviceMesh (replicate, shard) built from init_device_mesh")
+    HYBRID_CHECKED[key] = (shard, rep)  # held, so the ids are not reused
 
 
 def default_hybrid_groups(where: str):

@@ -44,8 +44,13 @@ class FullyShardedDataParallel(nn.Module):
             iteration's order) before running the current unit's forward.
         device_id: compute device (int = CUDA index, or a ``torch.device``);
             default: the module's device, or the current accelerator for meta.
-        sync_module_states: broadcast rank 0's parameters and buffers before
-            sharding. When False, ranks are checked to hold equal parameters.
+        sync_module_states: broadcast the parameters and buffers of the
+            unit's first rank (group rank 0 of its process group(s): global
+            rank 0 for the world, rank 2 for a group of ranks {2, 3}) to the
+            other ranks of its group(s) before sharding. When False, those
+            ranks are checked to hold equal parameters. Only the unit's ranks
+            take part, so units on disjoint groups (one model per group, a
+            per-rank expert on a one-rank group) keep their own values.
         ignored_modules: modules whose parameters are neither sharded nor
             synchronised.
         param_init_fn: ``fn(module)`` that materializes and initializes the
@@ -117,7 +122,8 @@ class FullyShardedDataParallel(nn.Module):
         own = list(W._unwrapped_modules(module, is_unit, ignored))
         K.materialize(own, param_init_fn, device, mp.buffer_dtype)
         slots = K.collect_slots(module, ignored, _skip_param_ids | {id(p) for p in ignored_params}, name, is_unit)
-        K.prepare_values(slots, own, param_init_fn, device, sync_module_states, name)
+        K.prepare_values(slots, own, param_init_fn, device, sync_module_states, name,
+                         (shard_group, replicate_group))
         cfg = UnitConfig(
             shard_group=shard_group, replicate_group=replicate_group,
             dp_world_size=C.group_size(shard_group) * (
@@ -264,18 +270,32 @@ class FullyShardedDataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their global norm over every shard on every rank.
 
+        The norm is that of every gradient of the distributed model, each
+        element counted once: shards summed over the root unit's groups,
+        replicas (NO_SHARD, HYBRID_SHARD) counted once, parameters no unit
+        manages (replicated) once. A nested unit on a smaller process group
+        than the root's holds different values per group (a per-rank expert
+        on a one-rank group): each instance's gradient counts once, as in
+        ``torch.nn.utils.clip_grad_norm_`` over the union of all ranks'
+        parameters and as torch FSDP1 computes it, so every rank of the root's
+        groups gets the same norm and coefficient. Call it on the root; a root
+        on a process group covers its ranks only (two models on disjoint
+        groups clip independently).
+
         Returns:
             The total norm before clipping (0-dim fp32 tensor), identical on
-            all ranks and equal to ``torch.nn.utils.clip_grad_norm_`` on the
-            unsharded model.
+            all ranks of the root unit's groups and equal to
+            ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+        Raises:
+            RuntimeError: not the root, or called during forward or backward.
         """
         root = self._require_root_idle("clip_grad_norm_()")
         norm_type = float(norm_type)
-        sharded, local = FU.grads_by_kind(root.units, self.parameters())
-        group = self._runtime.unit.cfg.shard_group
-        total = FU.global_norm(sharded, local, group, norm_type)
+        counted, replica, local = FU.grads_by_kind(root.units, self.parameters())
+        cfg = self._runtime.unit.cfg
+        total = FU.global_norm(counted, local, cfg.shard_group, cfg.replicate_group, norm_type)
         coef = torch.clamp(torch.as_tensor(max_norm, dtype=torch.float32) / (total + 1e-6), max=1.0)
-        FU.scale_grads(sharded + local, coef)
+        FU.scale_grads(counted + replica + local, coef)
         return total
 
     @contextlib.contextmanager
@@ -292,8 +312,10 @@ class FullyShardedDataParallel(nn.Module):
                 that are not inside another unit of ``module``).
             writeback: copy this rank's chunk of any modification back into
                 its shard on exit.
-            rank0_only: only rank 0 exposes full parameters; the others keep
-                their shards (every rank still takes part in the all-gathers).
+            rank0_only: only the first rank of each unit's groups (group
+                rank 0; global rank 0 for the world) exposes full parameters;
+                the others keep their shards (every rank still takes part in
+                the all-gathers).
             offload_to_cpu: place the full parameters in host memory.
             with_grads: also expose full gradients as ``.grad`` (None where
                 no rank holds one).

@@ -107,7 +107,7 @@ def _save_values(unit_module: nn.Module) -> Optional[list]:
         _check_summoned(unit)
         return None
     full = gather_full(unit)
-    if st.config.rank0_only and C.rank() != 0:
+    if st.config.rank0_only and not SD.first_rank(unit_module):
         return [None] * len(unit.slots)
     # One storage per value (not views of the unit's buffer): safetensors and
     # torch.save of a single entry must not see the others.
@@ -122,7 +122,8 @@ def _check_summoned(unit) -> None:
         module, attr = slot.owners[0]
         if tuple(module._parameters[attr].shape) != tuple(lay.shape):
             raise RuntimeError(f"[rank {C.rank()}] state_dict() inside summon_full_params(rank0_only=True): "
-                               f"unit '{unit.name}' holds no full parameters on this rank; call it on rank 0 only")
+                               f"unit '{unit.name}' holds no full parameters on this rank; call it on rank 0 only "
+                               "(group rank 0 of the unit's process group)")
 
 
 def _save_pre(unit_module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -139,7 +140,7 @@ def _save_post(unit_module: nn.Module, state_dict: dict, prefix: str, local_meta
         unit.restore_params()
         unit_module._sd_installed = False
     mine = [k for k in state_dict if k.startswith(prefix)]
-    drop = st.type is StateDictType.FULL_STATE_DICT and st.config.rank0_only and C.rank() != 0
+    drop = st.type is StateDictType.FULL_STATE_DICT and st.config.rank0_only and not SD.first_rank(unit_module)
     for k in mine:  # re-inserted in order: they are the dict's last entries
         v = state_dict.pop(k)
         if not drop:

@@ -65,6 +65,27 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
         optim.zero_grad(set_to_none=True)
 
 
+def _agree_keys(units, mine: dict) -> dict:
+    """{unit index: {per-row key: dtype}} as the union over each unit's shard
+    group (a rank whose shard is empty holds no state). One object all-gather
+    per run of consecutive units on the same group: the units' collectives
+    that follow run over that group, and units on other groups (another
+    model's, a per-rank expert's) must not wait for each other."""
+    keys: dict = {}
+    start = 0
+    while start < len(units):
+        group = units[start].cfg.shard_group
+        end = start + 1
+        while end < len(units) and units[end].cfg.shard_group is group:
+            end += 1
+        run = {ui: mine[ui] for ui in range(start, end) if ui in mine}
+        for theirs in C.all_gather_object(run, group, tag="optimizer state keys"):
+            for ui, kd in theirs.items():
+                keys.setdefault(ui, {}).update(kd)
+        start = end
+    return keys
+
+
 @torch.no_grad()
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
     """The optimizer's state by original parameter name, full or sharded per
@@ -83,7 +104,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
                          "state_dict() already holds this rank's shards; save optimizer.state_dict() instead")
     full = st.type is StateDictType.FULL_STATE_DICT
     offload = st.optim_config.offload_to_cpu
-    keep = not (full and st.optim_config.rank0_only) or C.rank() == 0
+    keep = not (full and st.optim_config.rank0_only) or SD.first_rank(model)
     units, ents = SD.entries(model)
     info = _param_info(units, ents)
     order = _optim_params(optim, info)
@@ -107,10 +128,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
         for k, v in s.items():
             if _per_row(v, shape):
                 mine.setdefault(ui, {})[k] = v.dtype
-    keys: dict = {}
-    for theirs in C.all_gather_object(mine, C.world_group()):
-        for ui, kd in theirs.items():
-            keys.setdefault(ui, {}).update(kd)
+    keys = _agree_keys(units, mine)
     for ui, unit in enumerate(units):
         if not full:
             SD.check_shardable(unit)

@@ -12,6 +12,10 @@ Keys are ``model.<name>`` and ``optim.state.<name>.<key>`` /
 ``optim.param_groups.<i>.<key>`` under the plain model's names, so the same
 checkpoint loads into FSDP (any world size; DCP reshards), DDP or a plain model.
 
+A checkpoint spans the ranks that hold the model (see :func:`_group`): the
+world, or the process group of a model wrapped on one (two models on
+disjoint groups save independently); "rank" below is the rank in that group.
+
 Atomicity: every rank writes into ``<dir>.tmp``; after a barrier rank 0
 hashes the files, writes the manifest last and renames ``<dir>.tmp`` to
 ``<dir>`` (an existing ``<dir>`` is first renamed to ``<dir>.old`` and
@@ -47,13 +51,50 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded: corrupted, missing, or of another model."""
 
 
-def _world() -> int:
-    return C.world_size() if C.is_initialized() else 1
+def _world(group=None) -> int:
+    return C.group_size(group) if C.is_initialized() else 1
 
 
-def _barrier() -> None:
-    if _world() > 1:
-        C.barrier()
+def _rank(group=None) -> int:
+    return C.group_rank(group) if C.is_initialized() else 0
+
+
+def _barrier(group=None) -> None:
+    if _world(group) > 1:
+        C.barrier(group)
+
+
+def _unit_group(cfg):
+    return C.holding_group(cfg.shard_group, cfg.replicate_group)
+
+
+def _group(model: nn.Module):
+    """The process group a checkpoint of ``model`` spans: a FullyShardedDataParallel
+    root's ranks (its group), a DDP model's process group, else the world
+    (None). No collectives, so every rank reaches the same verdict.
+
+    Raises:
+        CheckpointError: a unit on other ranks than the root's (a per-rank
+            expert on a one-rank group): its instances share one name with
+            different values, of which torch.distributed.checkpoint would keep one.
+    """
+    if not C.is_initialized():
+        return None
+    units = SD._units_of(model)
+    if not units:
+        return getattr(model, "process_group", None) if isinstance(model, nn.parallel.DistributedDataParallel) \
+            else None
+    group = _unit_group(units[0].unit.cfg)
+    ranks = C.group_ranks(group)
+    for u in units[1:]:
+        theirs = C.group_ranks(_unit_group(u.unit.cfg))
+        if theirs != ranks:
+            raise CheckpointError(
+                f"[rank {C.rank()}] unit '{u.unit.name}' is held by ranks {theirs}, the model by ranks {ranks}: "
+                "the unit's instances on other ranks have the same names and different values, of which a "
+                "torch.distributed.checkpoint checkpoint keeps one; save such a model per rank with torch.save of "
+                "model.state_dict() and FSDP.optim_state_dict(model, optimizer)")
+    return group
 
 
 def _is_fsdp(model: nn.Module) -> bool:
@@ -105,7 +146,8 @@ def save(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
 
     Args:
         checkpoint_dir: the directory to create or replace.
-        model: a FullyShardedDataParallel root, a DDP model or a plain module.
+        model: a FullyShardedDataParallel root, a DDP model or a plain module;
+            every rank of its process group calls ``save`` (see :func:`_group`).
         optimizer: its optimizer (state saved by parameter name), or None.
         extra: this rank's picklable dict (RNG states, data position, ...);
             each rank's is kept and :func:`load` returns it to the same rank.
@@ -113,12 +155,14 @@ def save(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
         Seconds the save took on this rank.
     Raises:
         CheckpointError: on every rank when any rank failed to write (e.g. a full disk):
-            ``<dir>.tmp`` is removed and ``<dir>`` keeps the previous checkpoint.
+            ``<dir>.tmp`` is removed and ``<dir>`` keeps the previous checkpoint;
+            before writing, a model holding a unit on other ranks than its root's.
     """
     start = time.perf_counter()
     final = os.path.abspath(checkpoint_dir)
     tmp = final + ".tmp"
-    rank, world = C.rank(), _world()
+    group = _group(model)
+    rank, world = _rank(group), _world(group)
     error = None
     if rank == 0:
         try:
@@ -127,23 +171,24 @@ def save(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
             os.makedirs(tmp)
         except OSError as e:
             error = e
-    _agree(error, final, tmp, "creating")
+    _agree(error, final, tmp, "creating", group)
     try:
         state = _states(model, optimizer)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=world == 1)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
+                 no_dist=world == 1)
         if extra is not None:
             torch.save(extra, os.path.join(tmp, f"extra-rank{rank}.pt"))
         faults.on_save(tmp)
         del state
     except (Exception, dcp.api.CheckpointException) as e:  # a full disk on any rank (DCP gathers them)
         error = e
-    _agree(error, final, tmp, "writing")  # every rank's files are complete
+    _agree(error, final, tmp, "writing", group)  # every rank's files are complete
     if rank == 0:
         try:
             _publish(tmp, final, world)
         except OSError as e:
             error = e
-    _agree(error, final, tmp, "publishing")
+    _agree(error, final, tmp, "publishing", group)
     return time.perf_counter() - start
 
 
@@ -166,31 +211,32 @@ def _publish(tmp: str, final: str, world: int) -> None:
     _fsync_dir(os.path.dirname(final))
 
 
-def _one_line(error: BaseException) -> tuple[int, str]:
-    """(failing rank, ``Type: message`` on one line); DCP's CheckpointException is unwrapped to
-    the first failing rank's own exception."""
+def _one_line(error: BaseException, group) -> tuple[int, str]:
+    """(failing global rank, ``Type: message`` on one line); DCP's CheckpointException (keyed by
+    rank in ``group``) is unwrapped to the first failing rank's own exception."""
     rank = C.rank()
     if isinstance(error, dcp.api.CheckpointException) and error.failures:
-        rank = min(error.failures)
-        error = error.failures[rank][0]
+        first = min(error.failures)
+        error = error.failures[first][0]
+        rank = C.group_ranks(group)[first] if C.is_initialized() else first
     return rank, " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
 
-def _agree(error: Optional[BaseException], final: str, tmp: str, phase: str) -> None:
-    """Barrier that also tells every rank whether any rank failed; on failure rank 0 removes
-    ``tmp`` (the previous checkpoint at ``final`` is untouched) and every rank raises.
+def _agree(error: Optional[BaseException], final: str, tmp: str, phase: str, group) -> None:
+    """Barrier over ``group`` that also tells every rank whether any rank failed; on failure its
+    rank 0 removes ``tmp`` (the previous checkpoint at ``final`` is untouched) and every rank raises.
 
     Raises:
         CheckpointError: one line naming the failing rank, the error, and what was kept.
     """
-    mine = None if error is None else _one_line(error)
-    every = C.all_gather_object(mine, tag="checkpoint save status") if _world() > 1 else [mine]
+    mine = None if error is None else _one_line(error, group)
+    every = C.all_gather_object(mine, group, tag="checkpoint save status") if _world(group) > 1 else [mine]
     failed = [m for m in every if m is not None]
     if not failed:
         return
-    if C.rank() == 0:
+    if _rank(group) == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
+    _barrier(group)
     kept = (f"the previous checkpoint {final} is intact" if os.path.isdir(final) or os.path.isdir(final + ".old")
             else f"no checkpoint was written at {final}")
     r, m = min(failed)
@@ -208,16 +254,16 @@ def _resolve(checkpoint_dir: str) -> str:
                           "missing or its save did not finish)")
 
 
-def verify(path: str) -> dict:
+def verify(path: str, group=None) -> dict:
     """Check every file of the manifest (size and sha256; files split over
-    ranks); returns the manifest.
+    the ranks of ``group``, None = the world); returns the manifest.
 
     Raises:
         CheckpointError: naming each missing, truncated or corrupted file.
     """
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
-    rank, world = C.rank(), _world()
+    rank, world = _rank(group), _world(group)
     bad = []
     for i, (name, info) in enumerate(sorted(manifest["files"].items())):
         if i % world != rank:
@@ -229,9 +275,9 @@ def verify(path: str) -> dict:
             bad.append(f"{name} (truncated: {os.path.getsize(full)} of {info['bytes']} bytes)")
         elif file_sha256(full) != info["sha256"]:
             bad.append(f"{name} (corrupted: sha256 differs)")
-    every = [b for theirs in (C.all_gather_object(bad) if world > 1 else [bad]) for b in theirs]
+    every = [b for theirs in (C.all_gather_object(bad, group) if world > 1 else [bad]) for b in theirs]
     if every:
-        raise CheckpointError(f"[rank {rank}] checkpoint {path} is damaged: {', '.join(every)}; "
+        raise CheckpointError(f"[rank {C.rank()}] checkpoint {path} is damaged: {', '.join(every)}; "
                               "load an earlier checkpoint")
     return manifest
 
@@ -273,24 +319,26 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
     """Load a checkpoint written by :func:`save` at any world size; every rank calls it.
 
     Returns:
-        This rank's ``extra`` (rank 0's when the saving run had fewer ranks),
-        or None.
+        This rank's ``extra`` (by rank in the model's group; rank 0's when the
+        saving run had fewer ranks), or None.
     Raises:
         CheckpointError: missing/damaged files (named), or a checkpoint of
-            another model (missing, unexpected and mis-shaped names listed);
-            in both cases before anything is loaded.
+            another model (missing, unexpected and mis-shaped names listed),
+            or a model holding a unit on other ranks than its root's; in all
+            cases before anything is loaded.
     """
     path = _resolve(checkpoint_dir)
-    verify(path)
+    group = _group(model)
+    verify(path, group)
     fsdp = _is_fsdp(model)
     if optimizer is not None:
         O.init_optim_state(optimizer)
     state = _states(model, optimizer)
     _check_model_keys(path, state["model"])
-    world = _world()
+    world = _world(group)
     with warnings.catch_warnings():  # one rank: DCP's "assuming ... a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=world == 1)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=world == 1)
     if fsdp:
         prev = SD.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
         try:
@@ -303,7 +351,7 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
         _plain(model).load_state_dict(state["model"])
         if optimizer is not None:
             optimizer.load_state_dict(O.plain_optim_state_dict_to_load(_plain(model), optimizer, state["optim"]))
-    return read_extra(path, C.rank())
+    return read_extra(path, _rank(group))
 
 
 def read_extra(checkpoint_dir: str, rank: int = 0) -> Any:

@@ -53,6 +53,8 @@ _CONFIGS = {
 
 # Unit -> Settings; kept here, never as attributes on the user's modules.
 _SETTINGS: "weakref.WeakKeyDictionary[nn.Module, Settings]" = weakref.WeakKeyDictionary()
+# (id(shard group), device type) -> (the group, its 1-D DeviceMesh): a unit's
+# DTensors live on a mesh over the unit's own shard group.
 _MESHES: dict = {}
 
 
@@ -137,6 +139,14 @@ def entries(root: nn.Module) -> tuple[list, list[Entry]]:
     return units, out
 
 
+def first_rank(model: nn.Module) -> bool:
+    """Whether this rank keeps ``rank0_only`` state dicts of ``model`` (a
+    unit): the first rank of its groups (``collectives.is_first_rank``),
+    global rank 0 for the world, rank 2 for a model on ranks {2, 3}."""
+    cfg = model.unit.cfg
+    return C.is_first_rank(cfg.shard_group, cfg.replicate_group)
+
+
 def check_idle(model: nn.Module, what: str) -> None:
     """Raises RuntimeError when a forward or backward is in flight."""
     root = model._runtime.root
@@ -176,10 +186,12 @@ def shard_value(unit, si: int, local: torch.Tensor, offload: bool) -> torch.Tens
     from torch.distributed.tensor import DTensor, Shard
 
     local = local.detach().to("cpu", copy=True) if offload else local.detach()
-    key = (id(unit.cfg.shard_group), local.device.type)
-    if key not in _MESHES:
-        _MESHES[key] = C.device_mesh(unit.cfg.shard_group, local.device.type)
-    return DTensor.from_local(local, _MESHES[key], [Shard(0)], run_check=False, shape=lay.shape,
+    group = unit.cfg.shard_group
+    key = (id(group), local.device.type)
+    if key not in _MESHES or _MESHES[key][0] is not group:
+        # The group is held with its mesh, so its id cannot be reused by another group.
+        _MESHES[key] = (group, C.device_mesh(group, local.device.type))
+    return DTensor.from_local(local, _MESHES[key][1], [Shard(0)], run_check=False, shape=lay.shape,
                               stride=torch.empty(lay.shape, device="meta").stride())
 
 

@@ -308,6 +308,32 @@ def group_rank(group) -> int:
     return 0 if group is SELF_GROUP else dist.get_rank(group)
 
 
+def group_ranks(group) -> list[int]:
+    """Global ranks of ``group`` in group-rank order (``[this rank]`` for
+    :data:`SELF_GROUP`, every rank for None)."""
+    return [rank()] if group is SELF_GROUP else _group_ranks(group)
+
+
+def is_first_rank(shard_group, replicate_group) -> bool:
+    """Whether this rank is the first of the ranks holding a unit sharded over
+    ``shard_group`` and replicated over ``replicate_group`` (None: no
+    replicas): group rank 0 in both. Global rank 0 for the world; rank 2 for
+    a unit on ranks {2, 3}; one rank per HYBRID_SHARD layout."""
+    return group_rank(shard_group) == 0 and (replicate_group is None or group_rank(replicate_group) == 0)
+
+
+def holding_group(shard_group, replicate_group):
+    """The group of every rank that holds a unit sharded over ``shard_group``
+    and replicated over ``replicate_group``: the shard group (no replicas),
+    the replicate group (NO_SHARD: shards of one rank), else the world
+    (HYBRID_SHARD's pair tiles it; checked at construction)."""
+    if replicate_group is None:
+        return shard_group
+    if shard_group is SELF_GROUP:
+        return replicate_group
+    return world_group()
+
+
 def _count(name: str, t: torch.Tensor) -> None:
     COUNTS[name] += 1
     BYTES[name] += t.numel() * t.element_size()

@@ -125,22 +125,41 @@ class FullPrecisionRun:
         return map_tensors(_InputCaster(dtypes[0])._cast, out)
 
 
-@torch.no_grad()
-def broadcast_from_rank0(tensors: list[torch.Tensor], group) -> None:
-    """Overwrite every rank's tensors with rank 0's (``sync_module_states``)."""
-    for t in tensors:
-        C.broadcast(t.data, 0, group, tag="sync_module_states")
+def _multi_rank(shard_group, replicate_group) -> list:
+    """The unit's groups that span more than one rank, replicate group first."""
+    return [g for g in (replicate_group, shard_group) if g is not None and C.group_size(g) > 1]
 
 
 @torch.no_grad()
-def check_same_across_ranks(named: list[tuple[str, torch.Tensor]], group, unit: str) -> None:
-    """Compare three strided fp64 checksums per parameter across ranks with
-    one small all-reduce (max of [v, -v]).
+def broadcast_from_first(tensors: list[torch.Tensor], shard_group, replicate_group) -> None:
+    """Overwrite every rank's tensors with those of the unit's first rank
+    (``sync_module_states``; see ``collectives.is_first_rank``): over the
+    replicate group from its rank 0, then over the shard group from its rank 0.
+
+    Replicate group first, as torch FSDP1 does: in a HYBRID_SHARD layout
+    (replicas hold the same shard rank) the shard groups' rank-0 ranks form
+    one replicate group, so after the first broadcast they all hold its rank
+    0's values, and the second spreads exactly those. Only the unit's ranks
+    take part: units on other groups construct independently.
+    """
+    for group in _multi_rank(shard_group, replicate_group):
+        for t in tensors:
+            C.broadcast(t.data, 0, group, tag="sync_module_states")
+
+
+@torch.no_grad()
+def check_same_across_ranks(named: list[tuple[str, torch.Tensor]], shard_group, replicate_group,
+                            unit: str) -> None:
+    """Compare three strided fp64 checksums per parameter across the ranks
+    that hold the unit with one small all-reduce (max of [v, -v]) per group
+    (replicate, then shard: the maximum over a HYBRID_SHARD layout). Every
+    such rank reaches the same verdict.
 
     Raises:
         ValueError: naming the first parameter whose checksums differ.
     """
-    if not named or C.group_size(group) == 1:
+    groups = _multi_rank(shard_group, replicate_group)
+    if not named or not groups:
         return
     sums = []
     for _, p in named:
@@ -150,26 +169,34 @@ def check_same_across_ranks(named: list[tuple[str, torch.Tensor]], group, unit: 
                  t[1::3].sum(dtype=torch.float64)]
     v = torch.stack(sums).cpu()
     both = torch.cat([v, -v])
-    C.all_reduce(both, group, "max", tag=f"unit '{unit}' construction check")
+    for group in groups:
+        C.all_reduce(both, group, "max", tag=f"unit '{unit}' construction check")
     hi, lo = both[:v.numel()], -both[v.numel():]
     bad = (hi != lo).nonzero()
     if bad.numel():
         name = named[int(bad[0]) // 3][0]
+        ranks = sorted({r for g in groups for r in C.group_ranks(g)})
         raise ValueError(
-            f"[rank {C.rank()}] unit '{unit}': parameter '{name}' differs across ranks at construction; "
-            "initialize with the same seed on every rank or pass sync_module_states=True")
+            f"[rank {C.rank()}] unit '{unit}': parameter '{name}' differs across ranks {ranks} (the unit's "
+            "process group) at construction; initialize with the same seed on each of them or pass "
+            "sync_module_states=True")
 
 
-def grads_by_kind(units, params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(gradients of sharded parameters, gradients of unmanaged parameters)."""
-    sharded_ids, sharded = set(), []
+def grads_by_kind(units, params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[torch.Tensor],
+                                                                    list[torch.Tensor]]:
+    """(gradients of sharded parameters this rank counts in the norm, those
+    a replica with replicate-group rank 0 counts instead, gradients of
+    unmanaged parameters)."""
+    sharded_ids, counted, replica = set(), [], []
     for rt in units:
+        rep = rt.unit.cfg.replicate_group
+        mine = rep is None or C.group_rank(rep) == 0
         for sp in rt.unit.sharded_params:
             sharded_ids.add(id(sp))
             if sp.grad is not None:
-                sharded.append(sp.grad)
+                (counted if mine else replica).append(sp.grad)
     local = [p.grad for p in params if id(p) not in sharded_ids and p.grad is not None]
-    return sharded, local
+    return counted, replica, local
 
 
 def _norm_part(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -179,13 +206,18 @@ def _norm_part(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
 
 
-def global_norm(sharded: list[torch.Tensor], local: list[torch.Tensor], group, norm_type: float) -> torch.Tensor:
-    """Total ``norm_type`` norm of all gradients: shard contributions are
-    summed (max for inf) over the shard group; unmanaged ones are replicated
-    and counted once."""
+def global_norm(counted: list[torch.Tensor], local: list[torch.Tensor], shard_group, replicate_group,
+                norm_type: float) -> torch.Tensor:
+    """Total ``norm_type`` norm of all gradients of a model whose root unit is
+    on ``shard_group`` / ``replicate_group``: the ``counted`` shard
+    contributions (each gradient element held by exactly one rank; see
+    :func:`grads_by_kind`) are summed (max for inf) over the root's ranks,
+    replicate group then shard group; unmanaged gradients are replicated and
+    added once."""
     is_inf = norm_type == float("inf")
-    part = _norm_part(sharded, norm_type)
-    C.all_reduce(part, group, "max" if is_inf else "sum", tag="gradient norm")
+    part = _norm_part(counted, norm_type)
+    for group in _multi_rank(shard_group, replicate_group):
+        C.all_reduce(part, group, "max" if is_inf else "sum", tag="gradient norm")
     rest = _norm_part(local, norm_type)
     if is_inf:
         return torch.maximum(part, rest)
@@ -259,7 +291,7 @@ def full_params(units: list, writeback: bool = True, rank0_only: bool = False,
                     continue
                 views = gather_full(unit)
                 grads = _gather_grads(unit) if with_grads else [None] * len(unit.slots)
-                if rank0_only and C.rank() != 0:
+                if rank0_only and not C.is_first_rank(unit.cfg.shard_group, unit.cfg.replicate_group):
                     continue
                 if offload_to_cpu:
                     views = [v.cpu() for v in views]

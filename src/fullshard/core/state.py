@@ -136,7 +136,22 @@ class UnitRuntime:
 
 
 def lazy_init_root(root: UnitRuntime, all_units: list[UnitRuntime]) -> None:
-    """Make ``root`` the root of ``all_units`` (itself included)."""
+    """Make ``root`` the root of ``all_units`` (itself included).
+
+    Raises:
+        ValueError: a unit held by ranks outside the root's: the root's
+            per-iteration agreements (gradient norm, leftover ``no_sync``
+            stashes) run over the root's groups, which must cover every unit's.
+    """
+    cfg = root.unit.cfg
+    mine = set(C.group_ranks(C.holding_group(cfg.shard_group, cfg.replicate_group)))
+    for rt in all_units:
+        theirs = C.group_ranks(C.holding_group(rt.unit.cfg.shard_group, rt.unit.cfg.replicate_group))
+        if not mine.issuperset(theirs):
+            raise ValueError(
+                f"[rank {C.rank()}] unit '{rt.unit.name}' is held by ranks {theirs}, outside its root "
+                f"'{root.unit.name}' on ranks {sorted(mine)}; wrap the root on a process group that contains "
+                "every nested unit's (pass the same process_group to both)")
     shared = RootRuntime(all_units)
     for rt in all_units:
         rt.root = shared
