@@ -47,23 +47,6 @@ class BackwardPrefetch(enum.Enum):
     BACKWARD_POST = "BACKWARD_POST"
 
 
-class TrainingState(enum.Enum):
-    """Where a unit is in the forward/backward of one iteration."""
-
-    IDLE = "IDLE"
-    FORWARD = "FORWARD"
-    PRE_BACKWARD = "PRE_BACKWARD"
-    POST_BACKWARD = "POST_BACKWARD"
-
-
-class ShardedState(enum.Enum):
-    """Whether a unit's full parameters exist on this rank."""
-
-    SHARDED = "SHARDED"
-    UNSHARDING = "UNSHARDING"  # all-gather issued, not yet waited on
-    UNSHARDED = "UNSHARDED"
-
-
 @dataclasses.dataclass(frozen=True)
 class MixedPrecision:
     """Mixed-precision policy; the sharded (master) parameters stay in their

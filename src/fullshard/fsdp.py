@@ -15,20 +15,23 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, TrainingState
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .core import collectives as C
 from .core import convert as CV
 from .core import state as S
+from .core.module import UnitModule, unit_modules
 from .core.unit import Unit, UnitConfig
 from .core import param as FU
 from . import construct as K
 from . import wrap as W
 from .checkpoint import module_hooks as sd_hooks
+from .checkpoint import optim as checkpoint_optim
+from .checkpoint import state_dict as checkpoint_state_dict
 
 from .construct import _PREFIX
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(UnitModule):
     """Shard a module's parameters, gradients and optimizer state over ranks.
 
     Args:
@@ -158,10 +161,6 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module
 
     @property
-    def unit(self) -> Unit:
-        return self._runtime.unit
-
-    @property
     def sharding_strategy(self) -> ShardingStrategy:
         return self._strategy
 
@@ -179,7 +178,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def units(self) -> list["FullyShardedDataParallel"]:
         """This unit and every unit nested in it, in module order."""
-        return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        return unit_modules(self)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
@@ -241,11 +240,7 @@ class FullyShardedDataParallel(nn.Module):
         root = self._runtime.root
         if root_only and not self._runtime.is_root:
             raise RuntimeError(f"{what} must be called on the root FullyShardedDataParallel instance")
-        if not S.in_backward_pass() and S.backward_broken(root):
-            S.start_iteration(root)  # the last backward raised: start clean here too
-        busy = [rt.unit.name for rt in root.units if rt.state is not TrainingState.IDLE]
-        if busy:
-            raise RuntimeError(f"{what} cannot run during forward or backward (units busy: {busy})")
+        S.require_idle(root, what)
         return root
 
     @contextlib.contextmanager
@@ -340,11 +335,7 @@ class FullyShardedDataParallel(nn.Module):
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
         """Every unit in ``module`` (itself included), in module order; with
         ``root_only`` only those not nested in another unit."""
-        units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
-        if root_only:
-            nested = {id(n) for u in units for n in u.modules() if n is not u}
-            units = [u for u in units if id(u) not in nested]
-        return units
+        return unit_modules(module, root_only)
 
     def check_is_root(self) -> bool:
         """Whether this unit is the root (runs lazy initialization if needed)."""
@@ -442,35 +433,27 @@ class FullyShardedDataParallel(nn.Module):
                         optim_state_dict_config=None):
         """Context: every unit in ``module`` uses ``state_dict_type`` (a
         :class:`StateDictType`) and the configs, then the previous setting."""
-        from .checkpoint import state_dict as SD
-
-        prev = SD.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        prev = checkpoint_state_dict.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
         try:
             yield
         finally:
-            SD.restore(module, prev)
+            checkpoint_state_dict.restore(module, prev)
 
     @staticmethod
     def set_state_dict_type(module: nn.Module, state_dict_type, state_dict_config=None,
                             optim_state_dict_config=None):
         """Set the state-dict type of every unit in ``module``; returns the previous settings."""
-        from .checkpoint import state_dict as SD
-
-        return SD.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        return checkpoint_state_dict.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
 
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
         """Optimizer state by original parameter name, full or sharded per the state-dict type."""
-        from .checkpoint import optim as O  # noqa: N812
-
-        return O.optim_state_dict(model, optim)
+        return checkpoint_optim.optim_state_dict(model, optim)
 
     @staticmethod
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict) -> dict:
         """A by-name optimizer state dict (any world size) as ``optim.load_state_dict`` input."""
-        from .checkpoint import optim as O  # noqa: N812
-
-        return O.optim_state_dict_to_load(model, optim, optim_state_dict)
+        return checkpoint_optim.optim_state_dict_to_load(model, optim, optim_state_dict)
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.method_name(...)`` run like ``forward``: the unit's full
@@ -511,13 +494,13 @@ def _hook_direct_calls(unit: FullyShardedDataParallel, module: nn.Module) -> Non
         if u is None or u._in_forward:
             return None
         u._lazy_init()
-        if u._runtime.state is TrainingState.FORWARD:  # a nested call of the same module
+        if u._runtime.state is S.TrainingState.FORWARD:  # a nested call of the same module
             return None
         return S.pre_forward(u._runtime, args, kwargs)
 
     def post(mod, args, kwargs, output):
         u = ref()
-        if u is None or u._in_forward or u._runtime.state is not TrainingState.FORWARD:
+        if u is None or u._in_forward or u._runtime.state is not S.TrainingState.FORWARD:
             return None
         return S.post_forward(u._runtime, output)
 

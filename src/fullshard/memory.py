@@ -13,7 +13,7 @@ import torch.nn as nn
 from .construct import clean_name
 from .core import collectives as C
 from .core.buffers import POOL
-from .fsdp import FullyShardedDataParallel
+from .core.module import UnitModule
 
 UNIT_FIELDS = ("sharded_bytes", "unsharded_bytes", "full_grad_bytes", "stashed_grad_bytes",
                "pending_reduce_scatters")
@@ -30,7 +30,7 @@ def _held(t) -> int:
     return 0 if t is None else t.untyped_storage().nbytes()
 
 
-def _unit_entry(fsdp_unit: FullyShardedDataParallel) -> dict[str, int]:
+def _unit_entry(fsdp_unit: UnitModule) -> dict[str, int]:
     rt = fsdp_unit._runtime
     unit = rt.unit
     # An aliased unit computes on its shard: no memory beyond sharded_bytes.
@@ -105,7 +105,7 @@ def memory_stats(model: nn.Module) -> dict[str, dict[str, int]]:
     """
     out: dict[str, dict[str, int]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, FullyShardedDataParallel):
+        if isinstance(module, UnitModule):
             key = clean_name(name)
             if key == POOL_KEY:
                 raise ValueError(

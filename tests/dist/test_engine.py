@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy, memory_stats
 from fullshard.core import collectives as C
 from fullshard.core.state import TrainingStateError
-from fullshard.api import TrainingState
+from fullshard.core.state import TrainingState
 from fullshard.wrap import (ModuleWrapPolicy, enable_wrap, lambda_auto_wrap_policy,
                             size_based_auto_wrap_policy, wrap)
 from tests.dist import models as M

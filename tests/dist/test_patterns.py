@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fullshard import FullyShardedDataParallel as FSDP, memory_stats
-from fullshard.api import ShardedState, TrainingState
+from fullshard.core.state import TrainingState
+from fullshard.core.unit import ShardedState
 from fullshard.core import collectives as C
 from tests.dist import patterns as P
 from tests.dist.harness import run_ranks

@@ -3,6 +3,7 @@ previous checkpoint loadable and no half-written directory (single process, no p
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 import torch
@@ -36,3 +37,21 @@ def test_enospc_in_writer_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert checkpoint.load(str(path), fresh) == {"n": 1}
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_after_write_hook_runs_before_publish_and_its_error_fails_the_save(tmp_path):
+    """``after_write`` (the trainer's fault injection) sees the written temporary
+    directory; an error it raises fails the save and publishes nothing."""
+    from fullshard import checkpoint
+
+    model = nn.Linear(4, 3)
+    seen = []
+    checkpoint.save(str(tmp_path / "ok"), model, after_write=lambda tmp: seen.append(sorted(os.listdir(tmp))))
+    assert seen and any(name.endswith(".distcp") for name in seen[0])
+
+    def fail(tmp):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(checkpoint.CheckpointError, match="No space left on device"):
+        checkpoint.save(str(tmp_path / "bad"), model, after_write=fail)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]

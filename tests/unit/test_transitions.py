@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from fullshard.api import TrainingState
+from fullshard.core.state import TrainingState
 from fullshard.core import state
 
 LEGAL = {

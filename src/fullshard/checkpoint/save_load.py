@@ -30,15 +30,15 @@ import os
 import shutil
 import time
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from .. import faults
 from ..api import StateDictType
 from ..core import collectives as C
+from ..core.module import unit_modules
 from . import optim as O
 from . import state_dict as SD
 from fullshard.digest import file_sha256
@@ -80,7 +80,7 @@ def _group(model: nn.Module):
     """
     if not C.is_initialized():
         return None
-    units = SD._units_of(model)
+    units = unit_modules(model)
     if not units:
         return getattr(model, "process_group", None) if isinstance(model, nn.parallel.DistributedDataParallel) \
             else None
@@ -98,7 +98,7 @@ def _group(model: nn.Module):
 
 
 def _is_fsdp(model: nn.Module) -> bool:
-    return bool(SD._units_of(model))
+    return bool(unit_modules(model))
 
 
 def _plain(model: nn.Module) -> nn.Module:
@@ -141,7 +141,7 @@ def _recover(final: str) -> None:
 
 
 def save(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-         extra: Optional[dict] = None) -> float:
+         extra: Optional[dict] = None, after_write: Optional[Callable[[str], None]] = None) -> float:
     """Write a sharded checkpoint (see [Note: checkpoint layout]); every rank calls it.
 
     Args:
@@ -151,6 +151,10 @@ def save(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
         optimizer: its optimizer (state saved by parameter name), or None.
         extra: this rank's picklable dict (RNG states, data position, ...);
             each rank's is kept and :func:`load` returns it to the same rank.
+        after_write: called with the temporary directory once this rank's
+            files are written, before they are published (the trainer's fault
+            injection passes one; an exception it raises fails the save like
+            a write error).
     Returns:
         Seconds the save took on this rank.
     Raises:
@@ -178,7 +182,8 @@ def save(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
                  no_dist=world == 1)
         if extra is not None:
             torch.save(extra, os.path.join(tmp, f"extra-rank{rank}.pt"))
-        faults.on_save(tmp)
+        if after_write is not None:
+            after_write(tmp)
         del state
     except (Exception, dcp.api.CheckpointException) as e:  # a full disk on any rank (DCP gathers them)
         error = e

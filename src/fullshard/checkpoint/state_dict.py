@@ -31,6 +31,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 from ..api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
                    ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType)
 from ..core import collectives as C
+from ..core import state
+from ..core.module import unit_modules
 from ..construct import WRAPPER_SEGMENTS
 from ..core import flat as F
 
@@ -58,12 +60,6 @@ _SETTINGS: "weakref.WeakKeyDictionary[nn.Module, Settings]" = weakref.WeakKeyDic
 _MESHES: dict = {}
 
 
-def _units_of(model: nn.Module) -> list:
-    from ..fsdp import FullyShardedDataParallel
-
-    return [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
-
-
 def settings(model: nn.Module) -> Settings:
     return _SETTINGS.get(model, Settings())
 
@@ -83,7 +79,7 @@ def set_state_dict_type(model: nn.Module, sd_type: StateDictType, config=None, o
     if not isinstance(config, want[0]) or not isinstance(optim_config, want[1]):
         raise ValueError(f"{sd_type.value} takes {want[0].__name__} and {want[1].__name__}; got "
                          f"{type(config).__name__} and {type(optim_config).__name__}")
-    units = _units_of(model)
+    units = unit_modules(model)
     if not units:
         raise ValueError("set_state_dict_type: the module holds no FullyShardedDataParallel unit")
     prev = settings(units[0])
@@ -93,7 +89,7 @@ def set_state_dict_type(model: nn.Module, sd_type: StateDictType, config=None, o
 
 
 def restore(model: nn.Module, prev: Settings) -> None:
-    for u in _units_of(model):
+    for u in unit_modules(model):
         _SETTINGS[u] = prev
 
 
@@ -120,7 +116,7 @@ class Entry:
 
 def entries(root: nn.Module) -> tuple[list, list[Entry]]:
     """(Unit objects under ``root`` in module order, every state-dict entry in order)."""
-    units = [u.unit for u in _units_of(root)]
+    units = [u.unit for u in unit_modules(root)]
     owner = {}
     for ui, unit in enumerate(units):
         for si, slot in enumerate(unit.slots):
@@ -148,16 +144,15 @@ def first_rank(model: nn.Module) -> bool:
 
 
 def check_idle(model: nn.Module, what: str) -> None:
-    """Raises RuntimeError when a forward or backward is in flight."""
-    root = model._runtime.root
-    if root is None:
-        return
-    from ..api import TrainingState
+    """``core.state.require_idle`` for the units under ``model`` (a unit, or a
+    plain module holding units); a root not yet initialized is idle.
 
-    busy = [rt.unit.name for rt in root.units if rt.state is not TrainingState.IDLE]
-    if busy:
-        raise RuntimeError(f"[rank {C.rank()}] {what} cannot run during forward or backward "
-                           f"(units busy: {busy}); call it between iterations")
+    Raises:
+        RuntimeError: a forward or backward is in flight.
+    """
+    for u in unit_modules(model, root_only=True):
+        if u._runtime.root is not None:
+            state.require_idle(u._runtime.root, what)
 
 
 # ------------------------------------------------------------------- values

@@ -23,9 +23,9 @@ from typing import Callable, Iterator
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..api import ShardedState, TrainingState
 from . import collectives as C
 from . import state as S
+from .unit import ShardedState
 
 
 def check_convertible(rts: list[S.UnitRuntime], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -42,7 +42,7 @@ def check_convertible(rts: list[S.UnitRuntime], fn: Callable[[torch.Tensor], tor
     for rt in rts:
         unit = rt.unit
         where = f"[rank {C.rank()}] unit '{unit.name}'"
-        if rt.state is not TrainingState.IDLE:
+        if rt.state is not S.TrainingState.IDLE:
             problem = f"cannot convert parameters during forward or backward (state {rt.state.value})"
             fix = "convert between iterations"
         elif unit.summoned:

@@ -30,15 +30,25 @@ autograd graph or the user keeps must not keep a deleted model alive.
 """
 from __future__ import annotations
 
+import enum
 import weakref
 from typing import Any, Optional
 
 import torch
 
-from ..api import BackwardPrefetch, ShardedState, TrainingState
+from ..api import BackwardPrefetch
 from . import collectives as C
 from .tree import map_tensors, tensors_in
-from .unit import PendingReduce, Unit
+from .unit import PendingReduce, ShardedState, Unit
+
+class TrainingState(enum.Enum):
+    """Where a unit is in the forward/backward of one iteration."""
+
+    IDLE = "IDLE"
+    FORWARD = "FORWARD"
+    PRE_BACKWARD = "PRE_BACKWARD"
+    POST_BACKWARD = "POST_BACKWARD"
+
 
 # Reduce-scatters allowed in flight before the oldest is waited on: each holds
 # a unit-sized input buffer, so an unbounded queue would keep a full model's
@@ -160,6 +170,24 @@ def lazy_init_root(root: UnitRuntime, all_units: list[UnitRuntime]) -> None:
 
 def backward_broken(root: RootRuntime) -> bool:
     return bool(root.pending) or root.callback_queued or any(rt.state in _BACKWARD for rt in root.units)
+
+
+def require_idle(root: RootRuntime, what: str) -> None:
+    """The one idle check of the public methods that must run between
+    iterations (``no_sync``, ``clip_grad_norm_``, ``summon_full_params``,
+    state dicts, optimizer state dicts). Leftovers of a backward that raised
+    are cleared first (as the next forward would), so such a call right after
+    a caught exception works.
+
+    Raises:
+        RuntimeError: a forward or backward is in flight (the busy units named).
+    """
+    if not in_backward_pass() and backward_broken(root):
+        start_iteration(root)
+    busy = [rt.unit.name for rt in root.units if rt.state is not TrainingState.IDLE]
+    if busy:
+        raise RuntimeError(f"[rank {C.rank()}] {what} cannot run during forward or backward "
+                           f"(units busy: {busy}); call it between iterations")
 
 
 def start_iteration(root: RootRuntime) -> None:

@@ -6,17 +6,25 @@ See ``core/flat.py`` [Note: flat layouts] for how elements are placed.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import weakref
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
-from ..api import ShardedState
 from . import collectives as C
 from .buffers import POOL
 from . import flat as F
 from . import grads as G
+
+
+class ShardedState(enum.Enum):
+    """Whether a unit's full parameters exist on this rank."""
+
+    SHARDED = "SHARDED"
+    UNSHARDING = "UNSHARDING"  # all-gather issued, not yet waited on
+    UNSHARDED = "UNSHARDED"
 
 
 @dataclasses.dataclass

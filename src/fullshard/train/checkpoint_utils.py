@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from fullshard import checkpoint
+from fullshard import checkpoint, faults
 from fullshard.core import collectives as C
 
 logger = logging.getLogger("fullshard.train")
@@ -86,7 +86,7 @@ def save(run, epoch: int, offset: int, end_of_epoch: bool) -> str:
     last = os.path.join(cfg.save_dir, "checkpoint_last")
     n = trainer.num_updates
     try:
-        seconds = checkpoint.save(last, trainer.model, trainer.optimizer, extra=extra)
+        seconds = checkpoint.save(last, trainer.model, trainer.optimizer, extra=extra, after_write=faults.on_save)
     except checkpoint.CheckpointError as e:
         if cfg.on_save_error == "stop":
             raise checkpoint.CheckpointError(f"{e}; stopped at update {n} (--on-save-error stop)") from None

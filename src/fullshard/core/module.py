@@ -1,0 +1,34 @@
+"""The base class of every module that fronts a unit, and the one way to
+find units in a model.
+
+``FullyShardedDataParallel`` (the FSDP1-style wrapper) derives from
+:class:`UnitModule`; layers above the engine (state dicts, checkpoints,
+``memory_stats``) find units through :func:`unit_modules` and never import a
+front door, so the package graph stays one-way (``docs/design.md``).
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+class UnitModule(nn.Module):
+    """A module that owns one unit of the engine.
+
+    Subclasses set ``_runtime`` (a :class:`fullshard.core.state.UnitRuntime`)
+    before use; :attr:`unit` is its :class:`fullshard.core.unit.Unit`.
+    """
+
+    @property
+    def unit(self):
+        """The :class:`fullshard.core.unit.Unit` this module fronts."""
+        return self._runtime.unit
+
+
+def unit_modules(model: nn.Module, root_only: bool = False) -> list[UnitModule]:
+    """Every :class:`UnitModule` in ``model`` (itself included), in module
+    order; with ``root_only`` only those not nested in another one."""
+    units = [m for m in model.modules() if isinstance(m, UnitModule)]
+    if root_only:
+        nested = {id(n) for u in units for n in u.modules() if n is not u}
+        units = [u for u in units if id(u) not in nested]
+    return units
