@@ -25,7 +25,9 @@ WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 # id -> (weakref, unit name). Kept here, never as attributes on foreign objects.
 TAKEN: dict[int, tuple[weakref.ref, str]] = {}
 WRAPPED: dict[int, tuple[weakref.ref, str]] = {}
-HYBRID_GROUPS: dict[tuple[int, int], tuple[Any, Any]] = {}
+# The default HYBRID_SHARD groups, per world group (held weakly: a world made
+# again after destroy_process_group gets new groups) and (local, world) size.
+HYBRID_GROUPS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int], tuple[Any, Any]]]" = weakref.WeakKeyDictionary()
 HYBRID_CHECKED: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id shard, id replicate) -> the groups
 
 
@@ -241,7 +243,8 @@ def default_hybrid_groups(where: str):
         raise ValueError(f"{where}: HYBRID_SHARD world size {world} is not a multiple of LOCAL_WORLD_SIZE "
                          f"{local}; pass process_group=(shard_group, replicate_group)")
     key = (local, world)
-    if key not in HYBRID_GROUPS:
+    cache = HYBRID_GROUPS.setdefault(C.world_group(), {})
+    if key not in cache:
         me = C.rank()
         shard = rep = None
         for start in range(0, world, local):
@@ -252,5 +255,5 @@ def default_hybrid_groups(where: str):
             g = C.new_group(list(range(i, world, local)))
             if me % local == i:
                 rep = g
-        HYBRID_GROUPS[key] = (shard, rep)
-    return HYBRID_GROUPS[key]
+        cache[key] = (shard, rep)
+    return cache[key]

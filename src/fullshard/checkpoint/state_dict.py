@@ -55,9 +55,9 @@ _CONFIGS = {
 
 # Unit -> Settings; kept here, never as attributes on the user's modules.
 _SETTINGS: "weakref.WeakKeyDictionary[nn.Module, Settings]" = weakref.WeakKeyDictionary()
-# (id(shard group), device type) -> (the group, its 1-D DeviceMesh): a unit's
-# DTensors live on a mesh over the unit's own shard group.
-_MESHES: dict = {}
+# shard group (held weakly: a destroyed group's entry goes with it) -> device
+# type -> its 1-D DeviceMesh: a unit's DTensors live on a mesh over its own group.
+_MESHES: "weakref.WeakKeyDictionary[object, dict[str, object]]" = weakref.WeakKeyDictionary()
 
 
 def settings(model: nn.Module) -> Settings:
@@ -181,12 +181,10 @@ def shard_value(unit, si: int, local: torch.Tensor, offload: bool) -> torch.Tens
     from torch.distributed.tensor import DTensor, Shard
 
     local = local.detach().to("cpu", copy=True) if offload else local.detach()
-    group = unit.cfg.shard_group
-    key = (id(group), local.device.type)
-    if key not in _MESHES or _MESHES[key][0] is not group:
-        # The group is held with its mesh, so its id cannot be reused by another group.
-        _MESHES[key] = (group, C.device_mesh(group, local.device.type))
-    return DTensor.from_local(local, _MESHES[key][1], [Shard(0)], run_check=False, shape=lay.shape,
+    meshes = _MESHES.setdefault(unit.cfg.shard_group, {})
+    if local.device.type not in meshes:
+        meshes[local.device.type] = C.device_mesh(unit.cfg.shard_group, local.device.type)
+    return DTensor.from_local(local, meshes[local.device.type], [Shard(0)], run_check=False, shape=lay.shape,
                               stride=torch.empty(lay.shape, device="meta").stride())
 
 
