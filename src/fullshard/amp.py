@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from .core import collectives as C
+from .core import collectives
 
 _MIN_SCALE_MESSAGE = (
     "Minimum loss scale reached ({}). Your loss is probably exploding. Try lowering the learning rate, "
@@ -43,8 +43,8 @@ def all_reduce_found_inf(flag: torch.Tensor, group) -> torch.Tensor:
     Returns:
         ``flag``, now identical on every rank of the group.
     """
-    if C.is_initialized():
-        C.all_reduce(flag, C.world_group() if group is None else group, "max", tag="loss scaler inf check")
+    if collectives.is_initialized():
+        collectives.all_reduce(flag, collectives.world_group() if group is None else group, "max", tag="loss scaler inf check")
     return flag
 
 

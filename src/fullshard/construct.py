@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
-from .core import collectives as C
+from .core import collectives
 from .core import param as FU
 from .core.unit import ParamSlot
 
@@ -57,12 +57,12 @@ def check_policies(name: str, strategy, mp, offload):
     """Validate and default the policy arguments: (strategy, MixedPrecision, CPUOffload)."""
     strategy = strategy or ShardingStrategy.FULL_SHARD
     if not isinstance(strategy, ShardingStrategy):
-        raise ValueError(f"[rank {C.rank()}] unit '{name}': sharding_strategy must be a "
+        raise ValueError(f"[rank {collectives.rank()}] unit '{name}': sharding_strategy must be a "
                          f"fullshard.ShardingStrategy, got {strategy!r}")
     mp = mp or MixedPrecision()
     offload = offload or CPUOffload()
     if not isinstance(mp, MixedPrecision) or not isinstance(offload, CPUOffload):
-        raise ValueError(f"[rank {C.rank()}] unit '{name}': mixed_precision must be a fullshard.MixedPrecision "
+        raise ValueError(f"[rank {collectives.rank()}] unit '{name}': mixed_precision must be a fullshard.MixedPrecision "
                          f"and cpu_offload a fullshard.CPUOffload; got {type(mp).__name__}, "
                          f"{type(offload).__name__}")
     return strategy, mp, offload
@@ -99,11 +99,11 @@ def prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, 
 
 def check_not_wrapped(module: nn.Module, name: str, is_unit) -> None:
     if is_unit(module):
-        raise ValueError(f"[rank {C.rank()}] module '{name}' is already a FullyShardedDataParallel "
+        raise ValueError(f"[rank {collectives.rank()}] module '{name}' is already a FullyShardedDataParallel "
                          "unit; wrap each module once")
     prior = registered(WRAPPED, module)
     if prior is not None:
-        raise ValueError(f"[rank {C.rank()}] module '{name}' was already wrapped as unit '{prior}'; "
+        raise ValueError(f"[rank {collectives.rank()}] module '{name}' was already wrapped as unit '{prior}'; "
                          "wrap each module once")
 
 
@@ -124,7 +124,7 @@ def collect_slots(module: nn.Module, ignored: set[int], skip: frozenset, unit: s
             prior = registered(TAKEN, p)
             if prior is not None:
                 raise ValueError(
-                    f"[rank {C.rank()}] parameter '{fqn}' of unit '{unit}' is already sharded by unit "
+                    f"[rank {collectives.rank()}] parameter '{fqn}' of unit '{unit}' is already sharded by unit "
                     f"'{prior}' (a tied weight split between units); wrap so that every module "
                     "using it sits in one unit, or let auto_wrap_policy place it")
             slot = by_id.get(id(p))
@@ -194,19 +194,19 @@ def resolve_groups(strategy: ShardingStrategy, process_group, where: str):
             raise ValueError(f"{where}: HYBRID_SHARD takes process_group as a (shard_group, replicate_group) "
                              f"pair, or None to group by LOCAL_WORLD_SIZE; got {type(process_group).__name__}")
         shard, rep = process_group
-        if C.group_size(shard) * C.group_size(rep) != C.world_size():
+        if collectives.group_size(shard) * collectives.group_size(rep) != collectives.world_size():
             raise ValueError(
-                f"{where}: HYBRID_SHARD shard group size {C.group_size(shard)} x replicate group size "
-                f"{C.group_size(rep)} != world size {C.world_size()}; pass groups that tile the world")
+                f"{where}: HYBRID_SHARD shard group size {collectives.group_size(shard)} x replicate group size "
+                f"{collectives.group_size(rep)} != world size {collectives.world_size()}; pass groups that tile the world")
         check_hybrid_layout(shard, rep, where)
         return shard, rep
     if pair:
         raise ValueError(f"{where}: {strategy.value} takes a single process group; a (shard, replicate) "
                          "pair is only for HYBRID_SHARD")
-    group = process_group if process_group is not None else C.world_group()
+    group = process_group if process_group is not None else collectives.world_group()
     if strategy is ShardingStrategy.NO_SHARD:
         # Hybrid sharding with shards of one rank: gradients are all-reduced.
-        return C.SELF_GROUP, group
+        return collectives.SELF_GROUP, group
     return group, None
 
 
@@ -222,37 +222,37 @@ def check_hybrid_layout(shard, rep, where: str) -> None:
     key = (id(shard), id(rep))
     if key in HYBRID_CHECKED and HYBRID_CHECKED[key][0] is shard and HYBRID_CHECKED[key][1] is rep:
         return
-    mine = float(C.group_rank(shard))
+    mine = float(collectives.group_rank(shard))
     seen = torch.tensor([mine, -mine])
-    C.all_reduce(seen, rep, "max", tag="HYBRID_SHARD layout check")
+    collectives.all_reduce(seen, rep, "max", tag="HYBRID_SHARD layout check")
     bad = torch.tensor([float(seen[0] != -seen[1])])
-    C.all_reduce(bad, shard, "max", tag="HYBRID_SHARD layout check")
+    collectives.all_reduce(bad, shard, "max", tag="HYBRID_SHARD layout check")
     if bad.item():
         raise ValueError(
-            f"{where}: HYBRID_SHARD replicate group {C.group_ranks(rep)} (or another) joins ranks at different "
-            f"shard-group ranks (this rank is shard rank {int(mine)} of {C.group_ranks(shard)}), so replicas "
+            f"{where}: HYBRID_SHARD replicate group {collectives.group_ranks(rep)} (or another) joins ranks at different "
+            f"shard-group ranks (this rank is shard rank {int(mine)} of {collectives.group_ranks(shard)}), so replicas "
             "would hold different shards; pass replicate groups of the ranks with equal shard rank, e.g. a "
             "2-D DeviceMesh (replicate, shard) built from init_device_mesh")
     HYBRID_CHECKED[key] = (shard, rep)  # held, so the ids are not reused
 
 
 def default_hybrid_groups(where: str):
-    world = C.world_size()
+    world = collectives.world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % local:
         raise ValueError(f"{where}: HYBRID_SHARD world size {world} is not a multiple of LOCAL_WORLD_SIZE "
                          f"{local}; pass process_group=(shard_group, replicate_group)")
     key = (local, world)
-    cache = HYBRID_GROUPS.setdefault(C.world_group(), {})
+    cache = HYBRID_GROUPS.setdefault(collectives.world_group(), {})
     if key not in cache:
-        me = C.rank()
+        me = collectives.rank()
         shard = rep = None
         for start in range(0, world, local):
-            g = C.new_group(list(range(start, start + local)))
+            g = collectives.new_group(list(range(start, start + local)))
             if start <= me < start + local:
                 shard = g
         for i in range(local):
-            g = C.new_group(list(range(i, world, local)))
+            g = collectives.new_group(list(range(i, world, local)))
             if me % local == i:
                 rep = g
         cache[key] = (shard, rep)

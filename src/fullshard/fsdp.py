@@ -16,17 +16,17 @@ import torch
 import torch.nn as nn
 
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .core import collectives as C
-from .core import convert as CV
-from .core import state as S
+from .core import collectives
+from .core import convert
+from .core import state
 from .core.module import UnitModule, unit_modules
 from .core.unit import Unit, UnitConfig
 from .core import param as FU
-from . import construct as K
-from . import wrap as W
-from .checkpoint import module_hooks as sd_hooks
-from .checkpoint import optim as checkpoint_optim
-from .checkpoint import state_dict as checkpoint_state_dict
+from . import construct
+from . import wrap
+from .checkpoint import module_hooks
+from .checkpoint import optim as optim_state
+from .checkpoint import state_dict as state_dicts
 
 from .construct import _PREFIX
 
@@ -87,21 +87,21 @@ class FullyShardedDataParallel(UnitModule):
                  _unit_name: Optional[str] = None, _skip_param_ids: frozenset = frozenset(),
                  _full_precision: bool = False):
         super().__init__()
-        if not C.is_initialized():
+        if not collectives.is_initialized():
             raise RuntimeError(
                 "FullyShardedDataParallel needs an initialized process group: launch with "
                 "`torchrun --nproc-per-node N script.py` and call "
                 "torch.distributed.init_process_group() before wrapping")
         name = _unit_name or type(module).__name__
-        where = f"[rank {C.rank()}] unit '{name}'"
+        where = f"[rank {collectives.rank()}] unit '{name}'"
         is_unit = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
-        K.check_not_wrapped(module, name, is_unit)
-        strategy, mp, offload = K.check_policies(name, sharding_strategy, mixed_precision, cpu_offload)
-        process_group = K.group_from_mesh(device_mesh, process_group, strategy, where)
-        shard_group, replicate_group = K.resolve_groups(strategy, process_group, where)
-        device = K.resolve_device(device_id, module)
-        ignored_modules, ignored_params = K.split_ignored(ignored_modules, ignored_states, where)
-        ignored = K.ignored_ids(module, ignored_modules)
+        construct.check_not_wrapped(module, name, is_unit)
+        strategy, mp, offload = construct.check_policies(name, sharding_strategy, mixed_precision, cpu_offload)
+        process_group = construct.group_from_mesh(device_mesh, process_group, strategy, where)
+        shard_group, replicate_group = construct.resolve_groups(strategy, process_group, where)
+        device = construct.resolve_device(device_id, module)
+        ignored_modules, ignored_params = construct.split_ignored(ignored_modules, ignored_states, where)
+        ignored = construct.ignored_ids(module, ignored_modules)
         kwargs = dict(process_group=process_group, sharding_strategy=strategy,
                       backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
                       device_id=device, sync_module_states=sync_module_states,
@@ -116,29 +116,29 @@ class FullyShardedDataParallel(UnitModule):
         if mp.param_dtype is not None and mp.full_precision_module_classes:
             # Norm layers with running statistics first, as full-precision units.
             full_mp = MixedPrecision(cast_forward_inputs=False, full_precision_module_classes=())
-            W.recursive_wrap(module, W.ModuleWrapPolicy(mp.full_precision_module_classes),
+            wrap.recursive_wrap(module, wrap.ModuleWrapPolicy(mp.full_precision_module_classes),
                              unit_fn(mixed_precision=full_mp, _full_precision=True), ignored, is_unit)
         if isinstance(auto_wrap_policy, (set, frozenset)):
-            auto_wrap_policy = W.ModuleWrapPolicy(auto_wrap_policy)
+            auto_wrap_policy = wrap.ModuleWrapPolicy(auto_wrap_policy)
         if auto_wrap_policy is not None:
-            W.recursive_wrap(module, auto_wrap_policy, unit_fn(), ignored, is_unit)
-        own = list(W._unwrapped_modules(module, is_unit, ignored))
-        K.materialize(own, param_init_fn, device, mp.buffer_dtype)
-        slots = K.collect_slots(module, ignored, _skip_param_ids | {id(p) for p in ignored_params}, name, is_unit)
-        K.prepare_values(slots, own, param_init_fn, device, sync_module_states, name,
+            wrap.recursive_wrap(module, auto_wrap_policy, unit_fn(), ignored, is_unit)
+        own = list(wrap._unwrapped_modules(module, is_unit, ignored))
+        construct.materialize(own, param_init_fn, device, mp.buffer_dtype)
+        slots = construct.collect_slots(module, ignored, _skip_param_ids | {id(p) for p in ignored_params}, name, is_unit)
+        construct.prepare_values(slots, own, param_init_fn, device, sync_module_states, name,
                          (shard_group, replicate_group))
         cfg = UnitConfig(
             shard_group=shard_group, replicate_group=replicate_group,
-            dp_world_size=C.group_size(shard_group) * (
-                C.group_size(replicate_group) if replicate_group is not None else 1),
+            dp_world_size=collectives.group_size(shard_group) * (
+                collectives.group_size(replicate_group) if replicate_group is not None else 1),
             compute_device=device, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
             offload_params=offload.offload_params, keep_low_precision_grads=mp.keep_low_precision_grads,
             reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD))
         for s in slots:
-            K.register(K.TAKEN, s.param, name)
+            construct.register(construct.TAKEN, s.param, name)
         with torch.no_grad():
             unit = Unit(name, slots, cfg)
-        K.register(K.WRAPPED, module, name)
+        construct.register(construct.WRAPPED, module, name)
         self._fsdp_wrapped_module = module
         self._strategy = strategy
         self.use_orig_params = use_orig_params  # informational: original parameters are always exposed
@@ -146,13 +146,13 @@ class FullyShardedDataParallel(UnitModule):
         self._buffer_dtype = mp.buffer_dtype
         self._in_forward = False
         self._full_precision = FU.FullPrecisionRun(unit.flat_shard.dtype) if _full_precision else None
-        self._runtime = S.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
+        self._runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
                                       backward_prefetch=backward_prefetch,
                                       forward_prefetch=forward_prefetch,
                                       forward_input_caster=FU.input_caster(mp))
         _hook_direct_calls(self, module)
-        self._sd_installed = False  # a state-dict save pre-hook registered values (see sd_hooks)
-        sd_hooks.register(self)
+        self._sd_installed = False  # a state-dict save pre-hook registered values (see module_hooks)
+        module_hooks.register(self)
 
     # ------------------------------------------------------------ structure
     @property
@@ -199,7 +199,7 @@ class FullyShardedDataParallel(UnitModule):
     def _lazy_init(self) -> None:
         rt = self._runtime
         if rt.root is None:
-            S.lazy_init_root(rt, [u._runtime for u in self.units()])
+            state.lazy_init_root(rt, [u._runtime for u in self.units()])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_as_forward(self._call_wrapped, args, kwargs)
@@ -213,7 +213,7 @@ class FullyShardedDataParallel(UnitModule):
         """``fn(*args, **kwargs)`` between the unit's pre- and post-forward."""
         self._lazy_init()
         rt = self._runtime
-        args, kwargs = S.pre_forward(rt, args, kwargs)
+        args, kwargs = state.pre_forward(rt, args, kwargs)
         # Without grad no backward follows: nothing stored needs a hook.
         before = self._stored_tensor_ids() if torch.is_grad_enabled() else None
         self._in_forward = True
@@ -221,7 +221,7 @@ class FullyShardedDataParallel(UnitModule):
             out = fn(*args, **kwargs)
         finally:
             self._in_forward = False
-        return S.post_forward(rt, out, self._stored_tensors(before))
+        return state.post_forward(rt, out, self._stored_tensors(before))
 
     def _stored_tensor_ids(self) -> set[int]:
         return {id(v) for m in self._own_modules for v in m.__dict__.values() if torch.is_tensor(v)}
@@ -235,12 +235,12 @@ class FullyShardedDataParallel(UnitModule):
         return tuple(v for m in self._own_modules for v in m.__dict__.values()
                      if torch.is_tensor(v) and v.grad_fn is not None and id(v) not in before)
 
-    def _require_root_idle(self, what: str, root_only: bool = True) -> S.RootRuntime:
+    def _require_root_idle(self, what: str, root_only: bool = True) -> state.RootRuntime:
         self._lazy_init()
         root = self._runtime.root
         if root_only and not self._runtime.is_root:
             raise RuntimeError(f"{what} must be called on the root FullyShardedDataParallel instance")
-        S.require_idle(root, what)
+        state.require_idle(root, what)
         return root
 
     @contextlib.contextmanager
@@ -365,10 +365,10 @@ class FullyShardedDataParallel(UnitModule):
                 backward, between a forward and its backward, inside
                 ``summon_full_params`` or with a ``no_sync`` stash not reduced.
         """
-        CV.check_convertible([u._runtime for u in (self.units() if recurse else [self])], fn)
-        if CV.convert(self._runtime, fn) and self._full_precision is not None:
+        convert.check_convertible([u._runtime for u in (self.units() if recurse else [self])], fn)
+        if convert.convert(self._runtime, fn) and self._full_precision is not None:
             self._full_precision = FU.FullPrecisionRun(self.unit.flat_shard.dtype)
-        with CV.sharded_params_hidden(self._runtime):
+        with convert.sharded_params_hidden(self._runtime):
             super()._apply(fn, recurse)  # nested units convert themselves in this recursion
         if self._buffer_dtype is not None:
             FU.move_buffers(self._own_modules, self.unit.cfg.compute_device, self._buffer_dtype)
@@ -410,12 +410,12 @@ class FullyShardedDataParallel(UnitModule):
             raise ValueError("FullyShardedDataParallel.load_state_dict: assign=True is not supported "
                              "(values are copied into the shards); call it without assign")
         try:
-            with sd_hooks.deferred_row_copies():
+            with module_hooks.deferred_row_copies():
                 return super().load_state_dict(state_dict, strict)
         except RuntimeError as e:
             if str(e).startswith("[rank"):
                 raise
-            raise RuntimeError(f"[rank {C.rank()}] {e}") from None
+            raise RuntimeError(f"[rank {collectives.rank()}] {e}") from None
         finally:
             self._restore_registered()
 
@@ -423,7 +423,7 @@ class FullyShardedDataParallel(UnitModule):
         """Register the sharded parameters again on every unit a state-dict
         call that raised left with other values (see module_hooks' Note)."""
         for u in self.units():
-            sd_hooks.forget_load(u)
+            module_hooks.forget_load(u)
             if not u.unit.summoned:
                 u.unit.restore_all_params()
 
@@ -433,27 +433,27 @@ class FullyShardedDataParallel(UnitModule):
                         optim_state_dict_config=None):
         """Context: every unit in ``module`` uses ``state_dict_type`` (a
         :class:`StateDictType`) and the configs, then the previous setting."""
-        prev = checkpoint_state_dict.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        prev = state_dicts.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
         try:
             yield
         finally:
-            checkpoint_state_dict.restore(module, prev)
+            state_dicts.restore(module, prev)
 
     @staticmethod
     def set_state_dict_type(module: nn.Module, state_dict_type, state_dict_config=None,
                             optim_state_dict_config=None):
         """Set the state-dict type of every unit in ``module``; returns the previous settings."""
-        return checkpoint_state_dict.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        return state_dicts.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
 
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
         """Optimizer state by original parameter name, full or sharded per the state-dict type."""
-        return checkpoint_optim.optim_state_dict(model, optim)
+        return optim_state.optim_state_dict(model, optim)
 
     @staticmethod
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict) -> dict:
         """A by-name optimizer state dict (any world size) as ``optim.load_state_dict`` input."""
-        return checkpoint_optim.optim_state_dict_to_load(model, optim, optim_state_dict)
+        return optim_state.optim_state_dict_to_load(model, optim, optim_state_dict)
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.method_name(...)`` run like ``forward``: the unit's full
@@ -494,15 +494,15 @@ def _hook_direct_calls(unit: FullyShardedDataParallel, module: nn.Module) -> Non
         if u is None or u._in_forward:
             return None
         u._lazy_init()
-        if u._runtime.state is S.TrainingState.FORWARD:  # a nested call of the same module
+        if u._runtime.state is state.TrainingState.FORWARD:  # a nested call of the same module
             return None
-        return S.pre_forward(u._runtime, args, kwargs)
+        return state.pre_forward(u._runtime, args, kwargs)
 
     def post(mod, args, kwargs, output):
         u = ref()
-        if u is None or u._in_forward or u._runtime.state is not S.TrainingState.FORWARD:
+        if u is None or u._in_forward or u._runtime.state is not state.TrainingState.FORWARD:
             return None
-        return S.post_forward(u._runtime, output)
+        return state.post_forward(u._runtime, output)
 
     module.register_forward_pre_hook(pre, with_kwargs=True)
     module.register_forward_hook(post, with_kwargs=True)

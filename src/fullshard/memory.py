@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .construct import clean_name
-from .core import collectives as C
+from .core import collectives
 from .core.buffers import POOL
 from .core.module import UnitModule
 
@@ -109,7 +109,7 @@ def memory_stats(model: nn.Module) -> dict[str, dict[str, int]]:
             key = clean_name(name)
             if key == POOL_KEY:
                 raise ValueError(
-                    f"[rank {C.rank()}] memory_stats: the unit at module path {POOL_KEY!r} would hide the buffer pool's entry; "
+                    f"[rank {collectives.rank()}] memory_stats: the unit at module path {POOL_KEY!r} would hide the buffer pool's entry; "
                     "rename that submodule, or call memory_stats(model.pool) for that unit alone")
             out.setdefault(key, _unit_entry(module))
     stats = POOL.stats()

@@ -42,11 +42,11 @@ import torch
 import torch.nn as nn
 
 from ..api import StateDictType
-from ..core import collectives as C
-from ..core import flat as F
+from ..core import collectives
+from ..core import flat as flat_layout
 from ..construct import WRAPPER_SEGMENTS, clean_name
 from ..core.param import gather_full
-from . import state_dict as SD
+from . import state_dict as state_dicts
 
 SEGMENT = "_fsdp_wrapped_module."
 FLAT_PARAM_KEY = "_flat_param"
@@ -86,7 +86,7 @@ def _check_usable(unit_module: nn.Module, what: str) -> None:
     """Raises RuntimeError during forward or backward; undoes what an earlier
     state-dict call that raised left registered."""
     unit_module._lazy_init()
-    SD.check_idle(unit_module, what)
+    state_dicts.check_idle(unit_module, what)
     if not unit_module.unit.summoned:
         unit_module.unit.restore_all_params()
 
@@ -94,24 +94,24 @@ def _check_usable(unit_module: nn.Module, what: str) -> None:
 # ----------------------------------------------------------------------- save
 def _save_values(unit_module: nn.Module) -> Optional[list]:
     """The values the save pre-hook registers, or None to register nothing."""
-    unit, st = unit_module.unit, SD.settings(unit_module)
+    unit, st = unit_module.unit, state_dicts.settings(unit_module)
     offload = st.config.offload_to_cpu
     if st.type is StateDictType.LOCAL_STATE_DICT:
         return [None] * len(unit.slots)
     if st.type is StateDictType.SHARDED_STATE_DICT:
-        SD.check_shardable(unit)
-        views = F.shard_views(unit.flat_shard, unit.layout, unit.rank)
-        return [nn.Parameter(SD.shard_value(unit, si, v, offload), requires_grad=lay.requires_grad)
+        state_dicts.check_shardable(unit)
+        views = flat_layout.shard_views(unit.flat_shard, unit.layout, unit.rank)
+        return [nn.Parameter(state_dicts.shard_value(unit, si, v, offload), requires_grad=lay.requires_grad)
                 for si, (v, lay) in enumerate(zip(views, unit.layout.params))]
     if unit.summoned:  # summon_full_params already registered full parameters: no gather
         _check_summoned(unit)
         return None
     full = gather_full(unit)
-    if st.config.rank0_only and not SD.first_rank(unit_module):
+    if st.config.rank0_only and not state_dicts.first_rank(unit_module):
         return [None] * len(unit.slots)
     # One storage per value (not views of the unit's buffer): safetensors and
     # torch.save of a single entry must not see the others.
-    return [nn.Parameter(SD.copy_value(v, offload), requires_grad=lay.requires_grad)
+    return [nn.Parameter(state_dicts.copy_value(v, offload), requires_grad=lay.requires_grad)
             for v, lay in zip(full, unit.layout.params)]
 
 
@@ -121,7 +121,7 @@ def _check_summoned(unit) -> None:
     for slot, lay in zip(unit.slots, unit.layout.params):
         module, attr = slot.owners[0]
         if tuple(module._parameters[attr].shape) != tuple(lay.shape):
-            raise RuntimeError(f"[rank {C.rank()}] state_dict() inside summon_full_params(rank0_only=True): "
+            raise RuntimeError(f"[rank {collectives.rank()}] state_dict() inside summon_full_params(rank0_only=True): "
                                f"unit '{unit.name}' holds no full parameters on this rank; call it on rank 0 only "
                                "(group rank 0 of the unit's process group)")
 
@@ -135,12 +135,12 @@ def _save_pre(unit_module: nn.Module, prefix: str, keep_vars: bool) -> None:
 
 
 def _save_post(unit_module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    unit, st = unit_module.unit, SD.settings(unit_module)
+    unit, st = unit_module.unit, state_dicts.settings(unit_module)
     if unit_module._sd_installed:
         unit.restore_params()
         unit_module._sd_installed = False
     mine = [k for k in state_dict if k.startswith(prefix)]
-    drop = st.type is StateDictType.FULL_STATE_DICT and st.config.rank0_only and not SD.first_rank(unit_module)
+    drop = st.type is StateDictType.FULL_STATE_DICT and st.config.rank0_only and not state_dicts.first_rank(unit_module)
     for k in mine:  # re-inserted in order: they are the dict's last entries
         v = state_dict.pop(k)
         if not drop:
@@ -155,7 +155,7 @@ def _owner_keys(unit_module: nn.Module, prefix: str) -> dict[str, int]:
     """Incoming key (segment added, deeper wrapper segments not yet) -> slot index."""
     owner = {(id(m), a): si for si, slot in enumerate(unit_module.unit.slots) for m, a in slot.owners}
     out = {}
-    for mprefix, m in SD.walk(unit_module._fsdp_wrapped_module, prefix + SEGMENT):
+    for mprefix, m in state_dicts.walk(unit_module._fsdp_wrapped_module, prefix + SEGMENT):
         for attr in m._parameters:
             si = owner.get((id(m), attr))
             if si is not None:
@@ -166,8 +166,8 @@ def _owner_keys(unit_module: nn.Module, prefix: str) -> dict[str, int]:
 def _load_pre(unit_module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
     _check_usable(unit_module, "load_state_dict()")
-    unit, st = unit_module.unit, SD.settings(unit_module)
-    where = f"[rank {C.rank()}] unit '{unit.name}'"
+    unit, st = unit_module.unit, state_dicts.settings(unit_module)
+    where = f"[rank {collectives.rank()}] unit '{unit.name}'"
     if local_metadata.get("assign_to_params_buffers"):
         raise ValueError(f"{where}: load_state_dict(assign=True) is not supported (values are copied into "
                          "the shards); call it without assign")
@@ -183,20 +183,20 @@ def _load_pre(unit_module: nn.Module, state_dict: dict, prefix: str, local_metad
         _load_local(unit, state_dict.pop(prefix + SEGMENT + FLAT_PARAM_KEY, None), prefix, missing_keys)
         targets = [None] * len(lays)
     elif st.type is StateDictType.SHARDED_STATE_DICT:
-        SD.check_shardable(unit)
+        state_dicts.check_shardable(unit)
         for key, si in _owner_keys(unit_module, prefix).items():
             v = state_dict.get(key)
             if torch.is_tensor(v) and unit.world > 1 and len(lays[si].shape) > 0 and \
                     not isinstance(v, DTensor) and v.shape == lays[si].shape:
-                state_dict[key] = SD.shard_value(unit, si, SD.local_rows(unit, si, v, clean_name(key)), False)
+                state_dict[key] = state_dicts.shard_value(unit, si, state_dicts.local_rows(unit, si, v, clean_name(key)), False)
             elif isinstance(v, DTensor):
-                SD.local_rows(unit, si, v, clean_name(key))  # raises on a local shard laid out otherwise
-        views = F.shard_views(unit.flat_shard, unit.layout, unit.rank)
+                state_dicts.local_rows(unit, si, v, clean_name(key))  # raises on a local shard laid out otherwise
+        views = flat_layout.shard_views(unit.flat_shard, unit.layout, unit.rank)
         targets = []
         for si, (view, lay) in enumerate(zip(views, lays)):
             live = unit.world == 1 or len(lay.shape) > 0  # writes land in the shard itself
             local = view if live else torch.zeros(lay.shape, dtype=view.dtype, device=view.device)
-            targets.append(nn.Parameter(SD.shard_value(unit, si, local, False) if live else local,
+            targets.append(nn.Parameter(state_dicts.shard_value(unit, si, local, False) if live else local,
                                         requires_grad=lay.requires_grad))
     else:
         dev = unit.flat_shard.device
@@ -221,7 +221,7 @@ def _load_local(unit, flat: Optional[torch.Tensor], prefix: str, missing_keys: l
         missing_keys.append(prefix + SEGMENT + FLAT_PARAM_KEY)
         return
     if flat.numel() != unit.flat_shard.numel():
-        raise ValueError(f"[rank {C.rank()}] unit '{unit.name}': LOCAL_STATE_DICT '{prefix}{FLAT_PARAM_KEY}' has "
+        raise ValueError(f"[rank {collectives.rank()}] unit '{unit.name}': LOCAL_STATE_DICT '{prefix}{FLAT_PARAM_KEY}' has "
                          f"{flat.numel()} elements, this rank's flat shard {unit.flat_shard.numel()}; a local state "
                          "dict loads only at the world size and model it was saved with (use FULL or SHARDED)")
     unit.flat_shard.copy_(flat.reshape(-1))
@@ -249,9 +249,9 @@ def _load_post(unit_module: nn.Module, incompatible_keys) -> None:
 
     @torch.no_grad()
     def copy_rows():
-        views = F.shard_views(unit.flat_shard, unit.layout, unit.rank)
+        views = flat_layout.shard_views(unit.flat_shard, unit.layout, unit.rank)
         for si, value in writes:
-            views[si].copy_(SD.local_rows(unit, si, value, unit.layout.params[si].fqn))
+            views[si].copy_(state_dicts.local_rows(unit, si, value, unit.layout.params[si].fqn))
 
     if _DEFERRED[-1] is not None:
         _DEFERRED[-1].append(copy_rows)

@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 
 from ..api import StateDictType
-from ..core import collectives as C
+from ..core import collectives
 from ..core.param import gather_full
-from . import state_dict as SD
+from . import state_dict as state_dicts
 
 
 def _param_info(units, ents) -> dict:
@@ -35,7 +35,7 @@ def _optim_params(optim: torch.optim.Optimizer, info: dict) -> list:
     order = [p for g in optim.param_groups for p in g["params"]]
     for i, p in enumerate(order):
         if id(p) not in info:
-            raise ValueError(f"[rank {C.rank()}] optimizer parameter #{i} (shape {tuple(p.shape)}) is not a "
+            raise ValueError(f"[rank {collectives.rank()}] optimizer parameter #{i} (shape {tuple(p.shape)}) is not a "
                              "parameter of the model; build the optimizer from model.parameters() after wrapping")
     return order
 
@@ -79,7 +79,7 @@ def _agree_keys(units, mine: dict) -> dict:
         while end < len(units) and units[end].cfg.shard_group is group:
             end += 1
         run = {ui: mine[ui] for ui in range(start, end) if ui in mine}
-        for theirs in C.all_gather_object(run, group, tag="optimizer state keys"):
+        for theirs in collectives.all_gather_object(run, group, tag="optimizer state keys"):
             for ui, kd in theirs.items():
                 keys.setdefault(ui, {}).update(kd)
         start = end
@@ -97,15 +97,15 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
         ValueError: the optimizer holds a parameter the model does not own;
             LOCAL_STATE_DICT (use ``optimizer.state_dict()``).
     """
-    SD.check_idle(model, "optim_state_dict()")
-    st = SD.settings(model)
+    state_dicts.check_idle(model, "optim_state_dict()")
+    st = state_dicts.settings(model)
     if st.type is StateDictType.LOCAL_STATE_DICT:
-        raise ValueError(f"[rank {C.rank()}] optim_state_dict() under LOCAL_STATE_DICT: the optimizer's own "
+        raise ValueError(f"[rank {collectives.rank()}] optim_state_dict() under LOCAL_STATE_DICT: the optimizer's own "
                          "state_dict() already holds this rank's shards; save optimizer.state_dict() instead")
     full = st.type is StateDictType.FULL_STATE_DICT
     offload = st.optim_config.offload_to_cpu
-    keep = not (full and st.optim_config.rank0_only) or SD.first_rank(model)
-    units, ents = SD.entries(model)
+    keep = not (full and st.optim_config.rank0_only) or state_dicts.first_rank(model)
+    units, ents = state_dicts.entries(model)
     info = _param_info(units, ents)
     order = _optim_params(optim, info)
     osd = optim.state_dict()
@@ -115,11 +115,11 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
     for i, s in osd["state"].items():
         name, ui, si = info[id(order[i])]
         if ui is None:
-            out[name] = {k: SD.copy_value(v, offload) if torch.is_tensor(v) else v for k, v in s.items()}
+            out[name] = {k: state_dicts.copy_value(v, offload) if torch.is_tensor(v) else v for k, v in s.items()}
             continue
         by_slot[(ui, si)] = s
         shape = units[ui].layout.params[si].local_shape(units[ui].rank)
-        out[name] = {k: (SD.copy_value(v, offload) if torch.is_tensor(v) else v)
+        out[name] = {k: (state_dicts.copy_value(v, offload) if torch.is_tensor(v) else v)
                      for k, v in s.items() if not _per_row(v, shape)}
     # Per-row keys and dtypes of each unit, the same on every rank (collectives follow them).
     mine = {}
@@ -131,7 +131,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
     keys = _agree_keys(units, mine)
     for ui, unit in enumerate(units):
         if not full:
-            SD.check_shardable(unit)
+            state_dicts.check_shardable(unit)
         for k, dtype in sorted(keys.get(ui, {}).items()):
             have = {si: by_slot[(ui, si)][k] for si in range(len(unit.slots))
                     if k in by_slot.get((ui, si), {})}
@@ -143,7 +143,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
                 views = gather_full(unit, flat)
                 if keep:
                     for si in have:
-                        out[info[id(unit.sharded_params[si])][0]][k] = SD.copy_value(views[si], offload)
+                        out[info[id(unit.sharded_params[si])][0]][k] = state_dicts.copy_value(views[si], offload)
                 del views
                 continue
             for si in range(len(unit.slots)):
@@ -153,7 +153,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
                 local = have.get(si)
                 if local is None:
                     local = torch.zeros(lay.local_shape(unit.rank), dtype=dtype, device=unit.flat_shard.device)
-                v = SD.shard_value(unit, si, local, offload)
+                v = state_dicts.shard_value(unit, si, local, offload)
                 if si in have:
                     out[info[id(unit.sharded_params[si])][0]][k] = v
     if not keep:
@@ -174,8 +174,8 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
             parameter names differ (both sides listed), or state for a
             parameter the optimizer does not hold.
     """
-    SD.check_idle(model, "optim_state_dict_to_load()")
-    units, ents = SD.entries(model)
+    state_dicts.check_idle(model, "optim_state_dict_to_load()")
+    units, ents = state_dicts.entries(model)
     info = _param_info(units, ents)
     order = _optim_params(optim, info)
     init_optim_state(optim)
@@ -183,19 +183,19 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
     index = {info[id(p)][0]: i for i, p in enumerate(order)}
     saved = osd["param_groups"]
     if len(saved) != len(cur["param_groups"]):
-        raise ValueError(f"[rank {C.rank()}] optimizer state has {len(saved)} parameter groups, the optimizer "
+        raise ValueError(f"[rank {collectives.rank()}] optimizer state has {len(saved)} parameter groups, the optimizer "
                          f"{len(cur['param_groups'])}; build the optimizer with the same groups")
     groups = []
     for gi, (sg, cg) in enumerate(zip(saved, cur["param_groups"])):
         names = {info[id(order[i])][0] for i in cg["params"]}
         if set(sg["params"]) != names:
-            raise ValueError(f"[rank {C.rank()}] parameter group {gi}: missing {sorted(names - set(sg['params']))}, "
+            raise ValueError(f"[rank {collectives.rank()}] parameter group {gi}: missing {sorted(names - set(sg['params']))}, "
                              f"unexpected {sorted(set(sg['params']) - names)}")
         groups.append(dict(sg, params=list(cg["params"])))
     state = {}
     for name, s in osd["state"].items():
         if name not in index:
-            raise ValueError(f"[rank {C.rank()}] optimizer state for '{name}', which the optimizer does not hold")
+            raise ValueError(f"[rank {collectives.rank()}] optimizer state for '{name}', which the optimizer does not hold")
         i = index[name]
         _, ui, si = info[id(order[i])]
         template = cur["state"].get(i, {})
@@ -203,7 +203,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
         for k, v in s.items():
             t = template.get(k)
             if ui is not None and _per_row(t, units[ui].layout.params[si].local_shape(units[ui].rank)):
-                new[k] = SD.local_rows(units[ui], si, v, f"{name}/{k}").clone()
+                new[k] = state_dicts.local_rows(units[ui], si, v, f"{name}/{k}").clone()
             else:
                 new[k] = v.clone() if torch.is_tensor(v) else v
         state[i] = new
@@ -217,7 +217,7 @@ def _plain_names(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[list, 
     order = [p for g in optim.param_groups for p in g["params"]]
     missing = [i for i, p in enumerate(order) if id(p) not in names]
     if missing:
-        raise ValueError(f"[rank {C.rank()}] optimizer parameters #{missing} are not parameters of the model")
+        raise ValueError(f"[rank {collectives.rank()}] optimizer parameters #{missing} are not parameters of the model")
     return order, [names[id(p)] for p in order]
 
 
@@ -240,18 +240,18 @@ def plain_optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimize
     index = {n: i for i, n in enumerate(names)}
     cur = optim.state_dict()["param_groups"]
     if len(osd["param_groups"]) != len(cur):
-        raise ValueError(f"[rank {C.rank()}] optimizer state has {len(osd['param_groups'])} parameter groups, "
+        raise ValueError(f"[rank {collectives.rank()}] optimizer state has {len(osd['param_groups'])} parameter groups, "
                          f"the optimizer {len(cur)}; build the optimizer with the same groups")
     groups = []
     for gi, (sg, cg) in enumerate(zip(osd["param_groups"], cur)):
         want = {names[i] for i in cg["params"]}
         if set(sg["params"]) != want:
-            raise ValueError(f"[rank {C.rank()}] parameter group {gi}: missing {sorted(want - set(sg['params']))}, "
+            raise ValueError(f"[rank {collectives.rank()}] parameter group {gi}: missing {sorted(want - set(sg['params']))}, "
                              f"unexpected {sorted(set(sg['params']) - want)}")
         groups.append(dict(sg, params=list(cg["params"])))
     unknown = [n for n in osd["state"] if n not in index]
     if unknown:
-        raise ValueError(f"[rank {C.rank()}] optimizer state for parameters the optimizer does not hold: {unknown}")
+        raise ValueError(f"[rank {collectives.rank()}] optimizer state for parameters the optimizer does not hold: {unknown}")
     state = {index[n]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
              for n, s in osd["state"].items()}
     return {"state": state, "param_groups": groups}

@@ -37,10 +37,10 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from ..api import StateDictType
-from ..core import collectives as C
+from ..core import collectives
 from ..core.module import unit_modules
-from . import optim as O
-from . import state_dict as SD
+from . import optim as optim_state
+from . import state_dict as state_dicts
 from fullshard.digest import file_sha256
 
 MANIFEST = "fullshard.json"
@@ -52,20 +52,20 @@ class CheckpointError(RuntimeError):
 
 
 def _world(group=None) -> int:
-    return C.group_size(group) if C.is_initialized() else 1
+    return collectives.group_size(group) if collectives.is_initialized() else 1
 
 
 def _rank(group=None) -> int:
-    return C.group_rank(group) if C.is_initialized() else 0
+    return collectives.group_rank(group) if collectives.is_initialized() else 0
 
 
 def _barrier(group=None) -> None:
     if _world(group) > 1:
-        C.barrier(group)
+        collectives.barrier(group)
 
 
 def _unit_group(cfg):
-    return C.holding_group(cfg.shard_group, cfg.replicate_group)
+    return collectives.holding_group(cfg.shard_group, cfg.replicate_group)
 
 
 def _group(model: nn.Module):
@@ -78,19 +78,19 @@ def _group(model: nn.Module):
             expert on a one-rank group): its instances share one name with
             different values, of which torch.distributed.checkpoint would keep one.
     """
-    if not C.is_initialized():
+    if not collectives.is_initialized():
         return None
     units = unit_modules(model)
     if not units:
         return getattr(model, "process_group", None) if isinstance(model, nn.parallel.DistributedDataParallel) \
             else None
     group = _unit_group(units[0].unit.cfg)
-    ranks = C.group_ranks(group)
+    ranks = collectives.group_ranks(group)
     for u in units[1:]:
-        theirs = C.group_ranks(_unit_group(u.unit.cfg))
+        theirs = collectives.group_ranks(_unit_group(u.unit.cfg))
         if theirs != ranks:
             raise CheckpointError(
-                f"[rank {C.rank()}] unit '{u.unit.name}' is held by ranks {theirs}, the model by ranks {ranks}: "
+                f"[rank {collectives.rank()}] unit '{u.unit.name}' is held by ranks {theirs}, the model by ranks {ranks}: "
                 "the unit's instances on other ranks have the same names and different values, of which a "
                 "torch.distributed.checkpoint checkpoint keeps one; save such a model per rank with torch.save of "
                 "model.state_dict() and FSDP.optim_state_dict(model, optimizer)")
@@ -108,17 +108,17 @@ def _plain(model: nn.Module) -> nn.Module:
 def _states(model: nn.Module, optimizer) -> dict:
     """The sharded (FSDP) or plain (DDP, unwrapped) state under ``model`` / ``optim`` keys."""
     if _is_fsdp(model):
-        prev = SD.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+        prev = state_dicts.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
         try:
             state = {"model": model.state_dict()}
             if optimizer is not None:
-                state["optim"] = O.optim_state_dict(model, optimizer)
+                state["optim"] = optim_state.optim_state_dict(model, optimizer)
         finally:
-            SD.restore(model, prev)
+            state_dicts.restore(model, prev)
         return state
     state = {"model": _plain(model).state_dict()}
     if optimizer is not None:
-        state["optim"] = O.plain_optim_state_dict(_plain(model), optimizer)
+        state["optim"] = optim_state.plain_optim_state_dict(_plain(model), optimizer)
     return state
 
 
@@ -219,11 +219,11 @@ def _publish(tmp: str, final: str, world: int) -> None:
 def _one_line(error: BaseException, group) -> tuple[int, str]:
     """(failing global rank, ``Type: message`` on one line); DCP's CheckpointException (keyed by
     rank in ``group``) is unwrapped to the first failing rank's own exception."""
-    rank = C.rank()
+    rank = collectives.rank()
     if isinstance(error, dcp.api.CheckpointException) and error.failures:
         first = min(error.failures)
         error = error.failures[first][0]
-        rank = C.group_ranks(group)[first] if C.is_initialized() else first
+        rank = collectives.group_ranks(group)[first] if collectives.is_initialized() else first
     return rank, " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
 
@@ -235,7 +235,7 @@ def _agree(error: Optional[BaseException], final: str, tmp: str, phase: str, gro
         CheckpointError: one line naming the failing rank, the error, and what was kept.
     """
     mine = None if error is None else _one_line(error, group)
-    every = C.all_gather_object(mine, group, tag="checkpoint save status") if _world(group) > 1 else [mine]
+    every = collectives.all_gather_object(mine, group, tag="checkpoint save status") if _world(group) > 1 else [mine]
     failed = [m for m in every if m is not None]
     if not failed:
         return
@@ -246,7 +246,7 @@ def _agree(error: Optional[BaseException], final: str, tmp: str, phase: str, gro
             else f"no checkpoint was written at {final}")
     r, m = min(failed)
     hint = "free disk space" if "No space left" in m or "ENOSPC" in m or "Errno 28" in m else "check the path"
-    raise CheckpointError(f"[rank {C.rank()}] saving {final} failed on rank {r} while {phase} files: {m}; "
+    raise CheckpointError(f"[rank {collectives.rank()}] saving {final} failed on rank {r} while {phase} files: {m}; "
                           f"{kept}; {hint} and save again")
 
 
@@ -255,7 +255,7 @@ def _resolve(checkpoint_dir: str) -> str:
     for path in (final, final + ".old"):
         if os.path.isfile(os.path.join(path, MANIFEST)):
             return path
-    raise CheckpointError(f"[rank {C.rank()}] no checkpoint at {final} (no {MANIFEST}: the directory is "
+    raise CheckpointError(f"[rank {collectives.rank()}] no checkpoint at {final} (no {MANIFEST}: the directory is "
                           "missing or its save did not finish)")
 
 
@@ -280,9 +280,9 @@ def verify(path: str, group=None) -> dict:
             bad.append(f"{name} (truncated: {os.path.getsize(full)} of {info['bytes']} bytes)")
         elif file_sha256(full) != info["sha256"]:
             bad.append(f"{name} (corrupted: sha256 differs)")
-    every = [b for theirs in (C.all_gather_object(bad, group) if world > 1 else [bad]) for b in theirs]
+    every = [b for theirs in (collectives.all_gather_object(bad, group) if world > 1 else [bad]) for b in theirs]
     if every:
-        raise CheckpointError(f"[rank {C.rank()}] checkpoint {path} is damaged: {', '.join(every)}; "
+        raise CheckpointError(f"[rank {collectives.rank()}] checkpoint {path} is damaged: {', '.join(every)}; "
                               "load an earlier checkpoint")
     return manifest
 
@@ -316,7 +316,7 @@ def _check_model_keys(path: str, template: dict) -> None:
         parts = ([f"missing from checkpoint: {missing}"] if missing else []) + \
                 ([f"not in model: {unexpected}"] if unexpected else []) + \
                 ([f"shape mismatch: {'; '.join(shapes)}"] if shapes else [])
-        raise CheckpointError(f"[rank {C.rank()}] checkpoint {path} is of another model: " + " | ".join(parts)
+        raise CheckpointError(f"[rank {collectives.rank()}] checkpoint {path} is of another model: " + " | ".join(parts)
                               + "; nothing was loaded")
 
 
@@ -337,7 +337,7 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
     verify(path, group)
     fsdp = _is_fsdp(model)
     if optimizer is not None:
-        O.init_optim_state(optimizer)
+        optim_state.init_optim_state(optimizer)
     state = _states(model, optimizer)
     _check_model_keys(path, state["model"])
     world = _world(group)
@@ -345,17 +345,17 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=world == 1)
     if fsdp:
-        prev = SD.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+        prev = state_dicts.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
         try:
             model.load_state_dict(state["model"])
             if optimizer is not None:
-                optimizer.load_state_dict(O.optim_state_dict_to_load(model, optimizer, state["optim"]))
+                optimizer.load_state_dict(optim_state.optim_state_dict_to_load(model, optimizer, state["optim"]))
         finally:
-            SD.restore(model, prev)
+            state_dicts.restore(model, prev)
     else:
         _plain(model).load_state_dict(state["model"])
         if optimizer is not None:
-            optimizer.load_state_dict(O.plain_optim_state_dict_to_load(_plain(model), optimizer, state["optim"]))
+            optimizer.load_state_dict(optim_state.plain_optim_state_dict_to_load(_plain(model), optimizer, state["optim"]))
     return read_extra(path, _rank(group))
 
 

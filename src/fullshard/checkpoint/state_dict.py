@@ -30,11 +30,11 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ..api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
                    ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType)
-from ..core import collectives as C
+from ..core import collectives
 from ..core import state
 from ..core.module import unit_modules
 from ..construct import WRAPPER_SEGMENTS
-from ..core import flat as F
+from ..core import flat as flat_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,7 @@ def first_rank(model: nn.Module) -> bool:
     unit): the first rank of its groups (``collectives.is_first_rank``),
     global rank 0 for the world, rank 2 for a model on ranks {2, 3}."""
     cfg = model.unit.cfg
-    return C.is_first_rank(cfg.shard_group, cfg.replicate_group)
+    return collectives.is_first_rank(cfg.shard_group, cfg.replicate_group)
 
 
 def check_idle(model: nn.Module, what: str) -> None:
@@ -163,7 +163,7 @@ def copy_value(t: torch.Tensor, offload: bool) -> torch.Tensor:
 def check_shardable(unit) -> None:
     if unit.cfg.replicate_group is not None and unit.world > 1:
         raise NotImplementedError(
-            f"[rank {C.rank()}] unit '{unit.name}': SHARDED_STATE_DICT does not support HYBRID_SHARD; "
+            f"[rank {collectives.rank()}] unit '{unit.name}': SHARDED_STATE_DICT does not support HYBRID_SHARD; "
             "use FULL_STATE_DICT, or FULL_SHARD / SHARD_GRAD_OP / NO_SHARD")
 
 
@@ -176,14 +176,14 @@ def shard_value(unit, si: int, local: torch.Tensor, offload: bool) -> torch.Tens
         return (local.detach().to("cpu", copy=True) if offload else local.detach()).view(lay.shape)
     if len(lay.shape) == 0:
         t = local.detach().reshape(-1)[:1].clone() if local.numel() else local.new_zeros(1)
-        C.broadcast(t, 0, unit.cfg.shard_group, tag=f"unit '{unit.name}' state dict")
+        collectives.broadcast(t, 0, unit.cfg.shard_group, tag=f"unit '{unit.name}' state dict")
         return t.view(()).cpu() if offload else t.view(())
     from torch.distributed.tensor import DTensor, Shard
 
     local = local.detach().to("cpu", copy=True) if offload else local.detach()
     meshes = _MESHES.setdefault(unit.cfg.shard_group, {})
     if local.device.type not in meshes:
-        meshes[local.device.type] = C.device_mesh(unit.cfg.shard_group, local.device.type)
+        meshes[local.device.type] = collectives.device_mesh(unit.cfg.shard_group, local.device.type)
     return DTensor.from_local(local, meshes[local.device.type], [Shard(0)], run_check=False, shape=lay.shape,
                               stride=torch.empty(lay.shape, device="meta").stride())
 
@@ -201,7 +201,7 @@ def local_rows(unit, si: int, value: torch.Tensor, key: str) -> torch.Tensor:
     if isinstance(value, DTensor):
         local = value.to_local()
         if local.shape != want:
-            raise ValueError(f"[rank {C.rank()}] '{key}': DTensor local shard {tuple(local.shape)} is not this "
+            raise ValueError(f"[rank {collectives.rank()}] '{key}': DTensor local shard {tuple(local.shape)} is not this "
                              f"rank's torch.chunk rows {tuple(want)}; load it through fullshard.checkpoint.load "
                              "(torch.distributed.checkpoint reshards)")
         return local
