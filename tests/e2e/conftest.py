@@ -10,11 +10,11 @@ import pytest
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python -m fullshard.train.cli ARGS` outside any torchrun environment; never raises on exit code."""
+    """Run `python -m fullshard.cli ARGS` outside any torchrun environment; never raises on exit code."""
     env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "fullshard.train.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "fullshard.cli", *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -122,7 +122,7 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
 
 
 def test_bad_inputs_one_line_exit_2_nothing_written(paths, tmp_path, capsys):
-    from fullshard.train.cli import main
+    from fullshard.cli import main
 
     assert len(CASES) >= 30
     failures = []

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from fullshard.bench import plan as PL
+from fullshard.train import plan as PL
 from fullshard.bench import suite
 
 MODES = "full,ddp,fsdp2"

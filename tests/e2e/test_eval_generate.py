@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from fullshard.train import cli as fullshard_cli
+from fullshard import cli as fullshard_cli
 from tests.e2e.test_train_cli import json_records
 
 ARCH = "transformer_lm_gpt_mini"
@@ -74,11 +74,10 @@ def _greedy_by_hand(ckpt, corpus_dir, prompt: str, n: int) -> str:
     """argmax loop over the plain model, the checkpoint loaded with fullshard.checkpoint.load."""
     from fullshard import checkpoint
     from fullshard.data import load_gpt2_tokenizer
-    from fullshard.models import build_model
-    from fullshard.train.options import arch_max_positions
+    from fullshard.models import ARCHS, build_model
 
     vocab = int(json.loads((corpus_dir / "meta.json").read_text())["vocab_size"])
-    model = build_model(ARCH, vocab_size=vocab, max_positions=arch_max_positions(ARCH))
+    model = build_model(ARCH, vocab_size=vocab, max_positions=ARCHS[ARCH].max_positions)
     checkpoint.load(str(ckpt), model)
     model.eval()
     tok = load_gpt2_tokenizer()

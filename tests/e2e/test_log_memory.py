@@ -52,10 +52,9 @@ def _unit_bytes(corpus_dir) -> dict:
     """Per unit of the trainer's model ("" root, one per TransformerBlock): fp32 bytes of this
     rank's flat shard at 2 ranks (each parameter's chunk of ceil(rows / 2) rows)."""
     from fullshard.models import TransformerBlock, arch_spec, build_model
-    from fullshard.train.options import arch_max_positions
 
     vocab = int(json.loads((corpus_dir / "meta.json").read_text())["vocab_size"])
-    model = build_model(arch_spec(ARCH), device="meta", vocab_size=vocab, max_positions=arch_max_positions(ARCH))
+    model = build_model(arch_spec(ARCH), device="meta", vocab_size=vocab, max_positions=arch_spec(ARCH).max_positions)
     units = [""] + [n for n, m in model.named_modules() if isinstance(m, TransformerBlock)]
     out = dict.fromkeys(units, 0)
     for name, p in model.named_parameters():

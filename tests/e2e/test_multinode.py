@@ -30,7 +30,7 @@ def _losses(stdout: str) -> list:
 def test_two_nodes_hybrid_shard_match_single_node_full_shard(corpus_dir):
     endpoint = f"127.0.0.1:{_free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    nodes = [subprocess.Popen([sys.executable, "-m", "fullshard.train.cli", "train", str(corpus_dir), *ARGS,
+    nodes = [subprocess.Popen([sys.executable, "-m", "fullshard.cli", "train", str(corpus_dir), *ARGS,
                                "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", str(n),
                                "--rdzv-endpoint", endpoint, "--rdzv-timeout", "120", "--hybrid-shard"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

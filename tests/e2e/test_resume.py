@@ -25,11 +25,10 @@ def _train(cli, corpus_dir, save_dir, *extra, nproc=2, updates=8):
 
 def _params(corpus_dir, path):
     from fullshard import checkpoint
-    from fullshard.models import build_model
-    from fullshard.train.options import arch_max_positions
+    from fullshard.models import ARCHS, build_model
 
     vocab = int(json.loads((corpus_dir / "meta.json").read_text())["vocab_size"])
-    model = build_model(ARCH, vocab_size=vocab, max_positions=arch_max_positions(ARCH))
+    model = build_model(ARCH, vocab_size=vocab, max_positions=ARCHS[ARCH].max_positions)
     extra = checkpoint.load(str(path), model)
     return model.state_dict(), extra
 

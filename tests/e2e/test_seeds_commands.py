@@ -58,7 +58,7 @@ def _fullshard(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(Path(fullshard.__file__).resolve().parents[1])
-    return subprocess.run([sys.executable, "-m", "fullshard.train.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "fullshard.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -74,13 +74,14 @@ def builtin_data(tmp_path_factory) -> Path:
 
 def test_gpt3_tiny_has_the_gpt3_familys_2048_positions():
     """The arch exists, keeps gpt_tiny's shape and has 2048 positions; gpt_tiny/gpt_mini are unchanged."""
-    from fullshard.models import ARCHS
-    from fullshard.train.options import arch_max_positions
+    import dataclasses
 
-    assert ARCH in ARCHS and ARCHS[ARCH] == ARCHS["transformer_lm_gpt_tiny"]
-    assert arch_max_positions(ARCH) == 2048
-    assert arch_max_positions("transformer_lm_gpt_tiny") == 1024
-    assert arch_max_positions("transformer_lm_gpt_mini") == 512
+    from fullshard.models import ARCHS
+
+    assert ARCH in ARCHS and dataclasses.replace(ARCHS[ARCH], max_positions=1024) == ARCHS["transformer_lm_gpt_tiny"]
+    assert ARCHS[ARCH].max_positions == 2048
+    assert ARCHS["transformer_lm_gpt_tiny"].max_positions == 1024
+    assert ARCHS["transformer_lm_gpt_mini"].max_positions == 512
 
 
 def test_verbatim_seed_command_passes_validation(builtin_data, tmp_path, monkeypatch, capsys):

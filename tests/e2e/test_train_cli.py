@@ -104,13 +104,12 @@ def test_fully_sharded_matches_c10d(runs):
         assert math.isclose(float(a["loss"]), float(b["loss"]), rel_tol=1e-5, abs_tol=1.01e-3), (a, b)
         assert math.isclose(float(a["gnorm"]), float(b["gnorm"]), rel_tol=1e-5, abs_tol=1.01e-3), (a, b)
     from fullshard import checkpoint
-    from fullshard.models import build_model
-    from fullshard.train.options import arch_max_positions
+    from fullshard.models import ARCHS, build_model
 
     models = {}
     for backend in ("fully_sharded", "c10d"):
         models[backend] = build_model(ARCH, vocab_size=_vocab(runs),
-                                       max_positions=arch_max_positions(ARCH))
+                                       max_positions=ARCHS[ARCH].max_positions)
         extra = checkpoint.load(str(runs[backend]["root"] / "ckpt" / "checkpoint_last"), models[backend])
         assert extra["world_size"] == 2 and extra["train_state"]["num_updates"] == UPDATES
     full = models["c10d"].state_dict()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fullshard.api import ShardingStrategy
-from fullshard.bench import plan as PL
+from fullshard.train import plan as PL
 
 
 def test_reproduces_zero_figure_1():
@@ -79,7 +79,7 @@ def test_matches_measured_model_state_within_10_percent():
 
 
 def test_cli_prints_plan_and_rejects_bad_input():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "fullshard.train.cli", "plan", *a],  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fullshard.cli", "plan", *a],  # noqa: E731
                                     capture_output=True, text=True)
     ok = run("--arch", "transformer_lm_gpt3_small", "--world-size", "4", "--bf16", "--budget-gb", "6")
     assert ok.returncode == 0, ok.stderr
@@ -95,7 +95,7 @@ def test_cli_sizes_decoder_overrides():
 
     from fullshard.models import ARCHS, build_model, num_params
 
-    run = lambda *a: subprocess.run([sys.executable, "-m", "fullshard.train.cli", "plan",  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fullshard.cli", "plan",  # noqa: E731
                                      "--arch", "transformer_lm_gpt3_medium", "--world-size", "8", *a],
                                     capture_output=True, text=True)
     psi = lambda proc: int(re.search(r"Ψ=([\d,]+)", proc.stdout).group(1).replace(",", ""))  # noqa: E731
@@ -127,7 +127,7 @@ def test_ffn_width_enters_activations():
 
 def test_a_reader_closing_stdout_early_is_not_a_traceback():
     """`fullshard plan ... | head`: the closed pipe ends the command quietly (exit 1, nothing on stderr)."""
-    proc = subprocess.Popen([sys.executable, "-m", "fullshard.train.cli", "plan", "--arch", "transformer_lm_gpt3_small",
+    proc = subprocess.Popen([sys.executable, "-m", "fullshard.cli", "plan", "--arch", "transformer_lm_gpt3_small",
                              "--world-size", "8", "--budget-gb", "100"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # the reader is gone before anything is written

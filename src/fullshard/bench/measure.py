@@ -3,6 +3,8 @@ and the ZeRO formula it is checked against. No ``torch.distributed`` here.
 """
 from __future__ import annotations
 
+import datetime
+import os
 import re
 import resource
 import statistics
@@ -10,7 +12,11 @@ import traceback
 from typing import Iterable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+
+from fullshard.core.buffers import POOL
+from fullshard.train.launcher import threads_per_rank
 
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -143,8 +149,6 @@ def peak_allocated_bytes(fn) -> tuple[object, int]:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    from fullshard.core.buffers import POOL
-
     POOL.clear()
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -168,8 +172,6 @@ def run_guarded(row: dict, fn) -> dict:
     all-reduce of a failure flag tells every rank whether any rank failed, so
     ranks leave a failed configuration in step.
     """
-    import torch.distributed as dist
-
     try:
         row.update(fn())
     except Exception as e:  # reported in the row
@@ -186,13 +188,6 @@ def run_guarded(row: dict, fn) -> dict:
 def run_rank(timeout_s: float, rows_of_rank) -> dict:
     """Body of one benchmark rank: set intra-op threads (cores // local ranks),
     join the gloo group, and return ``{"rank", "threads", "rows": rows_of_rank(rank)}``."""
-    import datetime
-    import os
-
-    import torch.distributed as dist
-
-    from fullshard.train.launcher import threads_per_rank
-
     torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:

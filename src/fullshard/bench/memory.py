@@ -49,6 +49,16 @@ import os
 import sys
 import time
 
+import torch
+import torch.nn.functional as F
+
+from fullshard import (CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy,
+                       apply_activation_checkpointing, offload_activations)
+from fullshard.bench import measure as M
+from fullshard.models import TransformerBlock, build_model, num_params
+from fullshard.train.launcher import launch_local
+from fullshard.wrap import ModuleWrapPolicy
+
 MiB = float(2 ** 20)
 
 
@@ -101,21 +111,12 @@ class RunConfig:
 
 # ---------------------------------------------------------------- one rank
 def _batches(cfg: RunConfig, rank: int):
-    import torch
-
     g = torch.Generator().manual_seed(cfg.seed * 100_003 + rank)
     tok = torch.randint(0, cfg.vocab_size, (2, cfg.batch_size_per_rank, cfg.seq_len_tokens + 1), generator=g)
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tok]
 
 
 def _build(cfg: RunConfig, mc: MemConfig):
-    import torch
-
-    from fullshard import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
-    from fullshard import apply_activation_checkpointing
-    from fullshard.models import TransformerBlock, build_model, num_params
-    from fullshard.wrap import ModuleWrapPolicy
-
     model = build_model(cfg.arch, cfg.vocab_size, cfg.seq_len_tokens, seed=cfg.seed)
     psi = num_params(model)
     if mc.checkpoint:
@@ -130,10 +131,6 @@ def _build(cfg: RunConfig, mc: MemConfig):
 
 def _step(model, opt, mc: MemConfig, x, y) -> float:
     """One optimizer step (zero_grad, forward, loss, backward per micro-batch, AdamW); returns the loss."""
-    import torch.nn.functional as F
-
-    from fullshard import offload_activations
-
     opt.zero_grad(set_to_none=True)
     total = 0.0
     micro = list(zip(x.chunk(mc.micro_batches), y.chunk(mc.micro_batches)))
@@ -156,10 +153,6 @@ def _where(tensors) -> str:
 
 
 def _measure(cfg: RunConfig, mc: MemConfig, batches) -> dict:
-    import torch
-
-    from fullshard.bench import measure as M
-
     torch.manual_seed(cfg.seed)
     model, psi = _build(cfg, mc)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -182,15 +175,11 @@ def _measure(cfg: RunConfig, mc: MemConfig, batches) -> dict:
 
 
 def _run_config(cfg: RunConfig, mc: MemConfig, batches) -> dict:
-    from fullshard.bench import measure as M
-
     return M.run_guarded({"config": mc.name}, lambda: _measure(cfg, mc, batches))
 
 
 def rank_main(cfg: RunConfig) -> dict:
     """Entry of one rank: ``{"rank", "threads", "rows": [...]}``."""
-    from fullshard.bench import measure as M
-
     def rows(rank: int) -> list[dict]:
         batches = _batches(cfg, rank)
         return [_run_config(cfg, mc, batches) for mc in cfg.configs]
@@ -205,8 +194,6 @@ def launch(cfg: RunConfig, nproc: int) -> list[dict]:
     Raises:
         RuntimeError: a rank died or raised outside a config ("rank R failed: ...").
     """
-    from fullshard.train.launcher import launch_local
-
     return launch_local(rank_main, cfg, nproc)
 
 
@@ -314,8 +301,6 @@ def run_config(args: argparse.Namespace) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     cfg = run_config(args)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"fullshard.bench.memory: torch {torch.__version__}, {cores} CPU cores, N={args.nproc} gloo ranks; "

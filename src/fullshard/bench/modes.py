@@ -36,6 +36,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from fullshard.models import GPTConfig
+
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 """Collective types reported, in column order."""
 
@@ -130,9 +132,7 @@ class ModelSpec:
     vocab_size: int
     max_positions: int
 
-    def gpt_config(self):
-        from fullshard.models import GPTConfig
-
+    def gpt_config(self) -> GPTConfig:
         return GPTConfig(num_layers=self.num_layers, embed_dim=self.embed_dim, num_heads=self.num_heads,
                          ffn_embed_dim=4 * self.embed_dim, vocab_size=self.vocab_size,
                          max_positions=self.max_positions)

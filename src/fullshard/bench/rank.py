@@ -37,8 +37,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fullshard import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from fullshard.bench import measure as M
 from fullshard.bench.modes import COLLECTIVES, MODES, Job, Mode
+from fullshard.core import collectives as C
+from fullshard.models import GPT, GPTConfig, TransformerBlock
+from fullshard.wrap import ModuleWrapPolicy
 
 
 # ---------------------------------------------------------------- counting torch.distributed
@@ -119,8 +123,6 @@ class PatchedCollectives:
 # ---------------------------------------------------------------- model and batches
 def build_gpt(job: Job) -> torch.nn.Module:
     """The job's GPT on the CPU, initialized from ``job.seed`` (identical in every mode)."""
-    from fullshard.models import GPT
-
     with torch.device("meta"):
         model = GPT(job.model.gpt_config())
     model.to_empty(device="cpu")
@@ -138,8 +140,6 @@ def warm_up_torch() -> None:
     10 MiB). That is one-time process set-up, the same for every mode, so it
     happens before the memory baseline, not inside it.
     """
-    from fullshard.models import GPT, GPTConfig
-
     with torch.device("meta"):
         model = GPT(GPTConfig(num_layers=1, embed_dim=8, num_heads=1, ffn_embed_dim=32, vocab_size=16,
                               max_positions=4))
@@ -235,12 +235,7 @@ def wrap(mode: Mode, model: torch.nn.Module, job: Job):
     Raises:
         ValueError: unknown mode family.
     """
-    from fullshard.models import TransformerBlock
-
     if mode.family == "fullshard":
-        from fullshard import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
-        from fullshard.wrap import ModuleWrapPolicy
-
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode.bf16 else None
         wrapped = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy[mode.strategy],
                                            auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
@@ -336,8 +331,6 @@ def _fullshard_volume(world: int) -> tuple[dict, dict]:
     (x 2). FULL_SHARD and SHARD_GRAD_OP gather over the world group; NO_SHARD's
     shard group is this rank alone (nothing counted) and it all-reduces.
     """
-    from fullshard.core import collectives as C
-
     vol = {"all_gather": C.BYTES["all_gather"] * world, "reduce_scatter": C.BYTES["reduce_scatter"],
            "all_reduce": 2 * C.BYTES["all_reduce"]}
     return vol, {k: C.COUNTS[k] for k in COLLECTIVES}
@@ -394,8 +387,6 @@ def rank_main(job: Job) -> dict:
         step_s, losses = [], []
         for i, (x, y) in enumerate(batches):
             if i == job.warmup_steps:
-                from fullshard.core import collectives as C
-
                 C.reset_counts()
                 if patched is not None:
                     patched.reset()

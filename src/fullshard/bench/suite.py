@@ -37,8 +37,13 @@ import sys
 import time
 from typing import Optional
 
+import torch
+
 from fullshard.bench import report as RP
 from fullshard.bench.modes import MODES, Job, ModelSpec
+from fullshard.bench.rank import rank_main
+from fullshard.models import ARCHS
+from fullshard.train.launcher import LaunchError, RankFailed, cpu_cores, launch_local, threads_per_rank
 
 DEFAULT_OUT_DIR = "bench-results"
 
@@ -124,9 +129,6 @@ def validate(args: argparse.Namespace, fail) -> Plan:
             ``OneLineArgumentParser.fail`` prints ``fullshard bench: error: ...``
             and exits 2).
     """
-    from fullshard.models import ARCHS
-    from fullshard.train.launcher import threads_per_rank
-
     preset = PRESETS[args.preset]
     has_ds = deepspeed_available()
     if args.modes is None:
@@ -185,17 +187,10 @@ def launch_mode(job: Job) -> list[dict]:
         RankFailed: a rank raised or died ("rank R failed: ...").
         LaunchError: the rendezvous could not be hosted.
     """
-    from fullshard.bench.rank import rank_main
-    from fullshard.train.launcher import launch_local
-
     return launch_local(rank_main, job, job.world_size)
 
 
 def _config(plan: Plan, load_before, load_after, per_mode_load: dict) -> dict:
-    import torch
-
-    from fullshard.train.launcher import cpu_cores
-
     job = plan.job
     cfg = dict(preset=plan.preset, overrides=list(plan.overrides), modes=list(plan.modes), world_size=job.world_size, threads=job.threads,
                cpu_cores=cpu_cores(), batch_size=job.batch_size, seq_len=job.seq_len,
@@ -235,8 +230,6 @@ def run(plan: Plan) -> int:
 
 
 def _run(plan: Plan) -> int:
-    from fullshard.train.launcher import LaunchError, RankFailed
-
     job0 = plan.job
     m = job0.model
     print(f"fullshard bench: preset {RP.preset_label(plan.preset, plan.overrides)}, {len(plan.modes)} modes "

@@ -60,9 +60,13 @@ class GPTConfig:
         return self.embed_dim // self.num_heads
 
 
+GPT3_MAX_POSITIONS = 2048
+"""Positions of fairseq's GPT-3 family (``max_target_positions`` of ``base_gpt3_architecture``)."""
+
+
 @dataclass(frozen=True)
 class ArchSpec:
-    """A model shape without the data-dependent sizes (vocab, positions).
+    """A named model's shape and position table, without the data-dependent vocabulary.
 
     The values of :data:`ARCHS`, or one of them with fairseq's override flags
     applied (:meth:`override`).
@@ -74,6 +78,9 @@ class ArchSpec:
         ffn_embed_dim: MLP hidden width F; ``None`` (the default) becomes
             4 x ``embed_dim`` at construction, as fairseq's
             ``base_gpt3_architecture``.
+        max_positions: Longest sequence, in tokens, the architecture's learned
+            position table covers (fairseq ``max_target_positions``; 2048 for
+            the GPT-3 family). ``fullshard train`` builds the table this size.
 
     Raises:
         ValueError: On a non-positive size or ``num_heads`` not dividing
@@ -84,11 +91,12 @@ class ArchSpec:
     embed_dim: int
     num_heads: int
     ffn_embed_dim: Optional[int] = None
+    max_positions: int = GPT3_MAX_POSITIONS
 
     def __post_init__(self) -> None:
         if self.ffn_embed_dim is None:
             object.__setattr__(self, "ffn_embed_dim", 4 * self.embed_dim)
-        for name in ("num_layers", "embed_dim", "num_heads", "ffn_embed_dim"):
+        for name in ("num_layers", "embed_dim", "num_heads", "ffn_embed_dim", "max_positions"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ArchSpec.{name} must be positive, got {getattr(self, name)}")
         if self.embed_dim % self.num_heads != 0:
@@ -101,6 +109,7 @@ class ArchSpec:
         ``None`` keeps this shape's value. The FFN width, unless given, is
         4 x the new width when ``embed_dim`` changes (fairseq's
         ``base_gpt3_architecture`` computes it after the overrides), else kept.
+        ``max_positions`` is always kept (no fairseq flag overrides it).
 
         Raises:
             ValueError: The resulting shape is invalid (see the class).
@@ -109,7 +118,7 @@ class ArchSpec:
         if ffn_embed_dim is None:
             ffn_embed_dim = self.ffn_embed_dim if width == self.embed_dim else 4 * width
         return ArchSpec(self.num_layers if num_layers is None else num_layers, width,
-                        self.num_heads if num_heads is None else num_heads, ffn_embed_dim)
+                        self.num_heads if num_heads is None else num_heads, ffn_embed_dim, self.max_positions)
 
     def describe(self) -> str:
         """The shape in words, e.g. ``24 layers, width 1024, 16 heads, ffn 4096``."""
@@ -118,7 +127,7 @@ class ArchSpec:
 
 
 ARCHS: dict[str, ArchSpec] = {
-    # fairseq transformer_lm_gpt3_* (comments: fairseq's nominal sizes).
+    # fairseq transformer_lm_gpt3_*, 2048 positions each (comments: fairseq's nominal sizes).
     "transformer_lm_gpt3_small": ArchSpec(12, 768, 12),      # 125M
     "transformer_lm_gpt3_medium": ArchSpec(24, 1024, 16),    # 350M
     "transformer_lm_gpt3_large": ArchSpec(24, 1536, 16),     # 760M
@@ -127,12 +136,12 @@ ARCHS: dict[str, ArchSpec] = {
     "transformer_lm_gpt3_6_7": ArchSpec(32, 4096, 32),       # 6.7B
     "transformer_lm_gpt3_13": ArchSpec(40, 5120, 40),        # 13B
     "transformer_lm_gpt3_175": ArchSpec(96, 12288, 96),      # 175B
-    # CPU-sized; with the 50257 vocab most parameters are the embedding.
-    "transformer_lm_gpt_tiny": ArchSpec(4, 128, 4),
-    "transformer_lm_gpt_mini": ArchSpec(2, 64, 2),
+    # CPU-sized, with shorter position tables; with the 50257 vocab most parameters are the embedding.
+    "transformer_lm_gpt_tiny": ArchSpec(4, 128, 4, max_positions=1024),
+    "transformer_lm_gpt_mini": ArchSpec(2, 64, 2, max_positions=512),
     # CPU-sized member of the GPT-3 family: gpt_tiny's shape with the family's 2048
     # positions, so fairseq's GPT-3 commands (--tokens-per-sample 2048) run on a CPU.
-    "transformer_lm_gpt3_tiny": ArchSpec(4, 128, 4),
+    "transformer_lm_gpt3_tiny": ArchSpec(4, 128, 4, max_positions=GPT3_MAX_POSITIONS),
 }
 
 

@@ -26,6 +26,7 @@ import time
 from typing import Optional
 
 import torch
+from safetensors.torch import load_file
 
 from fullshard import checkpoint, faults
 from fullshard.core import collectives as C
@@ -171,8 +172,6 @@ def load_weights(path: str, model) -> Optional[dict]:
     if os.path.isdir(path):
         return checkpoint.load(path, model)
     if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
         sd = load_file(path)
     else:
         sd = torch.load(path, map_location="cpu", weights_only=True)

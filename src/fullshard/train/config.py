@@ -1,170 +1,235 @@
-"""The validated training configuration handed to every rank.
+"""The flags of `fullshard train`, grouped, and the validated training configuration.
 
-`TrainConfig` is built once, on the launching process, from the parsed and
-checked command line (see `options.py`); it is a frozen, picklable dataclass so
-the elastic launcher can hand it to spawned ranks unchanged.
+Each group is a frozen options dataclass whose fields are the flags of one
+``--help`` section (fairseq-train's names); a field's help text is its
+documentation (see `flags.py`). `TrainConfig` is all the groups together plus
+the sizes read from the architecture and the data; it is built once, on the
+launching process, from the parsed and checked command line (`options.py`),
+and is picklable so the elastic launcher can hand it to spawned ranks
+unchanged. `fullshard plan`, `eval-lm` and `generate` register the fields of
+these groups they need. A new flag is one field here and, when it needs one,
+one check in `options.validate`.
 """
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import ClassVar, Mapping, Optional, Tuple
+
+from fullshard.models import ARCHS, ArchSpec, arch_spec
+from fullshard.train.flags import flag
+from fullshard.train.lr_scheduler import SCHEDULERS
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything one rank needs to train. Field names follow fairseq-train flags."""
+def parse_betas(text: str) -> Tuple[float, float]:
+    """``--adam-betas '(0.9,0.98)'`` -> ``(0.9, 0.98)``.
 
-    data_dir: str
-    """Directory written by `fullshard preprocess` (holds meta.json and the splits)."""
-    arch: str
-    """Model architecture name, a key of `fullshard.models.ARCHS`."""
+    Raises:
+        argparse.ArgumentTypeError: not a pair of numbers (argparse prints it as one line).
+    """
+    try:
+        value = ast.literal_eval(text)
+        betas = tuple(float(b) for b in value)
+    except (ValueError, SyntaxError, TypeError):
+        raise argparse.ArgumentTypeError(f"expected a pair like '(0.9,0.98)', got {text!r}")
+    if len(betas) != 2:
+        raise argparse.ArgumentTypeError(f"expected two betas like '(0.9,0.98)', got {text!r}")
+    return betas
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelOptions:
+    """The GPT: a named architecture, fairseq's ``--decoder-*`` overrides of its shape, dropout."""
+
+    TITLE: ClassVar[str] = "model"
+    arch: str = flag("transformer_lm_gpt_tiny", f"model architecture, one of {', '.join(ARCHS)} "
+                     "(default: %(default)s)", aliases=("-a",), metavar="ARCH")
+    # The decoder_* fields: None = the arch's. `options.validate` stores the effective
+    # values, so checkpoints record the shape they were trained with.
+    decoder_layers: Optional[int] = flag(None, "transformer blocks, overriding the --arch's (default: the --arch's)",
+                                         type=int, metavar="L")
+    decoder_embed_dim: Optional[int] = flag(None, "model width, overriding the --arch's (default: the --arch's)",
+                                            type=int, metavar="C")
+    decoder_attention_heads: Optional[int] = flag(None, "attention heads, dividing the width (default: the "
+                                                  "--arch's)", type=int, metavar="H")
+    decoder_ffn_embed_dim: Optional[int] = flag(None, "MLP hidden width (default: 4 x the width, as fairseq's "
+                                                "base_gpt3_architecture)", type=int, metavar="F")
+    dropout: float = flag(0.0, "dropout probability (default: %(default)s)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedOptions:
+    """Data parallelism: backend and sharding, memory features, and the launch of the ranks."""
+
+    TITLE: ClassVar[str] = "distributed"
+    ddp_backend: str = flag("fully_sharded", "fully_sharded = fullshard FSDP; c10d = torch DistributedDataParallel "
+                            "baseline", choices=("fully_sharded", "c10d"))
+    # FULL_SHARD when True, SHARD_GRAD_OP when False.
+    reshard_after_forward: bool = flag(True, "keep full params between forward and backward (SHARD_GRAD_OP, "
+                                       "ZeRO-2-like)", option="--no-reshard-after-forward")
+    # Under torchrun `validate` stores the ranks torchrun started.
+    nproc_per_node: int = flag(1, "ranks to launch on this machine (default: 1)")
+    # CPUOffload(offload_params=True).
+    cpu_offload: bool = flag(False, "fully_sharded: keep parameter/gradient shards and the optimizer step on the CPU")
+    # no_sync: Psi more gradient elements per rank; reduce_scatter: K times the communication.
+    accumulate_mode: str = flag(
+        "no_sync", "with --update-freq > 1: no_sync accumulates unsharded gradients locally and reduce-scatters "
+        "once per update (faster, more memory); reduce_scatter reduce-scatters every micro-batch into the "
+        "gradient shards (less memory). c10d: whether DDP all-reduces every micro-batch (default: %(default)s)",
+        choices=("no_sync", "reduce_scatter"))
+    hybrid_shard: bool = flag(False, "fully_sharded: HYBRID_SHARD, shard within a node and replicate across nodes")
+    collective_timeout_s: float = flag(300.0, "a rank waiting longer in one collective exits naming it, its unit "
+                                       "and the ranks that did not arrive (default: %(default)s)",
+                                       option="--collective-timeout", metavar="SECONDS")
+    debug_collectives: bool = flag(False, "before each collective check that every rank issues the same one "
+                                   "(also FULLSHARD_DEBUG=1)")
+    max_restarts: int = flag(0, "after a rank dies, restart all ranks up to this many times; each resumes from "
+                             "checkpoint_last (default: 0)")
+    nnodes: int = flag(1, "launchers (nodes) taking part (default: 1)")
+    node_rank: int = flag(0, "this node's number; node 0 hosts the rendezvous")
+    # `validate` stores the resolved address: "localhost:0" (a free port) on one node.
+    rdzv_endpoint: Optional[str] = flag(None, "c10d rendezvous address, the same on every node (needed with "
+                                        "--nnodes > 1)", metavar="HOST:PORT")
+    rdzv_timeout_s: float = flag(900.0, "wait this long for every node to join (default: %(default)s)",
+                                 option="--rdzv-timeout", metavar="SECONDS")
+    # `validate` sets it with offload_activations too.
+    checkpoint_activations: bool = flag(False, "recompute each transformer block's activations in backward")
+    offload_activations: bool = flag(False, "keep checkpointed activations in host memory (implies "
+                                     "--checkpoint-activations)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionOptions:
+    """Mixed precision. fully_sharded: MixedPrecision(low, fp32 reduce, low buffers); c10d: torch.autocast.
+    Master parameters and optimizer state stay fp32."""
+
+    TITLE: ClassVar[str] = "mixed precision"
+    fp16: bool = flag(False, "float16 compute with dynamic loss scaling")
+    bf16: bool = flag(False, "bfloat16 compute (no loss scaling)")
+    fp16_init_scale: float = flag(128.0, "initial loss scale (default: 128)")
+    # `validate` stores the resolved window.
+    fp16_scale_window: Optional[int] = flag(None, "updates without overflow before the loss scale doubles "
+                                            "(default: 2**14 / world size / update freq, as fairseq)", type=int)
+    # Backing the scale off to this or below stops training with FloatingPointError.
+    min_loss_scale: float = flag(1e-4, "stop training when the loss scale falls to this (default: %(default)s)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetOptions:
+    """The preprocessed data and how it is cut into batches."""
+
+    TITLE: ClassVar[str] = "dataset"
+    data_dir: str = flag(help="directory written by `fullshard preprocess`", positional=True, metavar="DATA_DIR")
+    tokens_per_sample: int = flag(1024, "tokens per sample (default: %(default)s)")
+    batch_size: int = flag(8, "sequences per rank per micro-batch (default: %(default)s)")
+    update_freq: int = flag(1, "micro-batches accumulated per update (default: 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizationOptions:
+    """AdamW, the learning-rate schedule, stopping and clipping, the seed."""
+
+    TITLE: ClassVar[str] = "optimization"
+    task: str = flag("language_modeling", "the only task: GPT language modeling", choices=("language_modeling",))
+    optimizer: str = flag("adam", "AdamW with decoupled weight decay; cpu_adam: the same, stepping on host shards "
+                          "with torch's fused CPU AdamW kernel", choices=("adam", "cpu_adam"))
+    adam_betas: Tuple[float, float] = flag((0.9, 0.999), "betas, e.g. '(0.9,0.98)'", type=parse_betas)
+    adam_eps: float = flag(1e-8, "AdamW epsilon (default: %(default)s)")
+    weight_decay: float = flag(0.0, "applied to >=2-D weights only", aliases=("--wd",))
+    lr: float = flag(5e-4, "peak learning rate (default: %(default)s)")
+    lr_scheduler: str = flag("fixed", "learning-rate schedule (default: %(default)s)", choices=SCHEDULERS)
+    warmup_updates: int = flag(0, "updates of linear learning-rate warmup (default: %(default)s)")
+    total_num_update: int = flag(0, "updates over which polynomial_decay/cosine anneal (default: --max-update)")
+    end_learning_rate: float = flag(0.0, "final learning rate of polynomial_decay/cosine (default: %(default)s)")
+    power: float = flag(1.0, "exponent of polynomial_decay (default: %(default)s)")
+    max_update: int = flag(0, "stop after N updates (0 = no limit)")
+    max_epoch: int = flag(0, "stop after N epochs (0 = no limit)")
+    # The global gradient L2 norm; gnorm is logged either way.
+    clip_norm: float = flag(0.0, "clip gradient norm (0 = off)")
+    seed: int = flag(1, "seed of model initialization, data order and dropout (default: %(default)s)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingCheckpointOptions:
+    """Log lines, validation, checkpoints (fullshard.checkpoint directories), resuming, errors."""
+
+    TITLE: ClassVar[str] = "logging and checkpoints"
+    # `validate` stores the resolved format: json, simple or tqdm.
+    log_format: Optional[str] = flag(None, "default: tqdm on a terminal, else simple",
+                                     choices=("json", "simple", "tqdm"))
+    log_interval: int = flag(100, "log a train_inner line every N updates (default: %(default)s)")
+    log_file: Optional[str] = flag(None, "also write the log to this file")
+    # fully_sharded only: max over ranks of the largest value sampled after each micro-batch's
+    # forward and backward.
+    log_memory: bool = flag(False, "log FSDP memory on train_inner lines: fullshard.memory_stats totals (mem_*_mb, "
+                            "MiB), the most seen after any forward or backward since the last line, on any rank "
+                            "(c10d: none)")
+    validate_interval_updates: int = flag(0, "validate every N updates (0 = end of epoch/training only)")
+    save_dir: str = flag("checkpoints", "directory of checkpoint_last and checkpoint_<epoch>_<updates> "
+                         "(default: %(default)s)")
+    no_save: bool = flag(False, "write no checkpoint")
+    save_interval_updates: int = flag(0, "also save checkpoint_<epoch>_<updates> every N updates (0 = only at "
+                                      "the end)")
+    keep_interval_updates: int = flag(-1, "keep only the last N interval checkpoints (-1 = all)")
+    restore_file: str = flag("checkpoint_last", "checkpoint to resume from: a path, or a name in --save-dir "
+                             "(default: %(default)s; resumed automatically when it exists)")
+    reset_optimizer: bool = flag(False, "resume the model only: fresh optimizer state and update counter")
+    reset_dataloader: bool = flag(False, "resume at epoch 1, first batch")
+    reset_lr_scheduler: bool = flag(False, "do not restore the lr scheduler")
+    reset_meters: bool = flag(False, "do not restore the train meters")
+    on_save_error: str = flag("stop", "after a failed checkpoint save (e.g. disk full): stop, or continue training "
+                              "(the previous checkpoint stays) (default: %(default)s)", choices=("stop", "continue"))
+    debug: bool = flag(False, "print tracebacks instead of one-line errors")
+    finetune_from_model: Optional[str] = flag(None, "start from these weights (a consolidated .pt/.safetensors or "
+                                              "a checkpoint directory) when --save-dir has no checkpoint_last")
+
+
+TRAIN_GROUPS = (ModelOptions, DistributedOptions, PrecisionOptions, DatasetOptions, OptimizationOptions,
+                LoggingCheckpointOptions)
+"""The option groups of `fullshard train`, in ``--help`` order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(ModelOptions, DistributedOptions, PrecisionOptions, DatasetOptions, OptimizationOptions,
+                  LoggingCheckpointOptions):
+    """Everything one rank needs to train: every group's fields (resolved by `options.validate`)
+    and the sizes below. Field names follow fairseq-train flags."""
+
     max_positions: int
-    """Positions the architecture supports (size of its positional table), tokens."""
+    """Positions of the architecture (size of its positional table), tokens."""
     vocab_size: int
     """Vocabulary size read from the data directory's meta.json."""
-    ddp_backend: str
-    """'fully_sharded' (fullshard FSDP) or 'c10d' (torch DistributedDataParallel)."""
-    reshard_after_forward: bool
-    """FULL_SHARD when True, SHARD_GRAD_OP when False (--no-reshard-after-forward)."""
-    tokens_per_sample: int
-    """Sequence length T of one sample, tokens."""
-    batch_size: int
-    """Sequences per rank per micro-batch."""
-    update_freq: int
-    """Micro-batches accumulated per optimizer update (gradient accumulation)."""
-    dropout: float
-    """Dropout probability inside the model."""
-    adam_betas: Tuple[float, float]
-    """AdamW (beta1, beta2)."""
-    adam_eps: float
-    """AdamW epsilon."""
-    weight_decay: float
-    """Decoupled weight decay, applied to >=2-D weights only."""
-    lr: float
-    """Peak learning rate."""
-    lr_scheduler: str
-    """One of polynomial_decay, inverse_sqrt, cosine, fixed."""
-    warmup_updates: int
-    """Linear warmup length, updates."""
-    total_num_update: int
-    """Updates over which polynomial_decay / cosine anneal (0 = use max_update)."""
-    end_learning_rate: float
-    """Final learning rate of polynomial_decay / cosine."""
-    power: float
-    """Exponent of polynomial_decay."""
-    max_update: int
-    """Stop after this many updates (0 = no limit)."""
-    max_epoch: int
-    """Stop after this many epochs (0 = no limit)."""
-    clip_norm: float
-    """Clip the global gradient L2 norm to this value (0 = off; gnorm still computed)."""
-    seed: int
-    """Seed for model initialization, data order and dropout."""
-    log_format: str
-    """Resolved log format: json, simple or tqdm."""
-    log_interval: int
-    """Log a train_inner record every this many updates."""
-    log_file: Optional[str]
-    """Also write the log lines to this file (rank 0), or None."""
-    log_memory: bool
-    """Add mem_* fields (`fullshard.memory_stats` totals, MiB, max over ranks of the largest value
-    sampled after each micro-batch's forward and backward) to train_inner lines; fully_sharded only."""
-    validate_interval_updates: int
-    """Validate every this many updates (0 = only at end of epoch / training)."""
-    save_dir: str
-    """Directory for checkpoint_last/ and checkpoint_<epoch>_<updates>/ (fullshard.checkpoint layout)."""
-    no_save: bool
-    """Write no checkpoint when True."""
-    nproc_per_node: int
-    """Ranks to launch on this machine."""
-    decoder_layers: Optional[int] = None
-    """Transformer blocks L, overriding the arch's (--decoder-layers); None = the arch's. `validate`
-    stores the effective value, so checkpoints record the shape they were trained with."""
-    decoder_embed_dim: Optional[int] = None
-    """Model width C, overriding the arch's (--decoder-embed-dim); None = the arch's."""
-    decoder_attention_heads: Optional[int] = None
-    """Attention heads, dividing the width (--decoder-attention-heads); None = the arch's."""
-    decoder_ffn_embed_dim: Optional[int] = None
-    """MLP hidden width (--decoder-ffn-embed-dim); None = 4 x the effective width."""
-    fp16: bool = False
-    """Compute in float16 with dynamic loss scaling (fully_sharded: MixedPrecision(fp16, fp32 reduce,
-    fp16 buffers); c10d: torch.autocast). Master parameters and optimizer state stay fp32."""
-    bf16: bool = False
-    """Compute in bfloat16 (fully_sharded: MixedPrecision(bf16, fp32 reduce, bf16 buffers); c10d:
-    torch.autocast). No loss scaling: bf16 has fp32's exponent range."""
-    fp16_init_scale: float = 128.0
-    """Initial loss scale with fp16 (fairseq --fp16-init-scale)."""
-    fp16_scale_window: int = 2**14
-    """Clean updates before the loss scale doubles (fairseq --fp16-scale-window; resolved from
-    fairseq's 2**14 / world size / update_freq rule when not given)."""
-    min_loss_scale: float = 1e-4
-    """Backing the loss scale off to this or below stops training with FloatingPointError."""
-    cpu_offload: bool = False
-    """fully_sharded only: keep parameter and gradient shards and the optimizer step on the host
-    (CPUOffload(offload_params=True))."""
-    checkpoint_activations: bool = False
-    """Recompute each transformer block's activations in backward instead of storing them."""
-    offload_activations: bool = False
-    """Also keep the checkpointed block inputs in host memory (implies checkpoint_activations)."""
-    accumulate_mode: str = "no_sync"
-    """How --update-freq accumulates: 'no_sync' (micro-batches keep unsharded gradients locally;
-    one reduce-scatter per update; Psi more gradient elements per rank) or 'reduce_scatter'
-    (every micro-batch reduce-scatters into the gradient shards; K times the communication)."""
 
-    save_interval_updates: int = 0
-    """Also save checkpoint_<epoch>_<updates> every this many updates (0 = only at the end)."""
-    keep_interval_updates: int = -1
-    """Keep only the newest this many interval checkpoints (-1 = keep all)."""
-    restore_file: str = "checkpoint_last"
-    """Checkpoint directory to resume from: a path, or a name inside save_dir; used when it exists."""
-    reset_optimizer: bool = False
-    """Resume the model only: fresh optimizer state, update counter 0."""
-    reset_dataloader: bool = False
-    """Resume at epoch 1, first batch, instead of the saved data position."""
-    reset_lr_scheduler: bool = False
-    """Keep the fresh lr scheduler instead of the saved one."""
-    reset_meters: bool = False
-    """Start the train meters from zero instead of the saved ones."""
-    finetune_from_model: Optional[str] = None
-    """Initial weights (consolidated .pt/.safetensors file, or a checkpoint directory) when there is
-    nothing to resume in save_dir."""
-
-    collective_timeout_s: float = 300.0
-    """Deadline of every collective, seconds: a rank waiting longer exits naming the collective,
-    its unit and the ranks that did not arrive (--collective-timeout)."""
-    debug_collectives: bool = False
-    """Before each collective, check that every rank issues the same one (--debug-collectives)."""
-    debug: bool = False
-    """Print tracebacks instead of one-line errors (--debug)."""
-    on_save_error: str = "stop"
-    """After a failed checkpoint save: 'stop' training (exit 1) or 'continue' without that checkpoint."""
-    max_restarts: int = 0
-    """Restarts of all ranks the launcher makes after a rank fails; each resumes from checkpoint_last."""
-    nnodes: int = 1
-    """Nodes (launchers) taking part; >1 joins --rdzv-endpoint's c10d rendezvous."""
-    node_rank: int = 0
-    """This launcher's node number (0 hosts the rendezvous store)."""
-    rdzv_endpoint: str = "localhost:0"
-    """host:port of the c10d rendezvous (port 0: a free port, single node only)."""
-    rdzv_timeout_s: float = 900.0
-    """Seconds to wait for all nodes to join the rendezvous."""
-    optimizer: str = "adam"
-    """'adam' (AdamW) or 'cpu_adam' (AdamW stepping on host shards with torch's fused CPU kernel)."""
-    hybrid_shard: bool = False
-    """HYBRID_SHARD: shard within a node, replicate across nodes."""
-
-    def arch_spec(self):
-        """The model's shape, a `fullshard.models.ArchSpec`: ``arch`` with the decoder_* overrides.
+    def arch_spec(self) -> ArchSpec:
+        """The model's shape: ``arch`` with the decoder_* overrides.
 
         Raises:
             ValueError: unknown ``arch`` or an invalid shape (`validate` reports these first).
         """
-        from fullshard.models import arch_spec
-
         return arch_spec(self.arch).override(self.decoder_layers, self.decoder_embed_dim,
                                              self.decoder_attention_heads, self.decoder_ffn_embed_dim)
 
     def to_dict(self) -> dict:
-        """Plain-Python copy (for checkpoints)."""
+        """Plain-Python copy, flat ``{field: value}`` (checkpoints record it as their ``args``)."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_saved(cls, saved: Mapping, **defaults) -> "TrainConfig":
+        """The config a checkpoint's recorded ``args`` describe.
+
+        Args:
+            saved: ``to_dict()`` of this or an older version (the same flat field names; older
+                versions lack later fields), possibly through JSON (lists for tuples).
+            defaults: values for the fields ``saved`` lacks (``data_dir``, ``max_positions`` and
+                ``vocab_size`` at least, when it may lack them); the rest take the field defaults.
+
+        Names this version does not know are dropped.
+
+        Raises:
+            TypeError: a required field is neither in ``saved`` nor in ``defaults``.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        kept = {k: (tuple(v) if k == "adam_betas" else v) for k, v in saved.items() if k in known}
+        return cls(**{**defaults, **kept})

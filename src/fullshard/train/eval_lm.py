@@ -20,14 +20,20 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from fullshard.train.config import TrainConfig
-from fullshard.train.options import (OneLineArgumentParser, add_arch_override_args, add_train_args, arch_fields,
-                                     config_from_args, launched_world_size, _check_data)
-from fullshard.train.trained_model import ModelSpecError, read_spec
+from fullshard.data import DataError, TokenBlockDataset
+from fullshard.train.checkpoint_utils import load_weights
+from fullshard.train.config import DatasetOptions, DistributedOptions, LoggingCheckpointOptions, TrainConfig
+from fullshard.train.flags import add_options, flag
+from fullshard.train.loop import setup_logging, setup_rank, valid_batches
+from fullshard.train.options import OneLineArgumentParser, arch_fields, check_data, launched_world_size
+from fullshard.train.progress import LN2, perplexity, progress_bar, valid_stats
+from fullshard.train.trained_model import ModelSpecError, add_model_args, read_spec
+from fullshard.train.trainer import Trainer
 
 logger = logging.getLogger("fullshard.eval_lm")
 _DEFAULT_TOKENS_PER_SAMPLE = 1024  # fairseq-eval-lm's default
@@ -55,43 +61,46 @@ class EvalJob:
         return getattr(self.cfg, name)
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalOptions:
+    """eval-lm's own flags (fairseq-eval-lm names); the others are `fullshard train`'s."""
+
+    TITLE: ClassVar[str] = "eval-lm"
+    path: str = flag(help="checkpoint directory (e.g. checkpoints/checkpoint_last) or consolidated "
+                     ".safetensors/.pt", metavar="CHECKPOINT")
+    gen_subset: str = flag("valid", "split to evaluate (default: %(default)s)")
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    """Register the eval-lm flags (fairseq-eval-lm names) on ``p``."""
-    p.add_argument("data", metavar="DATA_DIR", help="directory written by `fullshard preprocess`")
-    p.add_argument("--path", required=True, metavar="CHECKPOINT",
-                   help="checkpoint directory (e.g. checkpoints/checkpoint_last) or consolidated .safetensors/.pt")
-    p.add_argument("--gen-subset", default="valid", help="split to evaluate (default: %(default)s)")
-    p.add_argument("--arch", default=None, help="architecture (default: the one the checkpoint records)")
-    add_arch_override_args(p)  # default: the shape the checkpoint records
-    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks to launch on this machine (default: 1)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="sequences per rank per forward (default: the training run's, else 8)")
-    p.add_argument("--tokens-per-sample", type=int, default=None,
-                   help=f"block length in tokens (default: the training run's, else {_DEFAULT_TOKENS_PER_SAMPLE} "
-                        "capped at the model's positions)")
-    p.add_argument("--log-format", choices=("json", "simple"), default="simple")
-
-
-def _train_defaults(data: str) -> argparse.Namespace:
-    """`fullshard train DATA` defaults, the base of a config when the checkpoint records no arguments."""
-    p = OneLineArgumentParser(prog="fullshard train")
-    add_train_args(p)
-    return p.parse_args([data])
+    """Register the eval-lm flags on ``p``: the data, the checkpoint and its model (default: the
+    recorded one), ranks, block and batch sizes (default: the training run's), the log format."""
+    add_options(p, DatasetOptions, ("data_dir",))
+    add_options(p, EvalOptions)
+    add_model_args(p)
+    add_options(p, DistributedOptions, ("nproc_per_node",))
+    add_options(p, DatasetOptions, ("tokens_per_sample", "batch_size"), overrides={
+        "batch_size": dict(default=None, help="sequences per rank per forward (default: the training run's, "
+                                              "else 8)"),
+        "tokens_per_sample": dict(default=None, help="block length in tokens (default: the training run's, else "
+                                                     f"{_DEFAULT_TOKENS_PER_SAMPLE} capped at the model's positions)")})
+    add_options(p, LoggingCheckpointOptions, ("log_format",), overrides={
+        "log_format": dict(default="simple", choices=("json", "simple"),
+                           help="json or simple log lines (default: %(default)s)")})
 
 
 def prepare(p: OneLineArgumentParser, args) -> EvalJob:
     """Check every input on the launching process; on a problem print one line and exit 2."""
-    for flag in ("nproc_per_node", "batch_size", "tokens_per_sample"):
-        value = getattr(args, flag)
+    for name in ("nproc_per_node", "batch_size", "tokens_per_sample"):
+        value = getattr(args, name)
         if value is not None and value < 1:
-            p.fail(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+            p.fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     try:
         spec = read_spec(args.path, args.arch, vars(args))
     except ModelSpecError as e:
         p.fail(str(e))
-    meta = _check_data(p, args)
+    meta = check_data(p, args.data_dir)
     if int(meta["vocab_size"]) > spec.vocab_size:
-        p.fail(f"{args.data!r} has {int(meta['vocab_size']):,} token ids but the model only "
+        p.fail(f"{args.data_dir!r} has {int(meta['vocab_size']):,} token ids but the model only "
                f"{spec.vocab_size:,}; evaluate on data preprocessed with the model's tokenizer")
     saved = spec.args or {}
     tps = args.tokens_per_sample or saved.get("tokens_per_sample") or min(_DEFAULT_TOKENS_PER_SAMPLE,
@@ -99,20 +108,17 @@ def prepare(p: OneLineArgumentParser, args) -> EvalJob:
     if tps > spec.max_positions:
         p.fail(f"--tokens-per-sample {tps} exceeds the {spec.max_positions} positions of the model; "
                f"use --tokens-per-sample <= {spec.max_positions}")
-    from fullshard.data import DataError, TokenBlockDataset
-
     try:
-        TokenBlockDataset(args.data, args.gen_subset, tps)
+        TokenBlockDataset(args.data_dir, args.gen_subset, tps)
     except (DataError, ValueError) as e:
         p.fail(str(e))
     world = launched_world_size(args.nproc_per_node)
-    base = config_from_args(_train_defaults(args.data), max_positions=spec.max_positions,
-                            vocab_size=spec.vocab_size, world_size=world, scale_window=1)
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    kept = {k: (tuple(v) if k == "adam_betas" else v) for k, v in saved.items() if k in known}
-    cfg = dataclasses.replace(base, **kept)
+    # The run's recorded flags (none for a .pt file: `fullshard train`'s defaults); the loss-scale
+    # window only matters to training.
+    cfg = TrainConfig.from_saved(saved, data_dir=args.data_dir, max_positions=spec.max_positions,
+                                 vocab_size=spec.vocab_size, fp16_scale_window=1)
     cfg = dataclasses.replace(
-        cfg, data_dir=args.data, arch=spec.arch, **arch_fields(spec.shape), vocab_size=spec.vocab_size,
+        cfg, data_dir=args.data_dir, arch=spec.arch, **arch_fields(spec.shape), vocab_size=spec.vocab_size,
         max_positions=spec.max_positions,
         tokens_per_sample=tps, batch_size=args.batch_size or saved.get("batch_size") or 8,
         nproc_per_node=world, log_format=args.log_format, log_file=None, no_save=True,
@@ -130,12 +136,6 @@ def eval_main(job: EvalJob) -> dict:
         ``{"loss_sum", "ntokens", "nsentences", "steps"}`` summed over ranks
         (loss in nats).
     """
-    from fullshard.data import TokenBlockDataset
-    from fullshard.train.checkpoint_utils import load_weights
-    from fullshard.train.loop import setup_logging, setup_rank, valid_batches
-    from fullshard.train.progress import LN2, perplexity, progress_bar, valid_stats
-    from fullshard.train.trainer import Trainer
-
     cfg = job.cfg
     setup_logging(int(os.environ.get("RANK", "0")), None)
     device = setup_rank(cfg)

@@ -20,8 +20,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from fullshard.train.options import OneLineArgumentParser, add_arch_override_args
-from fullshard.train.trained_model import ModelSpecError, load_plain_model, read_spec
+from fullshard.data import DataError, load_gpt2_tokenizer
+from fullshard.train.options import OneLineArgumentParser
+from fullshard.train.trained_model import ModelSpecError, add_model_args, load_plain_model, read_spec
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -36,8 +37,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0,
                    help="sample among the most likely tokens whose probability reaches p, in (0, 1] (default: 1)")
     p.add_argument("--seed", type=int, default=1, help="sampling seed (default: %(default)s)")
-    p.add_argument("--arch", default=None, help="architecture (default: the one the checkpoint records)")
-    add_arch_override_args(p)  # default: the shape the checkpoint records
+    add_model_args(p, group=False)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -116,8 +116,6 @@ def _check(p: OneLineArgumentParser, args) -> None:
 def run(p: OneLineArgumentParser, args) -> int:
     """Check the flags, load the model, print prompt + continuation; exit 2 (one line) on bad input."""
     _check(p, args)
-    from fullshard.data import DataError, load_gpt2_tokenizer
-
     try:
         spec = read_spec(args.path, args.arch, vars(args))
         tokenizer = load_gpt2_tokenizer()

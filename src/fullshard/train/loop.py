@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fullshard.core import collectives as C
+from fullshard.data import ShardedBatchSampler, TokenBlockDataset
 from fullshard.train import checkpoint_utils
 from fullshard.train.config import TrainConfig
 from fullshard.train.launcher import threads_per_rank
@@ -89,8 +90,6 @@ def epoch_updates(cfg: TrainConfig, dataset, epoch: int) -> List[List[list]]:
     A final short group (fewer than K micro-batches) is still one update, as in
     fairseq's GroupedIterator.
     """
-    from fullshard.data import ShardedBatchSampler
-
     sampler = ShardedBatchSampler(len(dataset), cfg.batch_size, dist.get_rank(), dist.get_world_size(),
                                   seed=cfg.seed, epoch=epoch, shuffle=True, drop_last=True)
     batches = [list(b) for b in sampler]
@@ -105,8 +104,6 @@ def valid_batches(cfg: TrainConfig, dataset) -> List[tuple]:
     of batches by wrapping around to the start; `counted` (B,) bool marks the
     sequences at global positions < len(dataset), so each block counts once.
     """
-    from fullshard.data import ShardedBatchSampler
-
     rank, world = dist.get_rank(), dist.get_world_size()
     sampler = ShardedBatchSampler(len(dataset), cfg.batch_size, rank, world,
                                   seed=cfg.seed, epoch=0, shuffle=False, drop_last=False)
@@ -122,8 +119,6 @@ class Run:
     """State of one training run on one rank (epochs, meters, stop conditions)."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device):
-        from fullshard.data import TokenBlockDataset
-
         self.cfg = cfg
         self.device = device
         self.rank = dist.get_rank()
@@ -240,6 +235,8 @@ class Run:
 
 def _known_errors() -> tuple:
     """Errors whose message is already one line naming the rank and what to do."""
+    # Lazy for start-up speed: CheckpointError lives in save_load (torch.distributed.checkpoint,
+    # about 0.7 s of every `fullshard` command).
     from fullshard.checkpoint import CheckpointError
 
     return (C.CollectiveError, CheckpointError, FloatingPointError)

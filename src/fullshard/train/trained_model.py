@@ -13,19 +13,29 @@ recorded one drops the recorded overrides).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import torch
+from safetensors import safe_open
 
-from fullshard.models import ArchSpec
+from fullshard.models import ARCHS, ArchSpec, build_model
+from fullshard.train import options
 from fullshard.train.checkpoint_utils import load_weights
 
 
 class ModelSpecError(ValueError):
     """A CHECKPOINT that names no usable GPT; the message is one line saying what to do."""
+
+
+def add_model_args(p: argparse.ArgumentParser, group: bool = True) -> None:
+    """Register `fullshard train`'s --arch and --decoder-* flags on ``p`` for a command that reads the
+    model from a checkpoint: both default to what the checkpoint records."""
+    options.add_model_args(p, dict(default=None, help="architecture (default: the one the checkpoint records)"),
+                           group=group)
 
 
 @dataclass(frozen=True)
@@ -51,12 +61,11 @@ class ModelSpec:
 def _shapes(path: str) -> dict:
     """{name: shape} of the model tensors of a checkpoint directory or consolidated file."""
     if os.path.isdir(path):
+        # Lazy for start-up speed (torch.distributed.checkpoint: about 0.7 s of every `fullshard` command).
         from fullshard.checkpoint.consolidate import model_tensors
 
         return {n: tuple(s) for n, s, _ in model_tensors(path)[1]}
     if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
         with safe_open(path, "pt") as f:
             return {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
     sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -66,13 +75,11 @@ def _shapes(path: str) -> dict:
 def _saved(path: str) -> tuple[Optional[dict], Optional[int]]:
     """(training arguments, num_updates) recorded with the checkpoint, each None when absent."""
     if os.path.isdir(path):
-        from fullshard.checkpoint import read_extra
+        from fullshard.checkpoint import read_extra  # lazy for start-up speed, as above
 
         extra = read_extra(path) or {}
         return extra.get("args"), extra.get("train_state", {}).get("num_updates")
     if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
         return (json.loads(meta["fullshard.args"]) if "fullshard.args" in meta else None), None
@@ -94,9 +101,7 @@ def read_spec(path: str, arch: Optional[str] = None,
             arch, no arch known (a ``.pt`` file without ``--arch``), an invalid
             ``--decoder-*`` value, or a shape whose tensors differ from the checkpoint's.
     """
-    from fullshard.checkpoint import CheckpointError
-    from fullshard.models import ARCHS, build_model
-    from fullshard.train.options import resolve_arch
+    from fullshard.checkpoint import CheckpointError  # lazy for start-up speed, as above
 
     if not os.path.exists(path):
         raise ModelSpecError(f"checkpoint {path!r} does not exist; give a checkpoint directory "
@@ -117,11 +122,12 @@ def read_spec(path: str, arch: Optional[str] = None,
         raise ModelSpecError(f"checkpoint {path!r} does not record its architecture; pass --arch")
     # The recorded shape belongs to the recorded arch; explicit --decoder-* flags override it.
     try:
-        recorded = resolve_arch(arch, saved if arch == saved.get("arch") else {})
+        recorded = options.resolve_arch(arch, saved if arch == saved.get("arch") else {})
     except ValueError as e:
         raise ModelSpecError(f"checkpoint {path!r} records an invalid shape: {e}") from None
     try:
-        shape = resolve_arch(arch, overrides or {}, recorded, "the checkpoint" if recorded != ARCHS[arch] else None)
+        shape = options.resolve_arch(arch, overrides or {}, recorded,
+                                     "the checkpoint" if recorded != ARCHS[arch] else None)
     except ValueError as e:
         raise ModelSpecError(str(e)) from None
     vocab, positions = shapes["embed_tokens.weight"][0], shapes["embed_positions.weight"][0]
@@ -138,8 +144,7 @@ def load_plain_model(spec: ModelSpec, device: torch.device | str = "cpu") -> tor
     Raises:
         ModelSpecError: the weights cannot be loaded (damaged checkpoint).
     """
-    from fullshard.checkpoint import CheckpointError
-    from fullshard.models import build_model
+    from fullshard.checkpoint import CheckpointError  # lazy for start-up speed, as above
 
     model = build_model(spec.shape or spec.arch, spec.vocab_size, spec.max_positions, device="meta")
     model.to_empty(device=device)

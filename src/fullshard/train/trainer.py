@@ -19,42 +19,64 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
-from fullshard import faults
+from fullshard import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy, faults
+from fullshard.activation_checkpointing import apply_activation_checkpointing
 from fullshard.amp import ShardedGradScaler
+from fullshard.construct import clean_name
 from fullshard.core import collectives as C
 from fullshard.memory import TOTAL_FIELDS, memory_stats, memory_totals
+from fullshard.models import TransformerBlock, build_model, make_param_init_fn, num_params
 from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import build_lr_scheduler
 from fullshard.train.progress import safe_round
+from fullshard.wrap import ModuleWrapPolicy
 
 logger = logging.getLogger("fullshard.train")
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
-_WRAPPER_SEGMENTS = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+_DDP_PREFIX = "module."  # DistributedDataParallel holds the model as its submodule `module`
 
 
-def original_name(name: str, known: Dict[str, torch.Size]) -> str:
-    """Map a wrapped parameter name to the unwrapped model's name (drops wrapper segments).
+def original_name(name: str, known: Dict[str, torch.Size], ddp: bool = False) -> str:
+    """Map a wrapped model's parameter name to the unwrapped model's name.
+
+    Args:
+        name: a name from the wrapped model's ``named_parameters()``.
+        known: the unwrapped model's ``{name: shape}``.
+        ddp: the wrapper is DistributedDataParallel: its names are the model's behind exactly one
+            leading ``module.`` (only that first segment is dropped; a submodule of the model
+            called ``module`` keeps its name). Else fullshard's wrapper segments are dropped
+            wherever they are (`fullshard.construct.clean_name`).
 
     Raises:
         KeyError: the name matches no parameter of the unwrapped model.
     """
-    if name in known:
-        return name
-    stripped = ".".join(s for s in name.split(".") if s not in _WRAPPER_SEGMENTS)
-    if stripped in known:
-        return stripped
-    raise KeyError(f"parameter {name!r} of the wrapped model matches no parameter of the model")
+    inner = name
+    if ddp:
+        inner = name[len(_DDP_PREFIX):] if name.startswith(_DDP_PREFIX) else None
+    original = clean_name(inner) if inner is not None else None
+    if original not in known:
+        raise KeyError(f"parameter {name!r} of the wrapped model matches no parameter of the model")
+    return original
 
 
-def param_groups(named_params, shapes: Dict[str, torch.Size], weight_decay: float) -> List[dict]:
-    """Two AdamW groups chosen by ORIGINAL name: >=2-D weights decay; biases / norms don't."""
+def param_groups(model: torch.nn.Module, shapes: Dict[str, torch.Size], weight_decay: float) -> List[dict]:
+    """Two AdamW groups chosen by ORIGINAL name: >=2-D weights decay; biases / norms don't.
+
+    Args:
+        model: the wrapped model (FullyShardedDataParallel, whose parameters are shards, or
+            DistributedDataParallel).
+        shapes: the unwrapped model's ``{name: full shape}``.
+        weight_decay: decoupled weight decay of the first group.
+    """
+    ddp = isinstance(model, DistributedDataParallel)
     decay, no_decay = [], []
-    for name, p in named_params:
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        full_shape = shapes[original_name(name, shapes)]
+        full_shape = shapes[original_name(name, shapes, ddp)]
         (decay if len(full_shape) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
@@ -75,7 +97,7 @@ class Trainer:
         if cfg.optimizer == "cpu_adam" and self._host_shards():
             foreach = {"fused": True}
         self.optimizer = torch.optim.AdamW(
-            param_groups(self.model.named_parameters(), shapes, cfg.weight_decay),
+            param_groups(self.model, shapes, cfg.weight_decay),
             lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, **foreach,
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
@@ -93,8 +115,6 @@ class Trainer:
     # ------------------------------------------------------------------ build
     def _build_model(self):
         """Build the GPT (same seed on every rank) and wrap it per --ddp-backend."""
-        from fullshard.models import TransformerBlock, build_model, make_param_init_fn, num_params
-
         cfg = self.cfg
         shape = cfg.arch_spec()  # --arch with the --decoder-* overrides
         kwargs = dict(vocab_size=cfg.vocab_size, max_positions=cfg.max_positions, dropout=cfg.dropout)
@@ -103,11 +123,7 @@ class Trainer:
             shapes = {n: p.shape for n, p in model.named_parameters()}
             self._checkpoint_blocks(model)
             ids = [self.device.index] if self.device.type == "cuda" else None
-            return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids), shapes, num_params(model)
-
-        from fullshard import CPUOffload, MixedPrecision, ShardingStrategy
-        from fullshard import FullyShardedDataParallel as FSDP
-        from fullshard.wrap import ModuleWrapPolicy
+            return DistributedDataParallel(model, device_ids=ids), shapes, num_params(model)
 
         # Deferred init: build on meta; each unit is materialized and
         # initialized inside the wrapper, so no rank holds the full model.
@@ -126,8 +142,9 @@ class Trainer:
         strategy = ShardingStrategy.FULL_SHARD if cfg.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
         if cfg.hybrid_shard:  # shard within a node (LOCAL_WORLD_SIZE ranks), replicate across nodes
             strategy = ShardingStrategy.HYBRID_SHARD
-        wrapped = FSDP(model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
-                       device_id=self.device, **extra)
+        wrapped = FullyShardedDataParallel(model, sharding_strategy=strategy,
+                                           auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+                                           device_id=self.device, **extra)
         return wrapped, shapes, total
 
     def _host_shards(self) -> bool:
@@ -138,9 +155,6 @@ class Trainer:
         """--checkpoint-activations / --offload-activations: wrap every TransformerBlock."""
         if not self.cfg.checkpoint_activations:
             return
-        from fullshard.activation_checkpointing import apply_activation_checkpointing
-        from fullshard.models import TransformerBlock
-
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, TransformerBlock),
                                        offload_to_cpu=self.cfg.offload_activations)
 

@@ -1,5 +1,11 @@
-"""Memory planner: per-rank bytes of a GPT training step under fullshard, and
-the configurations that fit a budget.
+"""``fullshard plan``, the memory planner: per-rank bytes of a GPT training step
+under fullshard, and the configurations that fit a budget.
+
+    fullshard plan --arch transformer_lm_gpt3_xl --world-size 8 --bf16 --budget-gb 16
+
+The flags are `fullshard train`'s (model shape, memory features, precision,
+batch) plus the planner's own (:class:`PlanOptions`); the position table is the
+one `fullshard train` builds for the arch.
 
 Model state follows fullshard's engine, unit by unit (one unit per
 ``TransformerBlock`` plus the root for embeddings and the final norm):
@@ -33,13 +39,18 @@ add b·s·V·(p + 4) bytes (logits in the compute dtype, fp32 log-softmax).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
 from fullshard.api import ShardingStrategy
+from fullshard.models import ARCHS, TransformerBlock, build_model, make_config
+from fullshard.train.config import DatasetOptions, DistributedOptions, PrecisionOptions
+from fullshard.train.flags import add_options, flag
+from fullshard.train.options import OneLineArgumentParser, add_model_args, check_tokens_per_sample, resolve_arch
 
 ZERO_K = 12
 """Bytes of optimizer state per parameter for mixed-precision Adam (ZeRO §3.1)."""
@@ -106,9 +117,6 @@ def gpt_workload(arch, batch_size: int, tokens_per_sample: int, vocab_size: int 
     Raises:
         ValueError: unknown arch name or invalid shape.
     """
-    from fullshard.models import TransformerBlock, build_model
-    from fullshard.models.config import make_config
-
     positions = max_positions or tokens_per_sample
     model = build_model(arch, vocab_size=vocab_size, max_positions=positions, device="meta")
     cfg = make_config(arch, vocab_size, positions)
@@ -221,3 +229,53 @@ def format_plan(work: Workload, cfg: Config, est: dict, budget_bytes: Optional[f
                      for s in range(4))
     lines.append(f"  ZeRO §5.1 model states (mixed-precision Adam, GB): {zero}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the `fullshard plan` command
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """The planner's own flags (the others are `fullshard train`'s)."""
+
+    TITLE: ClassVar[str] = "plan"
+    world_size: int = flag(help="N, data-parallel ranks", type=int)
+    sharding_strategy: str = flag("FULL_SHARD", "how parameters, gradients and optimizer state are sharded "
+                                  "(default: %(default)s)", choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"))
+    vocab_size: int = flag(50257, "token ids V (default: %(default)s)")
+    budget_gb: Optional[float] = flag(None, "list every configuration fitting this many GB per rank", type=float)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """Register `fullshard plan`'s flags on ``p``."""
+    add_model_args(p, dict(required=True, choices=sorted(ARCHS), help="a named GPT (see `fullshard train --help`)"))
+    add_options(p, PlanOptions)
+    add_options(p, DistributedOptions, ("cpu_offload", "checkpoint_activations"))
+    add_options(p, PrecisionOptions, ("fp16", "bf16"))
+    add_options(p, DatasetOptions, ("tokens_per_sample", "batch_size"))
+
+
+def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
+    """Check the flags (one line, exit 2 on bad input), print the plan and what fits the budget."""
+    for name in ("world_size", "batch_size", "tokens_per_sample", "vocab_size"):
+        if getattr(args, name) < 1:
+            p.fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.bf16 and args.fp16:
+        p.fail("--bf16 and --fp16 are exclusive; pick one")
+    if args.budget_gb is not None and args.budget_gb <= 0:
+        p.fail(f"--budget-gb must be > 0, got {args.budget_gb}")
+    try:
+        shape = resolve_arch(args.arch, vars(args))
+    except ValueError as e:
+        p.fail(str(e))
+    positions = check_tokens_per_sample(p, args, shape)  # the position table `fullshard train` builds
+    work = gpt_workload(shape, args.batch_size, args.tokens_per_sample, args.vocab_size, max_positions=positions)
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    cfg = Config(ShardingStrategy[args.sharding_strategy], args.world_size, dtype, args.cpu_offload,
+                 args.checkpoint_activations)
+    print(format_plan(work, cfg, plan(work, cfg)))
+    if args.budget_gb is not None:
+        fits = fitting(work, args.world_size, args.budget_gb * 1e9)
+        print(f"configurations fitting {args.budget_gb:g} GB per rank, expected fastest first:"
+              + ("" if fits else " none"))
+        for c, est in fits:
+            print(f"  {est['device_total'] / 1e9:8.3f} GB  {c.label()}")
+    return 0

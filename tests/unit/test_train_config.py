@@ -1,0 +1,151 @@
+"""`fullshard train`'s flags declared once: the option groups build the parsers of train, plan and
+eval-lm and TrainConfig; a command line gives the config it gave before; checkpoints' recorded
+arguments of today's format still load; an architecture's positions come from its ArchSpec."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from fullshard.models import ARCHS, ArchSpec
+from fullshard.train.config import TRAIN_GROUPS, TrainConfig
+from fullshard.train.flags import flag_fields, option_string
+from fullshard.train.options import (OneLineArgumentParser, _resolve_log_format, add_train_args, config_from_args,
+                                     resolve_arch)
+
+# TrainConfig.to_dict() as checkpoints record it before the flags were grouped (captured from that
+# code for `fullshard train data-bin/wiki --arch transformer_lm_gpt_mini --fp16 --lr 0.001
+# --adam-betas '(0.9,0.98)' --decoder-layers 3` at 2 ranks, with the effective shape and json logs).
+SAVED_BEFORE = {
+    'data_dir': 'data-bin/wiki', 'arch': 'transformer_lm_gpt_mini', 'max_positions': 512, 'vocab_size': 50257,
+    'ddp_backend': 'fully_sharded', 'reshard_after_forward': True, 'tokens_per_sample': 1024, 'batch_size': 8,
+    'update_freq': 1, 'dropout': 0.0, 'adam_betas': (0.9, 0.98), 'adam_eps': 1e-08, 'weight_decay': 0.0,
+    'lr': 0.001, 'lr_scheduler': 'fixed', 'warmup_updates': 0, 'total_num_update': 0, 'end_learning_rate': 0.0,
+    'power': 1.0, 'max_update': 0, 'max_epoch': 0, 'clip_norm': 0.0, 'seed': 1, 'log_format': 'json',
+    'log_interval': 100, 'log_file': None, 'log_memory': False, 'validate_interval_updates': 0,
+    'save_dir': 'checkpoints', 'no_save': False, 'nproc_per_node': 1, 'decoder_layers': 3, 'decoder_embed_dim': 64,
+    'decoder_attention_heads': 2, 'decoder_ffn_embed_dim': 256, 'fp16': True, 'bf16': False,
+    'fp16_init_scale': 128.0, 'fp16_scale_window': 8192, 'min_loss_scale': 0.0001, 'cpu_offload': False,
+    'checkpoint_activations': False, 'offload_activations': False, 'accumulate_mode': 'no_sync',
+    'save_interval_updates': 0, 'keep_interval_updates': -1, 'restore_file': 'checkpoint_last',
+    'reset_optimizer': False, 'reset_dataloader': False, 'reset_lr_scheduler': False, 'reset_meters': False,
+    'finetune_from_model': None, 'collective_timeout_s': 300.0, 'debug_collectives': False, 'debug': False,
+    'on_save_error': 'stop', 'max_restarts': 0, 'nnodes': 1, 'node_rank': 0, 'rdzv_endpoint': 'localhost:0',
+    'rdzv_timeout_s': 900.0, 'optimizer': 'adam', 'hybrid_shard': False}
+ARGV = ["data-bin/wiki", "--arch", "transformer_lm_gpt_mini", "--fp16", "--lr", "0.001", "--adam-betas", "(0.9,0.98)",
+        "--decoder-layers", "3", "--log-format", "json"]
+
+
+def _train_parser() -> OneLineArgumentParser:
+    p = OneLineArgumentParser(prog="fullshard train")
+    add_train_args(p)
+    return p
+
+
+def _config(argv, **kw) -> TrainConfig:
+    args = _train_parser().parse_args(argv)
+    values = dict(shape=resolve_arch(args.arch, vars(args)), vocab_size=50257, world_size=2, scale_window=8192)
+    return config_from_args(args, **{**values, **kw})
+
+
+def test_the_train_parser_is_the_config_fields():
+    """Every flag of `fullshard train` is one TrainConfig field (its dest), in one --help group per
+    option group; the only other fields are the sizes read from the arch and the data."""
+    p = _train_parser()
+    dests = [a.dest for a in p._actions if a.dest != "help"]
+    flags = [f.name for f in flag_fields(TrainConfig)]
+    assert sorted(dests) == sorted(flags) and len(dests) == len(set(dests))
+    assert {f.name for f in dataclasses.fields(TrainConfig)} - set(flags) == {"max_positions", "vocab_size"}
+    titles = [g.title for g in p._action_groups][2:]  # after "positional arguments" and "options"
+    assert titles == [g.TITLE for g in TRAIN_GROUPS] == ["model", "distributed", "mixed precision", "dataset",
+                                                         "optimization", "logging and checkpoints"]
+    for f in flag_fields(TrainConfig):
+        assert f.metadata["fullshard.flag"].help, f"{f.name} has no help text"
+    assert option_string(TrainConfig, "collective_timeout_s") == "--collective-timeout"
+    assert option_string(TrainConfig, "reshard_after_forward") == "--no-reshard-after-forward"
+
+
+def test_every_flag_value_reaches_the_config():
+    """A value given for each flag arrives in TrainConfig under its field (no hand copy to forget
+    one), except the values `validate` resolves from others."""
+    argv, want = ["DATA"], {"data_dir": "DATA"}
+    for f in flag_fields(TrainConfig):
+        spec = f.metadata["fullshard.flag"]
+        option = option_string(TrainConfig, f.name)
+        if spec.positional or f.name in ("decoder_layers", "decoder_embed_dim", "decoder_attention_heads",
+                                         "decoder_ffn_embed_dim", "arch"):
+            continue  # the shape: tested below
+        if isinstance(f.default, bool):
+            argv.append(option)
+            want[f.name] = not f.default
+        elif spec.choices:
+            argv += [option, str(spec.choices[-1])]
+            want[f.name] = spec.choices[-1]
+        elif f.name == "adam_betas":
+            argv += [option, "(0.5,0.75)"]
+            want[f.name] = (0.5, 0.75)
+        elif spec.type is int or isinstance(f.default, int):
+            argv += [option, "7"]
+            want[f.name] = 7
+        elif spec.type is float or isinstance(f.default, float):
+            argv += [option, "0.25"]
+            want[f.name] = 0.25
+        else:
+            argv += [option, f"text_{f.name}"]
+            want[f.name] = f"text_{f.name}"
+    cfg = _config(argv, scale_window=11, rdzv_endpoint="h:1")
+    resolved = {"fp16_scale_window": 11, "rdzv_endpoint": "h:1", "checkpoint_activations": True,
+                "log_format": _resolve_log_format("tqdm")}  # tqdm needs a terminal
+    want.update(resolved)
+    got = {k: getattr(cfg, k) for k in want}
+    assert got == want
+    assert (cfg.max_positions, cfg.vocab_size) == (ARCHS["transformer_lm_gpt_tiny"].max_positions, 50257)
+
+
+def test_a_command_line_gives_the_config_it_gave_before():
+    """The same argv gives the same recorded arguments as before the groups (plus --task)."""
+    assert _config(ARGV).to_dict() == {**SAVED_BEFORE, "task": "language_modeling"}
+
+
+def test_recorded_arguments_of_todays_format_still_load():
+    """`from_saved` reads a checkpoint's args of today's format, also through JSON (the header of a
+    consolidated .safetensors) and from an older run that lacks later fields."""
+    for saved in (SAVED_BEFORE, json.loads(json.dumps(SAVED_BEFORE))):
+        cfg = TrainConfig.from_saved(saved)
+        assert cfg.to_dict() == {**SAVED_BEFORE, "task": "language_modeling"}
+        assert cfg.arch_spec() == ARCHS["transformer_lm_gpt_mini"].override(num_layers=3)
+    older = {k: v for k, v in SAVED_BEFORE.items() if k not in ("hybrid_shard", "optimizer", "rdzv_endpoint")}
+    cfg = TrainConfig.from_saved({**older, "a_field_of_the_future": 1}, rdzv_endpoint="localhost:0")
+    assert (cfg.hybrid_shard, cfg.optimizer, cfg.rdzv_endpoint, cfg.lr) == (False, "adam", "localhost:0", 0.001)
+    cfg = TrainConfig.from_saved({}, data_dir="d", max_positions=16, vocab_size=97, fp16_scale_window=1)
+    assert (cfg.arch, cfg.batch_size, cfg.fp16_scale_window) == ("transformer_lm_gpt_tiny", 8, 1)
+    with pytest.raises(TypeError):
+        TrainConfig.from_saved({"arch": "transformer_lm_gpt_mini"})  # no data_dir, sizes
+
+
+def test_max_positions_is_the_archs():
+    """Positions live on ArchSpec: the named archs' tables, kept by the --decoder-* overrides, and
+    honoured for an arch that declares its own (before, every arch not in a hard-coded list got 2048)."""
+    assert ARCHS["transformer_lm_gpt_tiny"].max_positions == 1024
+    assert ARCHS["transformer_lm_gpt_mini"].max_positions == 512
+    assert {ARCHS[a].max_positions for a in ARCHS if a.startswith("transformer_lm_gpt3")} == {2048}
+    assert ARCHS["transformer_lm_gpt_mini"].override(num_layers=3, embed_dim=96, num_heads=4).max_positions == 512
+    assert resolve_arch("transformer_lm_gpt_mini", {"decoder_layers": 3}).max_positions == 512
+    with pytest.raises(ValueError, match="max_positions must be positive"):
+        ArchSpec(2, 64, 2, max_positions=0)
+
+
+def test_plan_sizes_an_archs_own_position_table(monkeypatch, capsys):
+    from fullshard import cli
+
+    monkeypatch.setitem(ARCHS, "test_short", ArchSpec(2, 64, 2, max_positions=128))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plan", "--arch", "test_short", "--world-size", "2", "--tokens-per-sample", "256"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1
+    assert "--tokens-per-sample 256 exceeds the 128 positions of --arch test_short" in err
+    assert cli.main(["plan", "--arch", "test_short", "--world-size", "2", "--tokens-per-sample", "64",
+                     "--vocab-size", "100"]) == 0
+    c = 64  # Ψ = V·C + P·C + L·(12C² + 13C) + 2C with the arch's P = 128 positions
+    assert f"Ψ={100 * c + 128 * c + 2 * (12 * c * c + 13 * c) + 2 * c:,}" in capsys.readouterr().out
