@@ -1,6 +1,6 @@
 """The ``fullshard preprocess`` subcommand: argument parsing and exit codes.
 
-The console script (``fullshard.train.cli``) adds these arguments to its
+The console script (``fullshard.cli``) adds these arguments to its
 ``preprocess`` subparser and calls :func:`run`.
 """
 
