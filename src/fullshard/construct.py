@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
 from .core import collectives as C
-from .core import param as FU
+from .core import consistency, deferred_init
 from .core.unit import ParamSlot
 
 _PREFIX = "_fsdp_wrapped_module."
@@ -69,13 +69,14 @@ def check_policies(name: str, strategy, mp, offload):
 def materialize(own: list[nn.Module], param_init_fn, device: torch.device, buffer_dtype) -> None:
     """Materialize this unit's meta tensors and place its buffers.
 
-    Row-wise init (see ``param.rowwise_init``) leaves meta parameters to the
+    Row-wise init (see ``deferred_init.rowwise_init``) leaves meta parameters to the
     unit, which creates only this rank's rows; modules with meta buffers are
     then still materialized whole.
     """
-    rowwise = FU.rowwise_init(param_init_fn)
-    FU.materialize([m for m in own if FU.has_meta_buffers(m)] if rowwise else own, param_init_fn, device)
-    FU.move_buffers(own, device, buffer_dtype)
+    rowwise = deferred_init.rowwise_init(param_init_fn)
+    deferred_init.materialize([m for m in own if deferred_init.has_meta_buffers(m)] if rowwise else own,
+                              param_init_fn, device)
+    deferred_init.move_buffers(own, device, buffer_dtype)
 
 
 def prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, device: torch.device,
@@ -84,15 +85,15 @@ def prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, 
     across the ranks of the unit's ``groups`` = (shard_group, replicate_group):
     broadcast the unit's first rank's parameters and buffers, or check the
     parameters and name the first that differs. Ranks outside the groups
-    take no part (see ``param.broadcast_from_first``)."""
+    take no part (see ``consistency.broadcast_from_first``)."""
     for s in slots:
         if s.param.is_meta:  # only reachable with row-wise init
             s.init_rows = functools.partial(param_init_fn.init_rows, s.param, device=device)
     real = [s for s in slots if not s.param.is_meta]  # deferred rows are identical by construction
     if sync_module_states:
-        FU.broadcast_from_first([s.param for s in real] + FU.buffers_of(own), *groups)
+        consistency.broadcast_from_first([s.param for s in real] + deferred_init.buffers_of(own), *groups)
     else:
-        FU.check_same_across_ranks([(s.fqn, s.param) for s in real], *groups, name)
+        consistency.check_same_across_ranks([(s.fqn, s.param) for s in real], *groups, name)
 
 
 def check_not_wrapped(module: nn.Module, name: str, is_unit) -> None:

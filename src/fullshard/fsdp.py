@@ -20,7 +20,7 @@ from .core import collectives as C
 from .core import convert as CV
 from .core import state as S
 from .core.unit import Unit, UnitConfig
-from .core import param as FU
+from .core import casting, deferred_init, gather, norms
 from . import construct as K
 from . import wrap as W
 from .checkpoint import module_hooks as sd_hooks
@@ -142,11 +142,11 @@ class FullyShardedDataParallel(nn.Module):
         self._own_modules = own
         self._buffer_dtype = mp.buffer_dtype
         self._in_forward = False
-        self._full_precision = FU.FullPrecisionRun(unit.flat_shard.dtype) if _full_precision else None
+        self._full_precision = casting.FullPrecisionRun(unit.flat_shard.dtype) if _full_precision else None
         self._runtime = S.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
                                       backward_prefetch=backward_prefetch,
                                       forward_prefetch=forward_prefetch,
-                                      forward_input_caster=FU.input_caster(mp))
+                                      forward_input_caster=casting.input_caster(mp))
         _hook_direct_calls(self, module)
         self._sd_installed = False  # a state-dict save pre-hook registered values (see sd_hooks)
         sd_hooks.register(self)
@@ -291,11 +291,10 @@ class FullyShardedDataParallel(nn.Module):
         """
         root = self._require_root_idle("clip_grad_norm_()")
         norm_type = float(norm_type)
-        counted, replica, local = FU.grads_by_kind(root.units, self.parameters())
+        counted, replica, local = norms.grads_by_kind(root.units, self.parameters())
         cfg = self._runtime.unit.cfg
-        total = FU.global_norm(counted, local, cfg.shard_group, cfg.replicate_group, norm_type)
-        coef = torch.clamp(torch.as_tensor(max_norm, dtype=torch.float32) / (total + 1e-6), max=1.0)
-        FU.scale_grads(counted + replica + local, coef)
+        total = norms.global_norm(counted, local, cfg.shard_group, cfg.replicate_group, norm_type)
+        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total)
         return total
 
     @contextlib.contextmanager
@@ -332,7 +331,7 @@ class FullyShardedDataParallel(nn.Module):
             units = [u for u in units if not any(u is not o and u in o.modules() for o in units)]
         for u in units:
             u._require_root_idle("summon_full_params()", root_only=False)
-        with FU.full_params([u.unit for u in units], writeback, rank0_only, offload_to_cpu, with_grads):
+        with gather.full_params([u.unit for u in units], writeback, rank0_only, offload_to_cpu, with_grads):
             yield
 
     # ------------------------------------------------- torch FSDP1 helpers
@@ -376,11 +375,11 @@ class FullyShardedDataParallel(nn.Module):
         """
         CV.check_convertible([u._runtime for u in (self.units() if recurse else [self])], fn)
         if CV.convert(self._runtime, fn) and self._full_precision is not None:
-            self._full_precision = FU.FullPrecisionRun(self.unit.flat_shard.dtype)
+            self._full_precision = casting.FullPrecisionRun(self.unit.flat_shard.dtype)
         with CV.sharded_params_hidden(self._runtime):
             super()._apply(fn, recurse)  # nested units convert themselves in this recursion
         if self._buffer_dtype is not None:
-            FU.move_buffers(self._own_modules, self.unit.cfg.compute_device, self._buffer_dtype)
+            deferred_init.move_buffers(self._own_modules, self.unit.cfg.compute_device, self._buffer_dtype)
         return self
 
     # ----------------------------------------------------------- state dicts

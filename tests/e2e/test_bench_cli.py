@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from fullshard.bench import plan as PL
-from fullshard.bench import suite
+from fullshard.bench import plan as PL, suite
 
 MODES = "full,ddp,fsdp2"
 

@@ -10,7 +10,7 @@ takes part through four hooks registered at construction:
 
 * save pre-hook: registers, on every module that owns one of the unit's
   parameters, the value the state-dict type asks for (``Unit.install_params``):
-  the full tensor gathered by ``core.param.gather_full`` (FULL), a
+  the full tensor gathered by ``core.gather.gather_full`` (FULL), a
   ``DTensor`` view of the shard (SHARDED), or None (LOCAL, where one
   ``_flat_param`` entry stands for all of them);
 * save post-hook: registers the sharded parameters again and drops the
@@ -45,7 +45,7 @@ from ..api import StateDictType
 from ..core import collectives as C
 from ..core import flat as F
 from ..construct import WRAPPER_SEGMENTS, clean_name
-from ..core.param import gather_full
+from ..core.gather import gather_full
 from . import state_dict as SD
 
 SEGMENT = "_fsdp_wrapped_module."

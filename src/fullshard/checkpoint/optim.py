@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..api import StateDictType
 from ..core import collectives as C
-from ..core.param import gather_full
+from ..core.gather import gather_full
 from . import state_dict as SD
 
 
