@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup train test bench docs clean
+.PHONY: setup train test test-fast lint bench docs clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,16 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Every single-process test (tests/unit) plus the distributed cases marked
+# `fast` (parity with DDP at 2 ranks, the usage patterns, the state-dict round
+# trip, the collectives); see docs/testing.md. `make test` still runs everything.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "fast and not slow" tests/unit tests/dist
+
+# ruff comes with the dev extras; its settings are in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests docs
 
 bench: $(STAMP)
 	$(VENV)/bin/fullshard bench --preset quick

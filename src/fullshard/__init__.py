@@ -5,13 +5,23 @@ Drop-in names for ``torch.distributed.fsdp``::
     from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy
     from fullshard.wrap import ModuleWrapPolicy
 """
-from .api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig,
-                  LocalOptimStateDictConfig, LocalStateDictConfig, MixedPrecision, ShardedOptimStateDictConfig,
-                  ShardedStateDictConfig, ShardingStrategy, StateDictType)
-from .fsdp import FSDP, FullyShardedDataParallel
 from . import wrap
-from .amp import ShardedGradScaler
 from .activation_checkpointing import CheckpointWrapper, apply_activation_checkpointing, offload_activations
+from .amp import ShardedGradScaler
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictType,
+)
+from .fsdp import FSDP, FullyShardedDataParallel
 from .memory import memory_stats
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from .core import collectives
+from .core import collectives, torch_private
 
 _MIN_SCALE_MESSAGE = (
     "Minimum loss scale reached ({}). Your loss is probably exploding. Try lowering the learning rate, "
@@ -44,29 +44,31 @@ def all_reduce_found_inf(flag: torch.Tensor, group) -> torch.Tensor:
         ``flag``, now identical on every rank of the group.
     """
     if collectives.is_initialized():
-        collectives.all_reduce(flag, collectives.world_group() if group is None else group, "max", tag="loss scaler inf check")
+        group = collectives.world_group() if group is None else group
+        collectives.all_reduce(flag, group, "max", tag="loss scaler inf check")
     return flag
 
 
 def _unscale_and_check(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
     """Multiply ``grads`` by ``inv_scale`` in place; return a (1,) fp32 CPU flag,
-    1.0 if any element is inf or NaN (checked before unscaling, like torch's)."""
+    1.0 if any element is inf or NaN (checked before unscaling, like torch's).
+    A sparse gradient must be coalesced (its ``values()`` is then a view)."""
     found = torch.zeros(1, dtype=torch.float32)
     by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         if g.is_sparse:
-            g = g.coalesce()._values()
+            g = g.values()
         by_key[(g.device, g.dtype)].append(g)
     for (device, _), group in by_key.items():
         dev_found = torch.zeros(1, dtype=torch.float32, device=device)
         inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
         try:
-            torch._amp_foreach_non_finite_check_and_unscale_(group, dev_found, inv)
+            torch_private.unscale_and_check_(group, dev_found, inv)
         except (RuntimeError, NotImplementedError):
             # Fallback for a backend/dtype without the fused kernel.
             finite = torch.stack([torch.isfinite(g).all() for g in group]).all()
             dev_found.fill_(0.0 if bool(finite) else 1.0)
-            torch._foreach_mul_(group, inv_scale)
+            torch_private.foreach_mul_(group, inv_scale)
         found = torch.maximum(found, dev_found.cpu())
     return found
 
@@ -149,7 +151,14 @@ class ShardedGradScaler:
         state = self._per_optimizer.setdefault(id(optimizer), {"unscaled": False, "found_inf": False})
         if state["unscaled"]:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse and not p.grad.is_coalesced():
+                    # Unscaling a coalesced copy would leave p.grad scaled by S.
+                    p.grad = p.grad.coalesce()
+                if p.grad is not None:
+                    grads.append(p.grad)
         flag = _unscale_and_check(grads, 1.0 / self._scale)
         all_reduce_found_inf(flag, self._group)
         state["unscaled"] = True

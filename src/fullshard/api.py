@@ -47,6 +47,15 @@ class BackwardPrefetch(enum.Enum):
     BACKWARD_POST = "BACKWARD_POST"
 
 
+_NORM_CLASSES: tuple[type, ...] = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+    nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d,
+    nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d)
+"""torch.nn's norm layers with running statistics (every public subclass of its
+private ``_NormBase``), the default ``full_precision_module_classes``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MixedPrecision:
     """Mixed-precision policy; the sharded (master) parameters stay in their
@@ -85,8 +94,10 @@ class MixedPrecision:
             own whose parameters and buffers stay in the master dtype, whose
             inputs are cast up to it and whose outputs are cast back to the
             inputs' dtype. Default: norm layers with running statistics
-            (BatchNorm, InstanceNorm), whose statistics lose too much in
-            bf16/fp16 (torch FSDP1 does the same for BatchNorm).
+            (``nn.BatchNorm1d/2d/3d``, ``nn.SyncBatchNorm``,
+            ``nn.InstanceNorm1d/2d/3d`` and their lazy forms, with
+            subclasses), whose statistics lose too much in bf16/fp16 (torch
+            FSDP1 does the same for BatchNorm).
     Source: Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.
     """
 
@@ -95,7 +106,7 @@ class MixedPrecision:
     buffer_dtype: Optional[torch.dtype] = None
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = True
-    full_precision_module_classes: tuple[type, ...] = (nn.modules.batchnorm._NormBase,)
+    full_precision_module_classes: tuple[type, ...] = _NORM_CLASSES
 
 
 @dataclasses.dataclass(frozen=True)

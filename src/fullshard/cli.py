@@ -35,7 +35,8 @@ from fullshard.train.options import OneLineArgumentParser, add_train_args, valid
 from fullshard.train.plot import LogError, plot
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``fullshard`` parser and its subcommands' parsers by name."""
     parser = OneLineArgumentParser(prog="fullshard", description="Fully Sharded Data Parallel GPT training.")
     sub = parser.add_subparsers(dest="command",
                                 metavar="{preprocess,train,eval-lm,generate,consolidate,plan,bench,plot}",
@@ -55,12 +56,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plot_parser.add_argument("logs", nargs="+", metavar="LOG", help="json or simple logs of `fullshard train`")
     plot_parser.add_argument("-o", "--output", default="curve.png", help="image file to write (default: %(default)s)")
     plot_parser.add_argument("--title", default="", help="chart title")
-    return parser
-
-
-def _parsers(parser: argparse.ArgumentParser) -> dict:
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return action.choices
+    return parser, sub.choices
 
 
 def _launch(command: str, job, entry) -> int:
@@ -82,7 +78,8 @@ def _consolidate(p: OneLineArgumentParser, args) -> int:
     except (CheckpointError, ValueError) as e:
         p.fail(str(e))
     print(f"wrote {args.out}: {r['tensors']} tensors, {r['bytes'] / 2**20:.1f} MiB in {r['seconds']:.2f} s; "
-          f"largest tensor {r['largest_tensor_bytes'] / 2**20:.1f} MiB, peak memory +{r['peak_rss_bytes'] / 2**20:.1f} MiB")
+          f"largest tensor {r['largest_tensor_bytes'] / 2**20:.1f} MiB, peak memory "
+          f"+{r['peak_rss_bytes'] / 2**20:.1f} MiB")
     return 0
 
 
@@ -112,9 +109,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    parser = _build_parser()
+    parser, subcommands = _build_parser()
     args, extra = parser.parse_known_args(argv)
-    sub = _parsers(parser)[args.command]
+    sub = subcommands[args.command]
     if extra:
         sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "preprocess":

@@ -14,8 +14,7 @@ import torch
 import torch.nn as nn
 
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
-from .core import collectives
-from .core import param as FU
+from .core import collectives, consistency, deferred_init
 from .core.unit import ParamSlot
 
 _PREFIX = "_fsdp_wrapped_module."
@@ -62,7 +61,8 @@ def check_policies(name: str, strategy, mp, offload):
     mp = mp or MixedPrecision()
     offload = offload or CPUOffload()
     if not isinstance(mp, MixedPrecision) or not isinstance(offload, CPUOffload):
-        raise ValueError(f"[rank {collectives.rank()}] unit '{name}': mixed_precision must be a fullshard.MixedPrecision "
+        raise ValueError(f"[rank {collectives.rank()}] unit '{name}': mixed_precision must be a "
+                         "fullshard.MixedPrecision "
                          f"and cpu_offload a fullshard.CPUOffload; got {type(mp).__name__}, "
                          f"{type(offload).__name__}")
     return strategy, mp, offload
@@ -71,13 +71,14 @@ def check_policies(name: str, strategy, mp, offload):
 def materialize(own: list[nn.Module], param_init_fn, device: torch.device, buffer_dtype) -> None:
     """Materialize this unit's meta tensors and place its buffers.
 
-    Row-wise init (see ``param.rowwise_init``) leaves meta parameters to the
+    Row-wise init (see ``deferred_init.rowwise_init``) leaves meta parameters to the
     unit, which creates only this rank's rows; modules with meta buffers are
     then still materialized whole.
     """
-    rowwise = FU.rowwise_init(param_init_fn)
-    FU.materialize([m for m in own if FU.has_meta_buffers(m)] if rowwise else own, param_init_fn, device)
-    FU.move_buffers(own, device, buffer_dtype)
+    rowwise = deferred_init.rowwise_init(param_init_fn)
+    deferred_init.materialize([m for m in own if deferred_init.has_meta_buffers(m)] if rowwise else own,
+                              param_init_fn, device)
+    deferred_init.move_buffers(own, device, buffer_dtype)
 
 
 def prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, device: torch.device,
@@ -86,15 +87,15 @@ def prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, 
     across the ranks of the unit's ``groups`` = (shard_group, replicate_group):
     broadcast the unit's first rank's parameters and buffers, or check the
     parameters and name the first that differs. Ranks outside the groups
-    take no part (see ``param.broadcast_from_first``)."""
+    take no part (see ``consistency.broadcast_from_first``)."""
     for s in slots:
         if s.param.is_meta:  # only reachable with row-wise init
             s.init_rows = functools.partial(param_init_fn.init_rows, s.param, device=device)
     real = [s for s in slots if not s.param.is_meta]  # deferred rows are identical by construction
     if sync_module_states:
-        FU.broadcast_from_first([s.param for s in real] + FU.buffers_of(own), *groups)
+        consistency.broadcast_from_first([s.param for s in real] + deferred_init.buffers_of(own), *groups)
     else:
-        FU.check_same_across_ranks([(s.fqn, s.param) for s in real], *groups, name)
+        consistency.check_same_across_ranks([(s.fqn, s.param) for s in real], *groups, name)
 
 
 def check_not_wrapped(module: nn.Module, name: str, is_unit) -> None:
@@ -197,7 +198,8 @@ def resolve_groups(strategy: ShardingStrategy, process_group, where: str):
         if collectives.group_size(shard) * collectives.group_size(rep) != collectives.world_size():
             raise ValueError(
                 f"{where}: HYBRID_SHARD shard group size {collectives.group_size(shard)} x replicate group size "
-                f"{collectives.group_size(rep)} != world size {collectives.world_size()}; pass groups that tile the world")
+                f"{collectives.group_size(rep)} != world size {collectives.world_size()}; pass groups that tile the "
+                "world")
         check_hybrid_layout(shard, rep, where)
         return shard, rep
     if pair:
@@ -229,7 +231,8 @@ def check_hybrid_layout(shard, rep, where: str) -> None:
     collectives.all_reduce(bad, shard, "max", tag="HYBRID_SHARD layout check")
     if bad.item():
         raise ValueError(
-            f"{where}: HYBRID_SHARD replicate group {collectives.group_ranks(rep)} (or another) joins ranks at different "
+            f"{where}: HYBRID_SHARD replicate group {collectives.group_ranks(rep)} (or another) joins ranks at "
+            "different "
             f"shard-group ranks (this rank is shard rank {int(mine)} of {collectives.group_ranks(shard)}), so replicas "
             "would hold different shards; pass replicate groups of the ranks with equal shard rank, e.g. a "
             "2-D DeviceMesh (replicate, shard) built from init_device_mesh")

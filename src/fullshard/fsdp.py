@@ -8,27 +8,19 @@ PyTorch FSDP (Zhao et al., "PyTorch FSDP", VLDB 2023, §3).
 from __future__ import annotations
 
 import contextlib
-import functools
-import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
 
+from . import construct, wrap
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .core import collectives
-from .core import convert
-from .core import state
+from .checkpoint import module_hooks, optim as optim_state, state_dict as state_dicts
+from .construct import _PREFIX
+from .core import casting, collectives, convert, deferred_init, gather, norms, state
 from .core.module import UnitModule, unit_modules
 from .core.unit import Unit, UnitConfig
-from .core import param as FU
-from . import construct
-from . import wrap
-from .checkpoint import module_hooks
-from .checkpoint import optim as optim_state
-from .checkpoint import state_dict as state_dicts
-
-from .construct import _PREFIX
+from .forward_methods import _hook_direct_calls, register_fsdp_forward_method  # noqa: F401 (public here too)
 
 
 class FullyShardedDataParallel(UnitModule):
@@ -124,7 +116,8 @@ class FullyShardedDataParallel(UnitModule):
             wrap.recursive_wrap(module, auto_wrap_policy, unit_fn(), ignored, is_unit)
         own = list(wrap._unwrapped_modules(module, is_unit, ignored))
         construct.materialize(own, param_init_fn, device, mp.buffer_dtype)
-        slots = construct.collect_slots(module, ignored, _skip_param_ids | {id(p) for p in ignored_params}, name, is_unit)
+        skip = _skip_param_ids | {id(p) for p in ignored_params}
+        slots = construct.collect_slots(module, ignored, skip, name, is_unit)
         construct.prepare_values(slots, own, param_init_fn, device, sync_module_states, name,
                          (shard_group, replicate_group))
         cfg = UnitConfig(
@@ -145,11 +138,11 @@ class FullyShardedDataParallel(UnitModule):
         self._own_modules = own
         self._buffer_dtype = mp.buffer_dtype
         self._in_forward = False
-        self._full_precision = FU.FullPrecisionRun(unit.flat_shard.dtype) if _full_precision else None
+        self._full_precision = casting.FullPrecisionRun(unit.flat_shard.dtype) if _full_precision else None
         self._runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
                                       backward_prefetch=backward_prefetch,
                                       forward_prefetch=forward_prefetch,
-                                      forward_input_caster=FU.input_caster(mp))
+                                      forward_input_caster=casting.input_caster(mp))
         _hook_direct_calls(self, module)
         self._sd_installed = False  # a state-dict save pre-hook registered values (see module_hooks)
         module_hooks.register(self)
@@ -286,11 +279,10 @@ class FullyShardedDataParallel(UnitModule):
         """
         root = self._require_root_idle("clip_grad_norm_()")
         norm_type = float(norm_type)
-        counted, replica, local = FU.grads_by_kind(root.units, self.parameters())
+        counted, replica, local = norms.grads_by_kind(root.units, self.parameters())
         cfg = self._runtime.unit.cfg
-        total = FU.global_norm(counted, local, cfg.shard_group, cfg.replicate_group, norm_type)
-        coef = torch.clamp(torch.as_tensor(max_norm, dtype=torch.float32) / (total + 1e-6), max=1.0)
-        FU.scale_grads(counted + replica + local, coef)
+        total = norms.global_norm(counted, local, cfg.shard_group, cfg.replicate_group, norm_type)
+        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total)
         return total
 
     @contextlib.contextmanager
@@ -327,7 +319,7 @@ class FullyShardedDataParallel(UnitModule):
             units = [u for u in units if not any(u is not o and u in o.modules() for o in units)]
         for u in units:
             u._require_root_idle("summon_full_params()", root_only=False)
-        with FU.full_params([u.unit for u in units], writeback, rank0_only, offload_to_cpu, with_grads):
+        with gather.full_params([u.unit for u in units], writeback, rank0_only, offload_to_cpu, with_grads):
             yield
 
     # ------------------------------------------------- torch FSDP1 helpers
@@ -367,11 +359,11 @@ class FullyShardedDataParallel(UnitModule):
         """
         convert.check_convertible([u._runtime for u in (self.units() if recurse else [self])], fn)
         if convert.convert(self._runtime, fn) and self._full_precision is not None:
-            self._full_precision = FU.FullPrecisionRun(self.unit.flat_shard.dtype)
+            self._full_precision = casting.FullPrecisionRun(self.unit.flat_shard.dtype)
         with convert.sharded_params_hidden(self._runtime):
             super()._apply(fn, recurse)  # nested units convert themselves in this recursion
         if self._buffer_dtype is not None:
-            FU.move_buffers(self._own_modules, self.unit.cfg.compute_device, self._buffer_dtype)
+            deferred_init.move_buffers(self._own_modules, self.unit.cfg.compute_device, self._buffer_dtype)
         return self
 
     # ----------------------------------------------------------- state dicts
@@ -454,58 +446,5 @@ class FullyShardedDataParallel(UnitModule):
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict) -> dict:
         """A by-name optimizer state dict (any world size) as ``optim.load_state_dict`` input."""
         return optim_state.optim_state_dict_to_load(model, optim, optim_state_dict)
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.method_name(...)`` run like ``forward``: the unit's full
-    parameters are gathered for the call and freed after it.
-
-    Methods that call the wrapped module (Hugging Face ``generate()`` calls
-    ``self(...)``) need no registration: a call of the wrapped module that
-    does not come through the unit's ``forward`` is handled like one. This is
-    for methods that use the parameters without calling the module.
-
-    Raises:
-        ValueError: ``module`` is not a unit, or has no such method.
-    """
-    if not isinstance(module, FullyShardedDataParallel):
-        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} is not a "
-                         "FullyShardedDataParallel unit")
-    inner = getattr(module.module, method_name, None)
-    if not callable(inner):
-        raise ValueError(f"register_fsdp_forward_method: the wrapped {type(module.module).__name__} has "
-                         f"no method {method_name!r}")
-    unit_ref = weakref.ref(module)
-
-    @functools.wraps(inner)
-    def run(*args, **kwargs):
-        unit = unit_ref()
-        return unit._run_as_forward(getattr(unit.module, method_name), args, kwargs)
-
-    object.__setattr__(module, method_name, run)
-
-
-def _hook_direct_calls(unit: FullyShardedDataParallel, module: nn.Module) -> None:
-    """Treat a call of the wrapped module that bypasses the unit's forward
-    (``generate()`` calling ``self(...)``) like a call of the unit."""
-    ref = weakref.ref(unit)
-
-    def pre(mod, args, kwargs):
-        u = ref()
-        if u is None or u._in_forward:
-            return None
-        u._lazy_init()
-        if u._runtime.state is state.TrainingState.FORWARD:  # a nested call of the same module
-            return None
-        return state.pre_forward(u._runtime, args, kwargs)
-
-    def post(mod, args, kwargs, output):
-        u = ref()
-        if u is None or u._in_forward or u._runtime.state is not state.TrainingState.FORWARD:
-            return None
-        return state.post_forward(u._runtime, output)
-
-    module.register_forward_pre_hook(pre, with_kwargs=True)
-    module.register_forward_hook(post, with_kwargs=True)
-
 
 FSDP = FullyShardedDataParallel

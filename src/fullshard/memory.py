@@ -109,7 +109,8 @@ def memory_stats(model: nn.Module) -> dict[str, dict[str, int]]:
             key = clean_name(name)
             if key == POOL_KEY:
                 raise ValueError(
-                    f"[rank {collectives.rank()}] memory_stats: the unit at module path {POOL_KEY!r} would hide the buffer pool's entry; "
+                    f"[rank {collectives.rank()}] memory_stats: the unit at module path {POOL_KEY!r} would hide the "
+                    "buffer pool's entry; "
                     "rename that submodule, or call memory_stats(model.pool) for that unit alone")
             out.setdefault(key, _unit_entry(module))
     stats = POOL.stats()

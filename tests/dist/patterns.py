@@ -10,12 +10,12 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy
 from fullshard.wrap import ModuleWrapPolicy
-from tests.dist.test_parity import ATOL, RTOL
+from tests.dist.common import ATOL, RTOL
 
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
 

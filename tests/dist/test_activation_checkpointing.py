@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 from fullshard import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
 from fullshard.activation_checkpointing import CheckpointWrapper, apply_activation_checkpointing
+from fullshard.bench.measure import peak_allocated_bytes
 from fullshard.core import collectives as C
 from fullshard.models import GPT, GPTConfig, TransformerBlock, build_model
 from fullshard.wrap import ModuleWrapPolicy
 from tests.dist import models as M
-from fullshard.bench.measure import peak_allocated_bytes
 from tests.dist.harness import run_ranks
 
 RTOL, ATOL = 1.3e-6, 1e-5

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from fullshard.core import collectives as C
@@ -49,6 +50,7 @@ def _check(rank, world):
     return True
 
 
+@pytest.mark.fast
 def test_all_to_all_variants_match_native_collectives():
     assert all(run_ranks(_check, 3))
 

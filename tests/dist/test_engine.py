@@ -13,13 +13,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy, memory_stats
 from fullshard.core import collectives as C
-from fullshard.core.state import TrainingStateError
-from fullshard.core.state import TrainingState
-from fullshard.wrap import (ModuleWrapPolicy, enable_wrap, lambda_auto_wrap_policy,
-                            size_based_auto_wrap_policy, wrap)
+from fullshard.core.state import TrainingState, TrainingStateError
+from fullshard.wrap import ModuleWrapPolicy, enable_wrap, lambda_auto_wrap_policy, size_based_auto_wrap_policy, wrap
 from tests.dist import models as M
+from tests.dist.common import ATOL, RTOL, train
 from tests.dist.harness import run_ranks
-from tests.dist.test_parity import ATOL, RTOL, train
 
 
 def _step(model, kind, rank, step=0):

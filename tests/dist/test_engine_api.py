@@ -16,10 +16,11 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fullshard import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy, memory_stats
-from fullshard.memory import memory_totals
 from fullshard.fsdp import register_fsdp_forward_method
+from fullshard.memory import memory_totals
 from fullshard.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 from tests.dist import patterns as P
+from tests.dist.common import BNBlock, BNNet
 from tests.dist.harness import run_ranks
 
 
@@ -53,28 +54,6 @@ def _plain_step(model, opt, rank, s):
     loss = P.mse(model(x), y)
     loss.backward()
     return loss.detach()
-
-
-class BNBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-        self.bn = nn.BatchNorm1d(16)
-
-    def forward(self, x):
-        return torch.relu(self.bn(self.lin(x)))
-
-
-class BNNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(7, 16)
-        self.bn = nn.BatchNorm1d(16)
-        self.block = BNBlock()
-        self.out = nn.Linear(16, 5)
-
-    def forward(self, x):
-        return self.out(self.block(torch.relu(self.bn(self.inp(x)))))
 
 
 class KeepsLoss(P.Net):

@@ -9,21 +9,8 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.dist import patterns as P  # noqa: E402
+from tests.dist.common import gpt2_block_policy, tiny_gpt2  # noqa: E402
 from tests.dist.harness import run_ranks  # noqa: E402
-
-
-def _tiny_gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=61, n_positions=32, n_embd=16, n_layer=2, n_head=2,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(cfg).eval()  # eval: no dropout in either model
-
-
-def _block_policy():
-    from fullshard.wrap import ModuleWrapPolicy
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-    return ModuleWrapPolicy({GPT2Block})
 
 
 def _lm_step(model, opt, rank, s):
@@ -36,13 +23,13 @@ def _lm_step(model, opt, rank, s):
 def _hf(rank, world):
     from fullshard import FullyShardedDataParallel as FSDP, memory_stats
     from fullshard.memory import memory_totals
-    out = {"model_output_loss": P.compare(rank, _lm_step, steps=3, make_fn=_tiny_gpt2, policy_fn=_block_policy)}
-    plain = _tiny_gpt2()
+    out = {"model_output_loss": P.compare(rank, _lm_step, steps=3, make_fn=tiny_gpt2, policy_fn=gpt2_block_policy)}
+    plain = tiny_gpt2()
     prompt = torch.tensor([[5, 7, 11, 13]])
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     want = plain.generate(prompt, **kwargs)
     for strategy in P.STRATEGIES:
-        model = FSDP(P._clone(plain), sharding_strategy=strategy, auto_wrap_policy=_block_policy())
+        model = FSDP(P._clone(plain), sharding_strategy=strategy, auto_wrap_policy=gpt2_block_policy())
         got = model.generate(prompt, **kwargs)
         assert torch.equal(got, want), (strategy, got, want)
         assert memory_totals(memory_stats(model))["unsharded_bytes"] == 0, strategy

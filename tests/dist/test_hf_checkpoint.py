@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests.dist.common import gpt2_block_policy, tiny_gpt2  # noqa: E402
 from tests.dist.harness import run_ranks  # noqa: E402
-from tests.dist.test_hf import _block_policy, _tiny_gpt2  # noqa: E402
 
 PROMPT = torch.tensor([[5, 7, 11, 13, 17, 19, 23, 29]])
 
@@ -22,7 +22,7 @@ PROMPT = torch.tensor([[5, 7, 11, 13, 17, 19, 23, 29]])
 def _train_and_save(rank, world, root):
     from fullshard import FSDP, checkpoint
 
-    model = FSDP(_tiny_gpt2(), auto_wrap_policy=_block_policy())
+    model = FSDP(tiny_gpt2(), auto_wrap_policy=gpt2_block_policy())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(10 * rank + step))
@@ -42,7 +42,7 @@ def _train_and_save(rank, world, root):
             with pytest.raises(RuntimeError, match="holds no full parameters on this rank; call it on rank 0"):
                 model.state_dict()
         else:
-            assert list(model.state_dict()) == list(_tiny_gpt2().state_dict())
+            assert list(model.state_dict()) == list(tiny_gpt2().state_dict())
     buf = io.BytesIO()
     torch.save(logits, buf)
     return buf.getvalue()
@@ -64,8 +64,8 @@ def test_consolidated_and_save_pretrained_load_in_hugging_face(tmp_path):
     want = torch.load(io.BytesIO(run_ranks(_train_and_save, 2, root)[0]))
     consolidated = tmp_path / "consolidated"
     consolidate(os.path.join(root, "ckpt"), str(consolidated / "model.safetensors"))
-    _tiny_gpt2().config.save_pretrained(str(consolidated))
-    untrained = _tiny_gpt2()(input_ids=PROMPT).logits
+    tiny_gpt2().config.save_pretrained(str(consolidated))
+    untrained = tiny_gpt2()(input_ids=PROMPT).logits
     for path in (consolidated, tmp_path / "hf_root", tmp_path / "hf_inner"):
         with torch.no_grad():
             got = _from_pretrained(str(path))(input_ids=PROMPT).logits

@@ -15,8 +15,7 @@ import fullshard
 from fullshard import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy, memory_stats
 from fullshard.activation_checkpointing import apply_activation_checkpointing
 from fullshard.models import TransformerBlock
-from tests.dist import models as M
-from tests.dist import patterns as P
+from tests.dist import models as M, patterns as P
 from tests.dist.harness import run_ranks
 
 UNIT_KEYS = ["sharded_bytes", "unsharded_bytes", "full_grad_bytes", "stashed_grad_bytes",

@@ -14,10 +14,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fullshard import BackwardPrefetch, FullyShardedDataParallel as FSDP, MixedPrecision
 from fullshard.wrap import ModuleWrapPolicy, always_wrap_policy, size_based_auto_wrap_policy
-from tests.dist import models as M
-from tests.dist import patterns as P
+from tests.dist import models as M, patterns as P
+from tests.dist.common import BNBlock, BNNet
 from tests.dist.harness import run_ranks
-from tests.dist.test_engine_api import BNBlock, BNNet
 
 
 class Stack(nn.Module):

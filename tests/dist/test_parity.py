@@ -8,12 +8,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy, BackwardPrefetch
-from tests.dist.harness import run_ranks
+from fullshard import BackwardPrefetch, FullyShardedDataParallel as FSDP, ShardingStrategy
 from tests.dist import models as M
-
-RTOL, ATOL = 1.3e-6, 1e-5
-STEPS = 10
+from tests.dist.common import ATOL, RTOL, train
+from tests.dist.harness import run_ranks
 
 
 def _strategies(world):
@@ -25,29 +23,6 @@ def _strategies(world):
         rep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         out.append((ShardingStrategy.HYBRID_SHARD, (shard_groups[rank // 2], rep_groups[rank % 2])))
     return out
-
-
-def train(model, kind, rank, clip=True):
-    named = [(n.removeprefix("module."), p) for n, p in model.named_parameters()]
-    # eps=1e-6: the attention key bias has an exactly-zero true gradient, so
-    # its gradient is rounding noise (~1e-12) that Adam's normalization would
-    # blow up to lr-sized steps with the default eps, for DDP and FSDP alike.
-    opt = torch.optim.AdamW(M.param_groups(named), lr=1e-2, eps=1e-6)
-    losses, norms = [], []
-    for step in range(STEPS):
-        x, y = M.batch(kind, rank, step)
-        loss = M.loss_fn(kind, model, x, y)
-        loss.backward()
-        if clip:
-            if isinstance(model, FSDP):
-                norm = model.clip_grad_norm_(0.5)
-            else:
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            norms.append(float(norm))
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 0)
-        losses.append(loss.item())
-    return losses, norms
 
 
 def _parity(rank, world, kinds):
@@ -77,7 +52,7 @@ def _parity(rank, world, kinds):
     return worst
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.fast), 3, 4])
 def test_parity_with_ddp(world):
     worst = run_ranks(_parity, world, ["mlp", "frozen", "gpt"])
     print(f"world={world}: largest per-step loss difference to DDP = {max(worst):.3e}")

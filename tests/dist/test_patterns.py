@@ -3,16 +3,17 @@ gradients or None, final parameters) under FULL_SHARD, SHARD_GRAD_OP and
 NO_SHARD at 2 ranks, or raises one clear error."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from fullshard import FullyShardedDataParallel as FSDP, memory_stats
+from fullshard.core import collectives as C
 from fullshard.core.state import TrainingState
 from fullshard.core.unit import ShardedState
-from fullshard.core import collectives as C
 from tests.dist import patterns as P
 from tests.dist.harness import run_ranks
+
+pytestmark = pytest.mark.fast  # every pattern is in `make test-fast`
 
 
 class _Boom(RuntimeError):
@@ -118,10 +119,11 @@ def _grad_modes(rank, world):
 
 def _checkpoint_after_wrap(rank):
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     from fullshard import apply_activation_checkpointing
     from fullshard.models import TransformerBlock
     from tests.dist import models as M
-    from tests.dist.test_parity import train
+    from tests.dist.common import train
 
     base = M.make_model("gpt")
     ref_losses, _ = train(DDP(M.clone(base)), "gpt", rank)

@@ -10,8 +10,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fullshard import CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision
 from fullshard.core import collectives as C
 from tests.dist import models as M
+from tests.dist.common import train
 from tests.dist.harness import run_ranks
-from tests.dist.test_parity import train
 
 BF16_RTOL = 1.6e-2
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)

@@ -1,21 +1,11 @@
 """Shared fixtures of the end-to-end CLI tests: a CLI runner and a tiny preprocessed corpus."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python -m fullshard.cli ARGS` outside any torchrun environment; never raises on exit code."""
-    env = dict(os.environ)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "fullshard.cli", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+from tests.e2e.common import run_cli
 
 
 @pytest.fixture(scope="session")

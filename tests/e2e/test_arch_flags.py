@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from tests.e2e.test_eval_generate import _main  # `fullshard ARGV` in this process
-from tests.e2e.test_train_cli import json_records
+from tests.e2e.common import json_records, main_in_process
 
 ARCH = "transformer_lm_gpt_mini"  # 2 layers, width 64, 2 heads
 SHAPE = ["--decoder-layers", "3", "--decoder-embed-dim", "96", "--decoder-attention-heads", "4"]
@@ -56,16 +55,19 @@ def test_eval_lm_and_generate_load_it_without_the_flags(cli, capsys, corpus_dir,
     consolidate(str(ckpt), str(tmp_path / "model.safetensors"))
     consolidate(str(ckpt), str(tmp_path / "model.pt"))
     texts = set()
-    for path, flags in ((ckpt, []), (tmp_path / "model.safetensors", []), (tmp_path / "model.pt", ["--arch", ARCH, *SHAPE])):
-        code, out, err = _main(capsys, "generate", "--path", str(path), "--prompt", "The city", "--max-tokens", "6",
-                               "--greedy", *flags)
+    sources = ((ckpt, []), (tmp_path / "model.safetensors", []), (tmp_path / "model.pt", ["--arch", ARCH, *SHAPE]))
+    for path, flags in sources:
+        code, out, err = main_in_process(capsys, "generate", "--path", str(path), "--prompt", "The city",
+                                         "--max-tokens", "6", "--greedy", *flags)
         assert code == 0 and out.startswith("The city"), (path, err)
         texts.add(out)
     assert len(texts) == 1
-    code, out, err = _main(capsys, "generate", "--path", str(tmp_path / "model.pt"), "--prompt", "x", "--arch", ARCH)
+    code, out, err = main_in_process(capsys, "generate", "--path", str(tmp_path / "model.pt"), "--prompt", "x",
+                                     "--arch", ARCH)
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert f"is not a {ARCH} model (2 layers, width 64, 2 heads, ffn 256;" in err
-    code, out, err = _main(capsys, "eval-lm", str(corpus_dir), "--path", str(ckpt), "--decoder-attention-heads", "5")
+    code, out, err = main_in_process(capsys, "eval-lm", str(corpus_dir), "--path", str(ckpt),
+                                     "--decoder-attention-heads", "5")
     assert code == 2 and "--decoder-attention-heads 5 must divide the width 96" in err
 
 
@@ -74,9 +76,9 @@ def test_resume_needs_the_same_shape(cli, capsys, corpus_dir, trained):
     same flags training resumes."""
     save, _ = trained
     common = ["train", str(corpus_dir), *TRAIN, "--save-dir", str(save)]
-    code, _, err = _main(capsys, *common)
+    code, _, err = main_in_process(capsys, *common)
     assert code == 2 and "cannot resume from" in err and "is of another model" in err, err
-    code, _, err = _main(capsys, *common, *SHAPE[:4], "--decoder-attention-heads", "2")
+    code, _, err = main_in_process(capsys, *common, *SHAPE[:4], "--decoder-attention-heads", "2")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert ("it was trained with 3 layers, width 96, 4 heads, ffn 384, this run has 3 layers, width 96, 2 heads, "
             "ffn 384") in err

@@ -112,8 +112,10 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
     (["{data}", "--decoder-layers", "two"], "invalid int value: 'two'"),
     (["{data}", "--decoder-embed-dim", "96", "--decoder-attention-heads", "5"],
      "--decoder-attention-heads 5 must divide --decoder-embed-dim 96"),
-    (["{data}", "--decoder-attention-heads", "3"], f"--decoder-attention-heads 3 must divide the width 64 of --arch {ARCH}"),
-    (["{data}", "--decoder-embed-dim", "99"], f"the 2 attention heads of --arch {ARCH} must divide --decoder-embed-dim 99"),
+    (["{data}", "--decoder-attention-heads", "3"],
+     f"--decoder-attention-heads 3 must divide the width 64 of --arch {ARCH}"),
+    (["{data}", "--decoder-embed-dim", "99"],
+     f"the 2 attention heads of --arch {ARCH} must divide --decoder-embed-dim 99"),
     # resuming needs the shape the checkpoint was trained with: tensors, and heads (which no tensor shows)
     (["{data}", "--save-dir", "{save_mini}", "--decoder-layers", "3"], "is of another model"),
     (["{data}", "--save-dir", "{save_mini}", "--decoder-attention-heads", "4"],
@@ -188,7 +190,7 @@ def test_seed_commands_are_accepted_and_fp16_warns_once(tmp_path, capsys, monkey
 
 def test_valid_split_smaller_than_one_batch_is_evaluated(cli, corpus_dir, tmp_path):
     """7 valid samples of 256 tokens for 2 ranks x 4: validated on those 7 (fairseq does), not rejected."""
-    from tests.e2e.test_train_cli import json_records
+    from tests.e2e.common import json_records
 
     proc = cli("train", str(corpus_dir), "--arch", ARCH, "--tokens-per-sample", "256", "--batch-size", "4",
                "--nproc-per-node", "2", "--max-update", "1", "--no-save", "--log-format", "json", timeout=240)

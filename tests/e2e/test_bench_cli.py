@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from fullshard.train import plan as PL
 from fullshard.bench import suite
+from fullshard.train import plan as PL
 
 MODES = "full,ddp,fsdp2"
 

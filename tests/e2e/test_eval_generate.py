@@ -6,8 +6,7 @@ import json
 import pytest
 import torch
 
-from fullshard import cli as fullshard_cli
-from tests.e2e.test_train_cli import json_records
+from tests.e2e.common import json_records, main_in_process
 
 ARCH = "transformer_lm_gpt_mini"
 TRAIN = ["--arch", ARCH, "--tokens-per-sample", "64", "--batch-size", "4", "--lr", "0.003", "--seed", "3",
@@ -16,7 +15,8 @@ TRAIN = ["--arch", ARCH, "--tokens-per-sample", "64", "--batch-size", "4", "--lr
 
 @pytest.fixture(scope="module")
 def trained(cli, corpus_dir, tmp_path_factory):
-    """(checkpoint_last, the trainer's last valid record, a consolidated .safetensors, a .pt) of 4 updates on 2 ranks."""
+    """(checkpoint_last, the trainer's last valid record, a consolidated .safetensors, a .pt) of 4 updates
+    on 2 ranks."""
     from fullshard.checkpoint.consolidate import consolidate
 
     root = tmp_path_factory.mktemp("eval")
@@ -26,16 +26,6 @@ def trained(cli, corpus_dir, tmp_path_factory):
     consolidate(str(ckpt), str(root / "st" / "model.safetensors"))
     consolidate(str(ckpt), str(root / "model.pt"))
     return ckpt, json_records(proc.stdout)["valid"][-1], root / "st" / "model.safetensors", root / "model.pt"
-
-
-def _main(capsys, *argv):
-    """`fullshard ARGV` in this process: (exit code, stdout, stderr)."""
-    try:
-        code = fullshard_cli.main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_eval_lm_equals_trainer_valid_loss(cli, corpus_dir, trained):
@@ -64,9 +54,9 @@ def test_eval_lm_bad_input(capsys, corpus_dir, trained, tmp_path):
         (["--path", str(ckpt), "--gen-subset", "test"], "has no split 'test'"),
     ]
     for flags, message in cases:
-        code, _, err = _main(capsys, "eval-lm", str(corpus_dir), *flags)
+        code, _, err = main_in_process(capsys, "eval-lm", str(corpus_dir), *flags)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (flags, err)
-    code, _, err = _main(capsys, "eval-lm", str(tmp_path / "nodata"), "--path", str(ckpt))
+    code, _, err = main_in_process(capsys, "eval-lm", str(tmp_path / "nodata"), "--path", str(ckpt))
     assert code == 2 and "does not exist" in err and len(err.strip().splitlines()) == 1, err
 
 
@@ -100,11 +90,11 @@ def test_generate_greedy_seed_and_errors(cli, capsys, corpus_dir, trained, tmp_p
     proc = cli("generate", "--path", str(ckpt), "--prompt", prompt, "--max-tokens", "8", "--greedy")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == want + "\n" and proc.stderr == ""
-    assert _main(capsys, "generate", "--path", str(st), "--prompt", prompt, "--max-tokens", "8",
+    assert main_in_process(capsys, "generate", "--path", str(st), "--prompt", prompt, "--max-tokens", "8",
                  "--temperature", "0")[:2] == (0, want + "\n")
     sampled = {}
     for seed in ("5", "5", "6"):
-        code, out, _ = _main(capsys, "generate", "--path", str(st), "--prompt", prompt, "--max-tokens", "12",
+        code, out, _ = main_in_process(capsys, "generate", "--path", str(st), "--prompt", prompt, "--max-tokens", "12",
                              "--top-k", "100", "--top-p", "0.95", "--temperature", "1.2", "--seed", seed)
         assert code == 0 and out.startswith(prompt)
         sampled.setdefault(seed, set()).add(out)
@@ -117,5 +107,5 @@ def test_generate_greedy_seed_and_errors(cli, capsys, corpus_dir, trained, tmp_p
         (["--path", str(ckpt), "--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
     ]
     for flags, message in cases:
-        code, out, err = _main(capsys, "generate", *flags)
+        code, out, err = main_in_process(capsys, "generate", *flags)
         assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1, (flags, err)

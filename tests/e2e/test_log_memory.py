@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from tests.e2e.test_train_cli import ARCH, TRAIN_INNER_KEYS, json_records
+from tests.e2e.common import ARCH, TRAIN_INNER_KEYS, json_records
 
 MEM_KEYS = ["mem_sharded_mb", "mem_unsharded_mb", "mem_full_grad_mb", "mem_stashed_grad_mb", "mem_pending_rs",
             "mem_pool_in_use_mb", "mem_pool_cached_mb"]

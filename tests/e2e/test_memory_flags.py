@@ -21,7 +21,7 @@ import math
 
 import pytest
 
-from tests.e2e.test_train_cli import ARCH, json_records
+from tests.e2e.common import ARCH, json_records
 
 UPDATES = 6
 BASE = ["--nproc-per-node", "2", "--arch", ARCH, "--tokens-per-sample", "64", "--lr", "0.001",

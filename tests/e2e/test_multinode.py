@@ -9,8 +9,7 @@ import subprocess
 import sys
 import time
 
-from tests.e2e.conftest import run_cli
-from tests.e2e.test_train_cli import json_records
+from tests.e2e.common import json_records, run_cli
 
 ARGS = ["--arch", "transformer_lm_gpt_mini", "--tokens-per-sample", "64", "--batch-size", "2",
         "--log-interval", "1", "--log-format", "json", "--seed", "3", "--lr", "0.001", "--max-update", "3",
@@ -36,7 +35,7 @@ def test_two_nodes_hybrid_shard_match_single_node_full_shard(corpus_dir):
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for n in (0, 1)]
     outs = [p.communicate(timeout=300) for p in nodes]
-    for p, (out, err) in zip(nodes, outs):
+    for p, (_, err) in zip(nodes, outs):
         assert p.returncode == 0, err[-3000:]
     assert "training on 4 devices (CPUs)" in outs[0][0]
     assert "HYBRID_SHARD: shard within 2 ranks, replicate across nodes" in outs[0][0]

@@ -75,7 +75,7 @@ def test_nan_loss_stops_naming_update_and_last_finite_loss(cli, corpus_dir, tmp_
         proc = cli("train", str(corpus_dir), *FAST, "--nproc-per-node", "1", "--max-update", "5",
                    "--save-dir", str(tmp_path / "ck"), "--save-interval-updates", "2", timeout=240)
     assert proc.returncode == 1, proc.stderr
-    from tests.e2e.test_train_cli import json_records
+    from tests.e2e.common import json_records
 
     second = json_records(proc.stdout)["train_inner"][1]
     assert second["num_updates"] == "2"
@@ -123,8 +123,7 @@ def test_max_restarts_resumes_after_sigkill_bit_identical(cli, corpus_dir, tmp_p
     uninterrupted run."""
     import torch
 
-    from tests.e2e.test_resume import _params
-    from tests.e2e.test_train_cli import json_records
+    from tests.e2e.common import checkpoint_params, json_records
 
     args = [*FAST, "--nproc-per-node", "2", "--max-update", "4", "--save-interval-updates", "2",
             "--lr-scheduler", "polynomial_decay", "--warmup-updates", "1", "--clip-norm", "1.0"]
@@ -145,8 +144,8 @@ def test_max_restarts_resumes_after_sigkill_bit_identical(cli, corpus_dir, tmp_p
 
     resumed = losses(proc)
     assert resumed[-2:] == losses(straight)[-2:], (resumed, losses(straight))
-    a, _ = _params(corpus_dir, tmp_path / "a" / "checkpoint_last")
-    b, extra = _params(corpus_dir, tmp_path / "b" / "checkpoint_last")
+    a, _ = checkpoint_params(corpus_dir, tmp_path / "a" / "checkpoint_last")
+    b, extra = checkpoint_params(corpus_dir, tmp_path / "b" / "checkpoint_last")
     assert extra["train_state"]["num_updates"] == 4
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -4,11 +4,9 @@ c10d <-> fully_sharded, --finetune-from-model, --reset-* flags; one chain of
 7 short CLI runs (each run costs mostly process start-up)."""
 from __future__ import annotations
 
-import json
-
 import torch
 
-from tests.e2e.test_train_cli import json_records
+from tests.e2e.common import checkpoint_params, json_records
 
 ARCH = "transformer_lm_gpt_mini"
 COMMON = ["--arch", ARCH, "--tokens-per-sample", "64", "--lr", "0.001", "--lr-scheduler", "polynomial_decay",
@@ -21,16 +19,6 @@ def _train(cli, corpus_dir, save_dir, *extra, nproc=2, updates=8):
                "--save-dir", str(save_dir), *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, json_records(proc.stdout)
-
-
-def _params(corpus_dir, path):
-    from fullshard import checkpoint
-    from fullshard.models import ARCHS, build_model
-
-    vocab = int(json.loads((corpus_dir / "meta.json").read_text())["vocab_size"])
-    model = build_model(ARCH, vocab_size=vocab, max_positions=ARCHS[ARCH].max_positions)
-    extra = checkpoint.load(str(path), model)
-    return model.state_dict(), extra
 
 
 def _losses(records):
@@ -49,8 +37,8 @@ def test_exact_resume_interval_keep_reshard_c10d_and_resets(cli, corpus_dir, tmp
     out, resumed = _train(cli, corpus_dir, half, updates=4)
     assert "loaded checkpoint" in out and "epoch 1 offset 2 @ 2 updates" in out
     assert _losses(resumed) == _losses(straight)[2:]
-    a, extra = _params(corpus_dir, tmp_path / "a" / "checkpoint_last")
-    b, _ = _params(corpus_dir, half / "checkpoint_last")
+    a, extra = checkpoint_params(corpus_dir, tmp_path / "a" / "checkpoint_last")
+    b, _ = checkpoint_params(corpus_dir, half / "checkpoint_last")
     assert extra["train_state"]["num_updates"] == 4 and extra["world_size"] == 2
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -10,27 +10,15 @@ import textwrap
 import pytest
 import torch
 
+from tests.e2e.common import ARCH, TRAIN_INNER_KEYS, json_records
 
-ARCH = "transformer_lm_gpt_mini"
 UPDATES = 20
 COMMON = ["--nproc-per-node", "2", "--arch", ARCH, "--tokens-per-sample", "64", "--lr", "0.001",
           "--lr-scheduler", "polynomial_decay", "--warmup-updates", "5", "--max-update", str(UPDATES),
           "--clip-norm", "1.0", "--weight-decay", "0.01", "--adam-betas", "(0.9,0.98)", "--seed", "3",
           "--log-interval", "1"]
-TRAIN_INNER_KEYS = ["epoch", "update", "loss", "ppl", "wps", "ups", "wpb", "bsz", "num_updates", "lr",
-                    "gnorm", "loss_scale", "train_wall", "gb_free", "wall"]
 VALID_KEYS = ["epoch", "valid_loss", "valid_ppl", "valid_wps", "valid_wpb", "valid_bsz", "valid_num_updates"]
 TRAIN_KEYS = ["epoch"] + ["train_" + k for k in TRAIN_INNER_KEYS[2:]]
-
-
-def json_records(text: str) -> dict:
-    """{'train_inner': [...], 'valid': [...], 'train': [...]} from a json-format log."""
-    out = {"train_inner": [], "valid": [], "train": []}
-    for line in text.splitlines():
-        parts = line.split(" | ", 3)
-        if len(parts) == 4 and parts[2] in out:
-            out[parts[2]].append(json.loads(parts[3]))
-    return out
 
 
 def simple_losses(text: str) -> list:
@@ -85,7 +73,7 @@ def test_log_records_have_every_field(runs, backend):
     assert len(records["train"]) == 1 and list(records["train"][0]) == TRAIN_KEYS
     # --log-file holds the same lines as stdout (rank 0 only: no duplicates).
     logged = (run["root"] / "train.log").read_text().splitlines()
-    assert logged == [l for l in stdout.splitlines() if " | INFO | " in l]
+    assert logged == [line for line in stdout.splitlines() if " | INFO | " in line]
 
 
 @pytest.mark.parametrize("backend", ["fully_sharded", "c10d"])

@@ -6,9 +6,7 @@ import mmap
 import pytest
 import torch
 
-from fullshard.bench import measure
-from fullshard.bench import report as RP
-from fullshard.bench import suite
+from fullshard.bench import measure, report as RP, suite
 from fullshard.bench.modes import MODES, ModelSpec, analytic_volume_bytes
 
 

@@ -9,10 +9,17 @@ import pytest
 import torch
 
 import fullshard.data.binarize as binarize
-from fullshard.data import (DataError, ShardedBatchSampler, TokenBlockDataset,
-                            builtin_corpus_documents, load_gpt2_tokenizer, preprocess,
-                            read_meta, split_documents)
-from fullshard.data import preprocess_cli
+from fullshard.data import (
+    DataError,
+    ShardedBatchSampler,
+    TokenBlockDataset,
+    builtin_corpus_documents,
+    load_gpt2_tokenizer,
+    preprocess,
+    preprocess_cli,
+    read_meta,
+    split_documents,
+)
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +116,8 @@ def test_preprocess_small_corpus(tmp_path, tokenizer):
 def test_preprocess_split_is_deterministic_and_seeded(tmp_path):
     src = write_corpus(tmp_path / "src", {"c.txt": "\n\n".join(f"doc {i}" for i in range(50))})
     a = preprocess(tmp_path / "a", trainpref=src, valid_fraction=0.1, seed=1)
-    b = preprocess(tmp_path / "b", trainpref=src, valid_fraction=0.1, seed=1)
-    c = preprocess(tmp_path / "c", trainpref=src, valid_fraction=0.1, seed=2)
+    preprocess(tmp_path / "b", trainpref=src, valid_fraction=0.1, seed=1)
+    preprocess(tmp_path / "c", trainpref=src, valid_fraction=0.1, seed=2)
     read = lambda d: (d / "valid.bin").read_bytes()  # noqa: E731
     assert a.meta["splits"]["valid"]["num_documents"] == 5
     assert read(tmp_path / "a") == read(tmp_path / "b") != read(tmp_path / "c")

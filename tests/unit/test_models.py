@@ -8,8 +8,7 @@ import time
 import pytest
 import torch
 
-from fullshard.models import (ARCHS, GPT, GPTConfig, TransformerBlock, build_model,
-                              make_param_init_fn, num_params)
+from fullshard.models import ARCHS, GPT, GPTConfig, TransformerBlock, build_model, make_param_init_fn, num_params
 
 V, P = 50257, 2048
 

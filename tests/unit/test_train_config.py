@@ -11,8 +11,13 @@ import pytest
 from fullshard.models import ARCHS, ArchSpec
 from fullshard.train.config import TRAIN_GROUPS, TrainConfig
 from fullshard.train.flags import flag_fields, option_string
-from fullshard.train.options import (OneLineArgumentParser, _resolve_log_format, add_train_args, config_from_args,
-                                     resolve_arch)
+from fullshard.train.options import (
+    OneLineArgumentParser,
+    _resolve_log_format,
+    add_train_args,
+    config_from_args,
+    resolve_arch,
+)
 
 # TrainConfig.to_dict() as checkpoints record it before the flags were grouped (captured from that
 # code for `fullshard train data-bin/wiki --arch transformer_lm_gpt_mini --fp16 --lr 0.001

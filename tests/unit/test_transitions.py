@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from fullshard.core.state import TrainingState
 from fullshard.core import state
+from fullshard.core.state import TrainingState
 
 LEGAL = {
     ("IDLE", "FORWARD"), ("IDLE", "PRE_BACKWARD"), ("IDLE", "POST_BACKWARD"),

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fullshard.core import torch_private
 from fullshard.core.buffers import POOL
 from fullshard.train.launcher import threads_per_rank
 
@@ -146,21 +147,14 @@ def peak_allocated_bytes(fn) -> tuple[object, int]:
     are allocated, and counted, during it; the pool keeps them afterwards, so
     they count until the end, as they do in the process's memory.
     """
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     POOL.clear()
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
-        stack.extend(e.children)
     live = peak = 0
-    for _, nbytes in sorted(events):
+    for _, nbytes in sorted(torch_private.profiler_allocations(prof)):
         live += nbytes
         peak = max(peak, live)
     return out, peak

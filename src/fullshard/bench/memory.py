@@ -52,9 +52,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fullshard import (CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy,
-                       apply_activation_checkpointing, offload_activations)
-from fullshard.bench import measure as M
+from fullshard import (
+    CPUOffload,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+    apply_activation_checkpointing,
+    offload_activations,
+)
+from fullshard.bench import measure
 from fullshard.models import TransformerBlock, build_model, num_params
 from fullshard.train.launcher import launch_local
 from fullshard.wrap import ModuleWrapPolicy
@@ -160,14 +166,14 @@ def _measure(cfg: RunConfig, mc: MemConfig, batches) -> dict:
     opt.zero_grad(set_to_none=True)
     gc.collect()
     t0 = time.perf_counter()
-    loss, peak = M.peak_allocated_bytes(lambda: _step(model, opt, mc, *batches[1]))
+    loss, peak = measure.peak_allocated_bytes(lambda: _step(model, opt, mc, *batches[1]))
     step_s = time.perf_counter() - t0
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     opt_t = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     out = dict(psi=psi, peak_bytes=peak, warm_loss=warm_loss, loss=loss, step_s=step_s,
-               param_bytes=M.param_bytes(model), grad_bytes=M.grad_bytes(model),
-               optim_bytes=M.optim_state_bytes(opt),
+               param_bytes=measure.param_bytes(model), grad_bytes=measure.grad_bytes(model),
+               optim_bytes=measure.optim_state_bytes(opt),
                where=f"params {_where(params)}; grads {_where(grads)}; optim {_where(opt_t)}")
     del model, opt
     gc.collect()
@@ -175,7 +181,7 @@ def _measure(cfg: RunConfig, mc: MemConfig, batches) -> dict:
 
 
 def _run_config(cfg: RunConfig, mc: MemConfig, batches) -> dict:
-    return M.run_guarded({"config": mc.name}, lambda: _measure(cfg, mc, batches))
+    return measure.run_guarded({"config": mc.name}, lambda: _measure(cfg, mc, batches))
 
 
 def rank_main(cfg: RunConfig) -> dict:
@@ -184,7 +190,7 @@ def rank_main(cfg: RunConfig) -> dict:
         batches = _batches(cfg, rank)
         return [_run_config(cfg, mc, batches) for mc in cfg.configs]
 
-    return M.run_rank(cfg.timeout_s, rows)
+    return measure.run_rank(cfg.timeout_s, rows)
 
 
 # ---------------------------------------------------------------- launcher

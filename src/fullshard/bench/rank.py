@@ -38,9 +38,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fullshard import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
-from fullshard.bench import measure as M
+from fullshard.bench import measure
 from fullshard.bench.modes import COLLECTIVES, MODES, Job, Mode
-from fullshard.core import collectives as C
+from fullshard.core import collectives
 from fullshard.models import GPT, GPTConfig, TransformerBlock
 from fullshard.wrap import ModuleWrapPolicy
 
@@ -183,8 +183,8 @@ class _Trainer:
         return loss.item()
 
     def state_bytes(self) -> dict[str, int]:
-        return dict(param_bytes=M.param_bytes(self.model), grad_bytes=M.grad_bytes(self.model),
-                    optim_bytes=M.optim_state_bytes(self.optimizer))
+        return dict(param_bytes=measure.param_bytes(self.model), grad_bytes=measure.grad_bytes(self.model),
+                    optim_bytes=measure.optim_state_bytes(self.optimizer))
 
 
 class _DeepSpeedTrainer(_Trainer):
@@ -206,8 +206,8 @@ class _DeepSpeedTrainer(_Trainer):
         params += list(getattr(zero, "fp16_partitioned_groups_flat", []))
         params += list(getattr(zero, "fp32_partitioned_groups_flat", []))
         grads = [getattr(zero, "grad_partitions_flat_buffer", None)]
-        return dict(param_bytes=M.storage_bytes(params), grad_bytes=M.storage_bytes(grads),
-                    optim_bytes=M.optim_state_bytes(zero.optimizer))
+        return dict(param_bytes=measure.storage_bytes(params), grad_bytes=measure.storage_bytes(grads),
+                    optim_bytes=measure.optim_state_bytes(zero.optimizer))
 
 
 def _adamw(params, job: Job) -> torch.optim.Optimizer:
@@ -260,8 +260,7 @@ def wrap(mode: Mode, model: torch.nn.Module, job: Job):
         fully_shard(model, mesh=mesh, mp_policy=mp)
         return _Trainer(model, _adamw(model.parameters(), job)), None
     if mode.family == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-        from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP, ShardingStrategy as TorchStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
 
         with warnings.catch_warnings(record=True) as caught:
@@ -331,9 +330,9 @@ def _fullshard_volume(world: int) -> tuple[dict, dict]:
     (x 2). FULL_SHARD and SHARD_GRAD_OP gather over the world group; NO_SHARD's
     shard group is this rank alone (nothing counted) and it all-reduces.
     """
-    vol = {"all_gather": C.BYTES["all_gather"] * world, "reduce_scatter": C.BYTES["reduce_scatter"],
-           "all_reduce": 2 * C.BYTES["all_reduce"]}
-    return vol, {k: C.COUNTS[k] for k in COLLECTIVES}
+    vol = {"all_gather": collectives.BYTES["all_gather"] * world, "reduce_scatter": collectives.BYTES["reduce_scatter"],
+           "all_reduce": 2 * collectives.BYTES["all_reduce"]}
+    return vol, {k: collectives.COUNTS[k] for k in COLLECTIVES}
 
 
 # ---------------------------------------------------------------- one rank
@@ -377,7 +376,7 @@ def rank_main(job: Job) -> dict:
         warm_up_torch()
         batches = make_batches(job, rank)
         gc.collect()
-        rss = M.PeakRSS()
+        rss = measure.PeakRSS()
         rss.start()
         model = build_gpt(job)
         psi = sum(p.numel() for p in model.parameters())
@@ -387,7 +386,7 @@ def rank_main(job: Job) -> dict:
         step_s, losses = [], []
         for i, (x, y) in enumerate(batches):
             if i == job.warmup_steps:
-                C.reset_counts()
+                collectives.reset_counts()
                 if patched is not None:
                     patched.reset()
                 if ddp_counter is not None:

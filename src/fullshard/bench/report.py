@@ -17,8 +17,15 @@ import tempfile
 from typing import Optional
 
 from fullshard.bench.measure import zero_model_state_bytes
-from fullshard.bench.modes import COLLECTIVES, REFERENCE, VS_FSDP2, Mode, ModelSpec, analytic_label, \
-    analytic_volume_bytes
+from fullshard.bench.modes import (
+    COLLECTIVES,
+    REFERENCE,
+    VS_FSDP2,
+    Mode,
+    ModelSpec,
+    analytic_label,
+    analytic_volume_bytes,
+)
 
 MiB = float(2 ** 20)
 FP32_LOSS_RTOL = 1e-5

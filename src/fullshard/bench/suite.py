@@ -192,7 +192,8 @@ def launch_mode(job: Job) -> list[dict]:
 
 def _config(plan: Plan, load_before, load_after, per_mode_load: dict) -> dict:
     job = plan.job
-    cfg = dict(preset=plan.preset, overrides=list(plan.overrides), modes=list(plan.modes), world_size=job.world_size, threads=job.threads,
+    cfg = dict(preset=plan.preset, overrides=list(plan.overrides), modes=list(plan.modes), world_size=job.world_size,
+               threads=job.threads,
                cpu_cores=cpu_cores(), batch_size=job.batch_size, seq_len=job.seq_len,
                warmup_steps=job.warmup_steps, timed_steps=job.timed_steps, lr=job.lr,
                weight_decay=job.weight_decay, seed=job.seed, optimizer="AdamW", model=dataclasses.asdict(job.model),

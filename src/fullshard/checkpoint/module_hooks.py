@@ -10,7 +10,7 @@ takes part through four hooks registered at construction:
 
 * save pre-hook: registers, on every module that owns one of the unit's
   parameters, the value the state-dict type asks for (``Unit.install_params``):
-  the full tensor gathered by ``core.param.gather_full`` (FULL), a
+  the full tensor gathered by ``core.gather.gather_full`` (FULL), a
   ``DTensor`` view of the shard (SHARDED), or None (LOCAL, where one
   ``_flat_param`` entry stands for all of them);
 * save post-hook: registers the sharded parameters again and drops the
@@ -42,10 +42,9 @@ import torch
 import torch.nn as nn
 
 from ..api import StateDictType
-from ..core import collectives
-from ..core import flat as flat_layout
 from ..construct import WRAPPER_SEGMENTS, clean_name
-from ..core.param import gather_full
+from ..core import collectives, flat as flat_layout, torch_private
+from ..core.gather import gather_full
 from . import state_dict as state_dicts
 
 SEGMENT = "_fsdp_wrapped_module."
@@ -188,7 +187,8 @@ def _load_pre(unit_module: nn.Module, state_dict: dict, prefix: str, local_metad
             v = state_dict.get(key)
             if torch.is_tensor(v) and unit.world > 1 and len(lays[si].shape) > 0 and \
                     not isinstance(v, DTensor) and v.shape == lays[si].shape:
-                state_dict[key] = state_dicts.shard_value(unit, si, state_dicts.local_rows(unit, si, v, clean_name(key)), False)
+                rows = state_dicts.local_rows(unit, si, v, clean_name(key))
+                state_dict[key] = state_dicts.shard_value(unit, si, rows, False)
             elif isinstance(v, DTensor):
                 state_dicts.local_rows(unit, si, v, clean_name(key))  # raises on a local shard laid out otherwise
         views = flat_layout.shard_views(unit.flat_shard, unit.layout, unit.rank)
@@ -204,7 +204,7 @@ def _load_pre(unit_module: nn.Module, state_dict: dict, prefix: str, local_metad
                                 requires_grad=lay.requires_grad) for lay in lays]
     live_sharded = st.type is StateDictType.SHARDED_STATE_DICT
     marks = [None if t is None or (live_sharded and (unit.world == 1 or len(lay.shape) > 0))
-             else (t._version, t.data_ptr()) for t, lay in zip(targets, lays)]
+             else (torch_private.version_counter(t), t.data_ptr()) for t, lay in zip(targets, lays)]
     _LOADS[id(unit_module)] = _LoadTargets(targets, marks, error_msgs)
     unit.install_params(targets)
 
@@ -221,14 +221,15 @@ def _load_local(unit, flat: Optional[torch.Tensor], prefix: str, missing_keys: l
         missing_keys.append(prefix + SEGMENT + FLAT_PARAM_KEY)
         return
     if flat.numel() != unit.flat_shard.numel():
-        raise ValueError(f"[rank {collectives.rank()}] unit '{unit.name}': LOCAL_STATE_DICT '{prefix}{FLAT_PARAM_KEY}' has "
+        raise ValueError(f"[rank {collectives.rank()}] unit '{unit.name}': LOCAL_STATE_DICT "
+                         f"'{prefix}{FLAT_PARAM_KEY}' has "
                          f"{flat.numel()} elements, this rank's flat shard {unit.flat_shard.numel()}; a local state "
                          "dict loads only at the world size and model it was saved with (use FULL or SHARDED)")
     unit.flat_shard.copy_(flat.reshape(-1))
 
 
 def _written(target: torch.Tensor, now, mark) -> bool:
-    return now is not target or target._version != mark[0] or target.data_ptr() != mark[1]
+    return now is not target or torch_private.version_counter(target) != mark[0] or target.data_ptr() != mark[1]
 
 
 def _load_post(unit_module: nn.Module, incompatible_keys) -> None:

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..api import StateDictType
 from ..core import collectives
-from ..core.param import gather_full
+from ..core.gather import gather_full
 from . import state_dict as state_dicts
 
 
@@ -183,19 +183,22 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
     index = {info[id(p)][0]: i for i, p in enumerate(order)}
     saved = osd["param_groups"]
     if len(saved) != len(cur["param_groups"]):
-        raise ValueError(f"[rank {collectives.rank()}] optimizer state has {len(saved)} parameter groups, the optimizer "
+        raise ValueError(f"[rank {collectives.rank()}] optimizer state has {len(saved)} parameter groups, the "
+                         "optimizer "
                          f"{len(cur['param_groups'])}; build the optimizer with the same groups")
     groups = []
     for gi, (sg, cg) in enumerate(zip(saved, cur["param_groups"])):
         names = {info[id(order[i])][0] for i in cg["params"]}
         if set(sg["params"]) != names:
-            raise ValueError(f"[rank {collectives.rank()}] parameter group {gi}: missing {sorted(names - set(sg['params']))}, "
+            raise ValueError(f"[rank {collectives.rank()}] parameter group {gi}: missing "
+                             f"{sorted(names - set(sg['params']))}, "
                              f"unexpected {sorted(set(sg['params']) - names)}")
         groups.append(dict(sg, params=list(cg["params"])))
     state = {}
     for name, s in osd["state"].items():
         if name not in index:
-            raise ValueError(f"[rank {collectives.rank()}] optimizer state for '{name}', which the optimizer does not hold")
+            raise ValueError(f"[rank {collectives.rank()}] optimizer state for '{name}', which the optimizer does "
+                             "not hold")
         i = index[name]
         _, ui, si = info[id(order[i])]
         template = cur["state"].get(i, {})
@@ -240,18 +243,21 @@ def plain_optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimize
     index = {n: i for i, n in enumerate(names)}
     cur = optim.state_dict()["param_groups"]
     if len(osd["param_groups"]) != len(cur):
-        raise ValueError(f"[rank {collectives.rank()}] optimizer state has {len(osd['param_groups'])} parameter groups, "
+        raise ValueError(f"[rank {collectives.rank()}] optimizer state has {len(osd['param_groups'])} parameter "
+                         "groups, "
                          f"the optimizer {len(cur)}; build the optimizer with the same groups")
     groups = []
     for gi, (sg, cg) in enumerate(zip(osd["param_groups"], cur)):
         want = {names[i] for i in cg["params"]}
         if set(sg["params"]) != want:
-            raise ValueError(f"[rank {collectives.rank()}] parameter group {gi}: missing {sorted(want - set(sg['params']))}, "
+            raise ValueError(f"[rank {collectives.rank()}] parameter group {gi}: missing "
+                             f"{sorted(want - set(sg['params']))}, "
                              f"unexpected {sorted(set(sg['params']) - want)}")
         groups.append(dict(sg, params=list(cg["params"])))
     unknown = [n for n in osd["state"] if n not in index]
     if unknown:
-        raise ValueError(f"[rank {collectives.rank()}] optimizer state for parameters the optimizer does not hold: {unknown}")
+        raise ValueError(f"[rank {collectives.rank()}] optimizer state for parameters the optimizer does not hold: "
+                         f"{unknown}")
     state = {index[n]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
              for n, s in osd["state"].items()}
     return {"state": state, "param_groups": groups}

@@ -36,12 +36,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from fullshard.digest import file_sha256
+
 from ..api import StateDictType
 from ..core import collectives
 from ..core.module import unit_modules
-from . import optim as optim_state
-from . import state_dict as state_dicts
-from fullshard.digest import file_sha256
+from . import optim as optim_state, state_dict as state_dicts
 
 MANIFEST = "fullshard.json"
 FORMAT = "fullshard-dcp-v1"
@@ -90,7 +90,8 @@ def _group(model: nn.Module):
         theirs = collectives.group_ranks(_unit_group(u.unit.cfg))
         if theirs != ranks:
             raise CheckpointError(
-                f"[rank {collectives.rank()}] unit '{u.unit.name}' is held by ranks {theirs}, the model by ranks {ranks}: "
+                f"[rank {collectives.rank()}] unit '{u.unit.name}' is held by ranks {theirs}, the model by ranks "
+                f"{ranks}: "
                 "the unit's instances on other ranks have the same names and different values, of which a "
                 "torch.distributed.checkpoint checkpoint keeps one; save such a model per rank with torch.save of "
                 "model.state_dict() and FSDP.optim_state_dict(model, optimizer)")
@@ -355,7 +356,8 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
     else:
         _plain(model).load_state_dict(state["model"])
         if optimizer is not None:
-            optimizer.load_state_dict(optim_state.plain_optim_state_dict_to_load(_plain(model), optimizer, state["optim"]))
+            plain = optim_state.plain_optim_state_dict_to_load(_plain(model), optimizer, state["optim"])
+            optimizer.load_state_dict(plain)
     return read_extra(path, _rank(group))
 
 

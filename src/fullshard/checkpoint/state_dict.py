@@ -26,15 +26,19 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch.nn.modules.module import _IncompatibleKeys
 
-from ..api import (FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
-                   ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType)
-from ..core import collectives
-from ..core import state
-from ..core.module import unit_modules
+from ..api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictType,
+)
 from ..construct import WRAPPER_SEGMENTS
-from ..core import flat as flat_layout
+from ..core import collectives, state
+from ..core.module import unit_modules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +205,8 @@ def local_rows(unit, si: int, value: torch.Tensor, key: str) -> torch.Tensor:
     if isinstance(value, DTensor):
         local = value.to_local()
         if local.shape != want:
-            raise ValueError(f"[rank {collectives.rank()}] '{key}': DTensor local shard {tuple(local.shape)} is not this "
+            raise ValueError(f"[rank {collectives.rank()}] '{key}': DTensor local shard {tuple(local.shape)} is not "
+                             "this "
                              f"rank's torch.chunk rows {tuple(want)}; load it through fullshard.checkpoint.load "
                              "(torch.distributed.checkpoint reshards)")
         return local

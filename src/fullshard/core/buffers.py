@@ -38,6 +38,8 @@ from typing import Optional
 
 import torch
 
+from . import torch_private
+
 CACHE_FACTOR = 8
 """Cap on cached bytes, as a multiple of the largest buffer handed out."""
 
@@ -52,7 +54,8 @@ def _rounded(nbytes: int) -> int:
         return nbytes
     return -(-nbytes // GRANULE_BYTES) * GRANULE_BYTES
 
-_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+_CAN_SWAP = torch_private.can_swap_storages()
 
 
 class BufferPool:
@@ -129,7 +132,7 @@ class BufferPool:
             target.resize_(nbytes)
             return
         src = self._take_storage(nbytes, target.device)
-        target._swap_data_ptr_(src)  # src is now empty; it is dropped
+        torch_private.swap_storages(target, src)  # src is now empty; it is dropped
 
     def reclaim(self, target: torch.UntypedStorage) -> None:
         """Take ``target``'s memory back into the pool, leaving it empty."""
@@ -140,7 +143,7 @@ class BufferPool:
             target.resize_(0)
             return
         holder = torch.UntypedStorage(0, device=target.device)
-        target._swap_data_ptr_(holder)
+        torch_private.swap_storages(target, holder)
         self._give_storage(holder)
 
     def clear(self) -> None:

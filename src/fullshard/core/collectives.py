@@ -21,6 +21,7 @@ others' posts for a few seconds (a rank that posts nothing died or is busy
 outside collectives). With ``FULLSHARD_DEBUG=1`` (or :func:`set_debug`) every
 collective is preceded by a small all-gather of its fingerprint (op, tag,
 numel, dtype) and fails at once with a per-rank diff when ranks disagree.
+The messages are made in core/postmortem.py; the collectives stay here.
 
 [Note: collective algorithms]
 On the host, gloo's reduce-scatter and all-gather are slower than an
@@ -48,13 +49,13 @@ from __future__ import annotations
 import collections
 import datetime
 import os
-import re
-import time
+import weakref
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from . import postmortem
 from .buffers import POOL
 
 COUNTS: collections.Counter = collections.Counter()
@@ -85,9 +86,11 @@ class CollectiveError(RuntimeError):
 
 _TIMEOUT_S: Optional[float] = None
 _DEBUG: Optional[bool] = None
-_SEQ: collections.Counter = collections.Counter()
-_FINGERPRINT_BYTES = 240
-_REPORT_WAIT_S = 3.0
+# Collectives issued per group (debug fingerprints and failure messages number
+# them): keyed by the group object, weakly, so a destroyed group's count goes
+# with it and a new group never inherits a count through a reused id().
+_SEQ: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+_SEQ_WORLD = [0]  # group=None (the default group)
 
 
 def init_process_group(backend: str, timeout_s: Optional[float] = None, **kwargs) -> None:
@@ -132,61 +135,11 @@ def _group_ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
-def _describe(op: str, tag: str, t: Optional[torch.Tensor]) -> str:
-    what = f"{op} of {tag}" if tag else op
-    return what if t is None else f"{what} ({t.numel()} x {str(t.dtype).replace('torch.', '')})"
-
-
-def _post_and_collect(me: int, desc: str, ranks: list[int]) -> dict:
-    """Post ``desc`` to the store; return {rank: its post or None} after waiting a few seconds."""
-    prefix = f"fullshard/stuck/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(prefix + str(me), desc)
-    except Exception:  # the store itself is gone: nothing more to learn
-        return {r: None for r in ranks if r != me}
-    posts: dict = {}
-    deadline = time.monotonic() + _REPORT_WAIT_S
-    while True:
-        for r in ranks:
-            if r != me and r not in posts:
-                try:
-                    if store.check([prefix + str(r)]):
-                        posts[r] = store.get(prefix + str(r)).decode()
-                except Exception:
-                    return {r: posts.get(r) for r in ranks if r != me}
-        if len(posts) == len(ranks) - 1 or time.monotonic() > deadline:
-            return {r: posts.get(r) for r in ranks if r != me}
-        time.sleep(0.1)
-
-
 def _failure(exc: BaseException, op: str, tag: str, group, seq: int, t: Optional[torch.Tensor]) -> CollectiveError:
     """One-line CollectiveError for a collective that raised ``exc`` (see [Note: no hangs])."""
-    text = str(exc)
-    me, ranks = dist.get_rank(), _group_ranks(group)
-    desc = _describe(op, tag, t)
-    posts = _post_and_collect(me, f"{desc} (#{seq})", ranks)
-    absent = [r for r, p in posts.items() if p is None]
-    elsewhere = [f"rank {r} is waiting in {p}" for r, p in posts.items() if p is not None and p != f"{desc} (#{seq})"]
-    who = []
-    if absent:
-        who.append(f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} did not arrive "
-                   f"(no answer within {_REPORT_WAIT_S:g} s: died, or busy outside collectives)")
-    who += elsewhere
-    found = re.search(r"waiting (\d+)ms", text)
-    timed_out = "timed out" in text.lower()
-    if timed_out:
-        limit = float(found.group(1)) / 1000 if found else _TIMEOUT_S
-        what = f"timed out after {limit:g} s" if limit else "timed out"
-        advice = ("check those ranks' logs; raise --collective-timeout (timeout= for library users) "
-                  "if a step legitimately takes longer")
-    else:
-        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-        first = re.sub(r"^\[[^]]*\] ?", "", first)  # gloo's source-location prefix
-        what = f"failed: {first[:160]}"
-        advice = "a peer process was probably lost; check its log"
-    return CollectiveError(f"[rank {me}] {desc}, collective #{seq} on ranks {ranks}, {what}; "
-                           + ("; ".join(who) + "; " if who else "") + advice)
+    desc = postmortem.describe(op, tag, t)
+    return CollectiveError(postmortem.failure_message(exc, desc, seq, dist.get_rank(), _group_ranks(group),
+                                                      _TIMEOUT_S))
 
 
 class Work:
@@ -257,29 +210,25 @@ def algorithm(group, device: torch.device) -> str:
 
 def _check_same(op: str, tag: str, t: Optional[torch.Tensor], group, seq: int) -> None:
     """Debug mode: all-gather this collective's fingerprint and raise on any difference."""
-    desc = _describe(op, tag, t)
-    raw = desc.encode()[:_FINGERPRINT_BYTES]
-    mine = torch.zeros(_FINGERPRINT_BYTES, dtype=torch.uint8)
-    mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    mine = postmortem.fingerprint(postmortem.describe(op, tag, t))
     ranks = _group_ranks(group)
-    every = torch.zeros(len(ranks) * _FINGERPRINT_BYTES, dtype=torch.uint8)
+    every = torch.zeros(len(ranks) * mine.numel(), dtype=torch.uint8)
     try:
         _ALL_GATHER(every, mine, group=group)
     except RuntimeError as e:
         raise _failure(e, "debug fingerprint check before " + op, tag, group, seq, None) from None
-    seen = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in every.view(len(ranks), -1)]
-    if len(set(seen)) > 1:
-        diff = " | ".join(f"rank {r}: {d}" for r, d in zip(ranks, seen))
-        raise CollectiveError(f"[rank {dist.get_rank()}] ranks issue different collectives (#{seq} on ranks "
-                              f"{ranks}): {diff}; a unit or collective runs on some ranks only (rank-dependent "
-                              "control flow in forward?): make every rank run the same units in the same order")
+    problem = postmortem.fingerprint_mismatch(every, ranks, dist.get_rank(), seq)
+    if problem is not None:
+        raise CollectiveError(problem)
 
 
 def _run(op: str, tag: str, group, t: Optional[torch.Tensor], async_op: bool, fn):
     """Issue ``fn()`` as collective ``op``: debug check first, errors made one line, handle wrapped."""
-    key = id(group) if group is not None else 0
-    _SEQ[key] += 1
-    seq = _SEQ[key]
+    if group is None:
+        _SEQ_WORLD[0] += 1
+        seq = _SEQ_WORLD[0]
+    else:
+        seq = _SEQ[group] = _SEQ.get(group, 0) + 1
     if debug_enabled():
         _check_same(op, tag, t, group, seq)
     try:
@@ -332,6 +281,12 @@ def holding_group(shard_group, replicate_group):
     if shard_group is SELF_GROUP:
         return replicate_group
     return world_group()
+
+
+def multi_rank_groups(shard_group, replicate_group) -> list:
+    """A unit's groups that span more than one rank, replicate group first
+    (the order cross-rank checks, broadcasts and norms reduce in)."""
+    return [g for g in (replicate_group, shard_group) if g is not None and group_size(g) > 1]
 
 
 def _count(name: str, t: torch.Tensor) -> None:

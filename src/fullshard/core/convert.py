@@ -17,18 +17,18 @@ busy: during forward or backward, between a forward and its backward, inside
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Callable, Iterator
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import collectives as C
-from . import state as S
+from . import collectives, state, torch_private
 from .unit import ShardedState
 
 
-def check_convertible(rts: list[S.UnitRuntime], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def check_convertible(rts: list[state.UnitRuntime], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Raise unless ``fn`` may convert every unit of ``rts`` now.
 
     Raises:
@@ -37,12 +37,12 @@ def check_convertible(rts: list[S.UnitRuntime], fn: Callable[[torch.Tensor], tor
             rank, the unit and what to do.
     """
     root = next((rt.root for rt in rts if rt.root is not None), None)
-    if root is not None and not S.in_backward_pass() and S.backward_broken(root):
-        S.start_iteration(root)  # the last backward raised: start clean, as the next forward would
+    if root is not None and not torch_private.in_backward_pass() and state.backward_broken(root):
+        state.start_iteration(root)  # the last backward raised: start clean, as the next forward would
     for rt in rts:
         unit = rt.unit
-        where = f"[rank {C.rank()}] unit '{unit.name}'"
-        if rt.state is not S.TrainingState.IDLE:
+        where = f"[rank {collectives.rank()}] unit '{unit.name}'"
+        if rt.state is not state.TrainingState.IDLE:
             problem = f"cannot convert parameters during forward or backward (state {rt.state.value})"
             fix = "convert between iterations"
         elif unit.summoned:
@@ -65,7 +65,7 @@ def check_convertible(rts: list[S.UnitRuntime], fn: Callable[[torch.Tensor], tor
         raise RuntimeError(f"{where}: {problem}; {fix}")
 
 
-def convert(rt: S.UnitRuntime, fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+def convert(rt: state.UnitRuntime, fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
     """Convert one unit's master shard with ``fn`` (see ``Unit.convert``) and
     move the post-backward hook to its new unsharded flat parameter.
     Returns True when the master dtype or storage changed."""
@@ -74,7 +74,7 @@ def convert(rt: S.UnitRuntime, fn: Callable[[torch.Tensor], torch.Tensor]) -> bo
     if changed:
         rt.rearm_grad_hook()
         for slot, sp in zip(rt.unit.slots, rt.unit.sharded_params):
-            _CONVERTED[id(sp)] = (weakref.ref(sp, lambda _, key=id(sp): _CONVERTED.pop(key, None)), slot.fqn)
+            _CONVERTED[id(sp)] = (weakref.ref(sp, functools.partial(_forget, id(sp))), slot.fqn)
         _watch_optimizer_steps()
     return changed
 
@@ -84,6 +84,10 @@ def convert(rt: S.UnitRuntime, fn: Callable[[torch.Tensor], torch.Tensor]) -> bo
 # step. Keyed by id: tensors compare element-wise, so they cannot be dict keys.
 _CONVERTED: dict[int, tuple[weakref.ref, str]] = {}
 _STEP_HOOK: list = []
+
+
+def _forget(key: int, _ref: weakref.ref) -> None:
+    _CONVERTED.pop(key, None)
 
 
 def _watch_optimizer_steps() -> None:
@@ -107,13 +111,13 @@ def _check_state_dtypes(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             for key, v in optimizer.state.get(p, {}).items():
                 if torch.is_tensor(v) and v.dim() > 0 and v.is_floating_point() and v.dtype != p.dtype:
                     raise RuntimeError(
-                        f"[rank {C.rank()}] {type(optimizer).__name__} state '{key}' of parameter '{name}' is "
-                        f"{v.dtype}, the parameter was converted to {p.dtype} after the state was made; create the "
-                        "optimizer after converting the model (or load its state dict into a new one)")
+                        f"[rank {collectives.rank()}] {type(optimizer).__name__} state '{key}' of parameter "
+                        f"'{name}' is {v.dtype}, the parameter was converted to {p.dtype} after the state was made; "
+                        "create the optimizer after converting the model (or load its state dict into a new one)")
 
 
 @contextlib.contextmanager
-def sharded_params_hidden(rt: S.UnitRuntime) -> Iterator[None]:
+def sharded_params_hidden(rt: state.UnitRuntime) -> Iterator[None]:
     """Within the context the unit's sharded parameters are ``None`` in their
     owning modules' ``_parameters`` (``nn.Module._apply`` skips None), so
     the module function converts only what the unit does not manage (buffers,

@@ -27,6 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import torch_private
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
@@ -211,7 +213,7 @@ def copy_out(flat_full: torch.Tensor, gathered: torch.Tensor, layout: FlatLayout
     dst = _param_major_blocks(flat_full, layout, grad=False)
     src = _rank_major_blocks(gathered, layout, layout.shard_numel, grad=False)
     if dst:  # a unit without parameters (a root holding only nested units) moves nothing
-        torch._foreach_copy_(dst, src)
+        torch_private.foreach_copy_(dst, src)
 
 
 def copy_in(reduce_in: torch.Tensor, full_grad: torch.Tensor, layout: FlatLayout,
@@ -223,4 +225,4 @@ def copy_in(reduce_in: torch.Tensor, full_grad: torch.Tensor, layout: FlatLayout
     dst = _rank_major_blocks(reduce_in, layout, block_numel or layout.grad_shard_numel, grad=True)
     src = _param_major_blocks(full_grad, layout, grad=True)
     if dst:
-        torch._foreach_copy_(dst, src)
+        torch_private.foreach_copy_(dst, src)

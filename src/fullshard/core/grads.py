@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from . import flat as F
+from . import flat, torch_private
 
 
 class UnflattenFull(torch.autograd.Function):
@@ -56,7 +56,7 @@ class UnflattenFull(torch.autograd.Function):
     def forward(ctx, flat_full, unit_ref, layout):
         ctx.unit_ref, ctx.layout = unit_ref, layout
         ctx.set_materialize_grads(False)
-        return tuple(F.unsharded_views(flat_full, layout))
+        return tuple(flat.unsharded_views(flat_full, layout))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -83,9 +83,9 @@ class UnflattenFull(torch.autograd.Function):
                     if world * p.shard_numel > p.numel:
                         zero.append(seg[p.numel:])
             if dst:
-                torch._foreach_copy_(dst, src)
+                torch_private.foreach_copy_(dst, src)
             if zero:
-                torch._foreach_zero_(zero)
+                torch_private.foreach_zero_(zero)
         return out, None, None
 
 
@@ -156,7 +156,7 @@ class GradStash:
         if missing:
             # One allocation for all sentinels of the unit.
             zeros = torch.zeros(lay.grad_shard_numel, dtype=unit.grad_dtype, device=unit.flat_shard.device)
-            views = F.grad_shard_views(zeros, lay, unit.rank)
+            views = flat.grad_shard_views(zeros, lay, unit.rank)
             for i in missing:
                 self._install_sentinel(unit, i, views[i])
         for i, p in enumerate(lay.params):
@@ -172,7 +172,7 @@ class GradStash:
         sp = unit.sharded_params[i]
         if sp.grad is None:
             self._install_sentinel(unit, i, torch.zeros_like(sp, dtype=unit.grad_dtype))
-        self.watch[i] = (weakref.ref(sp.grad), sp.grad._version)
+        self.watch[i] = (weakref.ref(sp.grad), torch_private.version_counter(sp.grad))
 
     def add(self, full_grad: torch.Tensor, used: list[bool]) -> None:
         self.discard_zeroed()
@@ -196,7 +196,8 @@ class GradStash:
         lay = unit.layout
         for i, seen in list(self.watch.items()):
             cur = unit.sharded_params[i].grad
-            if seen is not None and cur is not None and cur is seen[0]() and cur._version == seen[1]:
+            if seen is not None and cur is not None and cur is seen[0]() and \
+                    torch_private.version_counter(cur) == seen[1]:
                 continue
             if self.used[i]:
                 p = lay.params[i]

@@ -37,9 +37,12 @@ from typing import Any, Optional
 import torch
 
 from ..api import BackwardPrefetch
-from . import collectives as C
+from . import collectives, torch_private
+from .reduce import PendingReduce
+from .torch_private import in_backward_pass
 from .tree import map_tensors, tensors_in
-from .unit import PendingReduce, ShardedState, Unit
+from .unit import ShardedState, Unit
+
 
 class TrainingState(enum.Enum):
     """Where a unit is in the forward/backward of one iteration."""
@@ -73,11 +76,6 @@ _LEGAL = {
 
 class TrainingStateError(RuntimeError):
     """An illegal training-state transition of a unit."""
-
-
-def in_backward_pass() -> bool:
-    """Whether the autograd engine is executing a backward on this thread."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class RootRuntime:
@@ -136,7 +134,7 @@ class UnitRuntime:
     def transition(self, new: TrainingState) -> None:
         if new not in _LEGAL[self.state]:
             raise TrainingStateError(
-                f"[rank {C.rank()}] unit '{self.unit.name}': illegal training-state transition "
+                f"[rank {collectives.rank()}] unit '{self.unit.name}': illegal training-state transition "
                 f"{self.state.value} -> {new.value}")
         self.state = new
 
@@ -154,12 +152,13 @@ def lazy_init_root(root: UnitRuntime, all_units: list[UnitRuntime]) -> None:
             stashes) run over the root's groups, which must cover every unit's.
     """
     cfg = root.unit.cfg
-    mine = set(C.group_ranks(C.holding_group(cfg.shard_group, cfg.replicate_group)))
+    mine = set(collectives.group_ranks(collectives.holding_group(cfg.shard_group, cfg.replicate_group)))
     for rt in all_units:
-        theirs = C.group_ranks(C.holding_group(rt.unit.cfg.shard_group, rt.unit.cfg.replicate_group))
+        their_cfg = rt.unit.cfg
+        theirs = collectives.group_ranks(collectives.holding_group(their_cfg.shard_group, their_cfg.replicate_group))
         if not mine.issuperset(theirs):
             raise ValueError(
-                f"[rank {C.rank()}] unit '{rt.unit.name}' is held by ranks {theirs}, outside its root "
+                f"[rank {collectives.rank()}] unit '{rt.unit.name}' is held by ranks {theirs}, outside its root "
                 f"'{root.unit.name}' on ranks {sorted(mine)}; wrap the root on a process group that contains "
                 "every nested unit's (pass the same process_group to both)")
     shared = RootRuntime(all_units)
@@ -186,7 +185,7 @@ def require_idle(root: RootRuntime, what: str) -> None:
         start_iteration(root)
     busy = [rt.unit.name for rt in root.units if rt.state is not TrainingState.IDLE]
     if busy:
-        raise RuntimeError(f"[rank {C.rank()}] {what} cannot run during forward or backward "
+        raise RuntimeError(f"[rank {collectives.rank()}] {what} cannot run during forward or backward "
                            f"(units busy: {busy}); call it between iterations")
 
 
@@ -238,7 +237,7 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
         rt.unit.use_full_params()
         return _cast_inputs(rt, args, kwargs)
     if rt.unit.summoned:
-        raise RuntimeError(f"[rank {C.rank()}] unit '{rt.unit.name}': forward inside summon_full_params(); "
+        raise RuntimeError(f"[rank {collectives.rank()}] unit '{rt.unit.name}': forward inside summon_full_params(); "
                            "leave the context before running the model")
     root = rt.root
     if rt.is_root or (not in_bwd and backward_broken(root)):
@@ -326,7 +325,7 @@ def _prefetch_backward(rt: UnitRuntime) -> None:
 def _queue_end_of_backward(root: RootRuntime) -> None:
     if not root.callback_queued:
         root.callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(EndOfBackward(weakref.ref(root)))
+        torch_private.queue_end_of_backward(EndOfBackward(weakref.ref(root)))
 
 
 class PreBackwardHook:
@@ -415,7 +414,7 @@ def _reduce_leftover_stashes(root: RootRuntime) -> None:
     flags = torch.tensor([1.0 if rt.unit.has_stash else 0.0 for rt in root.units])
     for group in (cfg.shard_group, cfg.replicate_group):
         if group is not None:
-            C.all_reduce(flags, group, "max", tag="no_sync stashes")
+            collectives.all_reduce(flags, group, "max", tag="no_sync stashes")
     for rt, flag in zip(root.units, flags.tolist()):
         if flag:
             unit = rt.unit

@@ -1,7 +1,29 @@
 """One FSDP unit: its shards, its unsharded flat parameter, and the three
-operations the schedule calls: unshard, reshard and reduce_grads.
+operations the schedule calls: unshard, reshard and reduce_grads (whose
+mechanics are in core/reduce.py).
 
 See ``core/flat.py`` [Note: flat layouts] for how elements are placed.
+
+[Note: full-parameter views shadow sharded parameters]
+The sharded ``nn.Parameter`` of each original parameter stays registered in
+its owning modules' ``_parameters`` for the unit's whole life, so
+``named_parameters()``, ``parameters()`` and every optimizer only ever see
+shards. To compute with full parameters, :meth:`Unit.use_full_params`
+writes each full-parameter view into ``module.__dict__[attr]``. Python's
+attribute lookup finds an instance-``__dict__`` entry before it calls
+``nn.Module.__getattr__``, the method that reads ``_parameters`` and is
+consulted only when normal lookup fails; so ``self.weight`` inside
+``forward`` is the full view while the registered parameter is unchanged.
+:meth:`Unit.hide_full_params` pops the entries (at reshard), after which the
+attribute resolves to the shard again. Nothing but attribute reads sees the
+views: ``state_dict``, ``named_parameters`` and ``_apply`` read
+``_parameters``. Where a full tensor must be *registered* (the state-dict
+hooks, ``summon_full_params``, load targets), :meth:`Unit.install_params`
+swaps the ``_parameters`` entries instead and :meth:`Unit.restore_params`
+puts the shards back. ``state_dict`` and ``load_state_dict`` read
+``_parameters`` directly; ``summon_full_params``, whose users read
+attributes, hides any views first, which would otherwise shadow what it
+installs.
 """
 from __future__ import annotations
 
@@ -13,10 +35,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from . import collectives as C
+from . import collectives, flat, grads, reduce
 from .buffers import POOL
-from . import flat as F
-from . import grads as G
 
 
 class ShardedState(enum.Enum):
@@ -91,9 +111,9 @@ class Unit:
         self.name = name
         self.cfg = cfg
         self.slots = slots
-        self.world = C.group_size(cfg.shard_group)
-        self.rank = C.group_rank(cfg.shard_group)
-        self.layout = F.make_layout([(s.fqn, s.param.shape, s.param.requires_grad) for s in slots], self.world)
+        self.world = collectives.group_size(cfg.shard_group)
+        self.rank = collectives.group_rank(cfg.shard_group)
+        self.layout = flat.make_layout([(s.fqn, s.param.shape, s.param.requires_grad) for s in slots], self.world)
         self.state = ShardedState.SHARDED
         self.needs_grad = any(p.requires_grad for p in self.layout.params)
         self._views: Optional[list[torch.Tensor]] = None  # grad-mode views, one set per iteration
@@ -105,7 +125,7 @@ class Unit:
         # Trainable parameters whose full view received a gradient in the
         # current backward (set by grads.UnflattenFull's backward), in layout order.
         self._used: list[bool] = [False] * len(self.layout.params)
-        self._stash: Optional[G.GradStash] = None
+        self._stash: Optional[grads.GradStash] = None
         # (data_ptr, nbytes) of the pooled full gradient UnflattenFull handed
         # to autograd and nobody has released yet; see core/grads.py
         # [Note: pooled full gradient].
@@ -126,10 +146,10 @@ class Unit:
         pin = cfg.offload_params and cfg.compute_device.type != "cpu"
         self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=master_dtype, device=shard_device,
                                       pin_memory=pin)
-        F.shard_into(self.flat_shard, self.layout,
+        flat.shard_into(self.flat_shard, self.layout,
                      [s.init_rows if s.param.is_meta else s.param for s in self.slots], self.rank)
         self.sharded_params: list[nn.Parameter] = []
-        for slot, view in zip(self.slots, F.shard_views(self.flat_shard, self.layout, self.rank)):
+        for slot, view in zip(self.slots, flat.shard_views(self.flat_shard, self.layout, self.rank)):
             sp = nn.Parameter(view, requires_grad=slot.param.requires_grad)
             self.sharded_params.append(sp)
             for module, attr in slot.owners:
@@ -180,13 +200,14 @@ class Unit:
             return False
         if new.device != old.device or new.shape != old.shape or not new.is_floating_point():
             raise RuntimeError(
-                f"[rank {C.rank()}] unit '{self.name}': converting the parameters to {new.dtype}/{new.device} "
-                f"(shape {tuple(new.shape)}) after wrapping is not supported; only a floating-point dtype change "
-                "on the same device is (convert the model before FullyShardedDataParallel instead)")
+                f"[rank {collectives.rank()}] unit '{self.name}': converting the parameters to "
+                f"{new.dtype}/{new.device} (shape {tuple(new.shape)}) after wrapping is not supported; only a "
+                "floating-point dtype change on the same device is (convert the model before "
+                "FullyShardedDataParallel instead)")
         if old.is_pinned() and not new.is_pinned():
             new = new.pin_memory()
         self.flat_shard = new
-        for sp, view in zip(self.sharded_params, F.shard_views(new, self.layout, self.rank)):
+        for sp, view in zip(self.sharded_params, flat.shard_views(new, self.layout, self.rank)):
             sp.data = view  # keeps the Parameter object (and its place in any optimizer)
         self._make_full()
         for sp in self.sharded_params:
@@ -203,9 +224,9 @@ class Unit:
         for slot, sp, ptr in zip(self.slots, self.sharded_params, self._view_ptrs):
             if ptr is not None and (sp.data_ptr() != ptr or sp.dtype != self.flat_shard.dtype):
                 raise RuntimeError(
-                    f"[rank {C.rank()}] unit '{self.name}': parameter '{slot.fqn}' ({sp.dtype}) no longer views "
-                    f"the unit's {self.flat_shard.dtype} flat shard (.half()/.to() on a module inside the wrapper, "
-                    "or p.data = ...); convert the FullyShardedDataParallel model itself (model.half()) and "
+                    f"[rank {collectives.rank()}] unit '{self.name}': parameter '{slot.fqn}' ({sp.dtype}) no longer "
+                    f"views the unit's {self.flat_shard.dtype} flat shard (.half()/.to() on a module inside the "
+                    "wrapper, or p.data = ...); convert the FullyShardedDataParallel model itself (model.half()) and "
                     "write values with p.copy_() under torch.no_grad()")
 
     def _full_nbytes(self) -> int:
@@ -221,7 +242,7 @@ class Unit:
     def _check(self, allowed: tuple[ShardedState, ...], op: str) -> None:
         if self.state not in allowed:
             raise UnitStateError(
-                f"[rank {C.rank()}] unit '{self.name}': cannot {op} in sharded state "
+                f"[rank {collectives.rank()}] unit '{self.name}': cannot {op} in sharded state "
                 f"{self.state.value}; expected one of {[s.value for s in allowed]}")
 
     # ---------------------------------------------------------------- unshard
@@ -235,7 +256,7 @@ class Unit:
         if send.dtype != self.compute_dtype or send.device != self.cfg.compute_device:
             send = send.to(self.cfg.compute_device, self.compute_dtype, non_blocking=True)
         self._gather_buf = POOL.take(self.layout.unsharded_numel, self.compute_dtype, self.cfg.compute_device)
-        self._gather_work = C.all_gather(self._gather_buf, send, self.cfg.shard_group, async_op=True,
+        self._gather_work = collectives.all_gather(self._gather_buf, send, self.cfg.shard_group, async_op=True,
                                          tag=f"unit '{self.name}'")
 
     def wait_unshard(self) -> None:
@@ -250,7 +271,7 @@ class Unit:
                 POOL.lend(storage, self._full_nbytes())
             # .data: a write with its own version counter, so tensors autograd
             # saved in forward (views of this storage) stay valid for backward.
-            F.copy_out(self.flat_full.data, self._gather_buf, self.layout)
+            flat.copy_out(self.flat_full.data, self._gather_buf, self.layout)
             POOL.give(self._gather_buf)
             self._gather_buf = None
         self.state = ShardedState.UNSHARDED
@@ -262,7 +283,8 @@ class Unit:
             self.wait_unshard()
 
     def use_full_params(self, grad: Optional[bool] = None) -> None:
-        """Point every owning module attribute at its full-parameter view.
+        """Point every owning module attribute at its full-parameter view
+        (see [Note: full-parameter views shadow sharded parameters]).
 
         Under grad, views are made once per iteration (see ``reset_views``)
         and reused when the unit runs again, so all uses feed one autograd
@@ -278,17 +300,17 @@ class Unit:
                 self._views = self._grad_views()
             views = self._views
         else:
-            views = F.unsharded_views(self.flat_full.detach(), self.layout)
+            views = flat.unsharded_views(self.flat_full.detach(), self.layout)
         for slot, view in zip(self.slots, views):
             for module, attr in slot.owners:
                 module.__dict__[attr] = view
 
     def _grad_views(self) -> list[torch.Tensor]:
         if not self.needs_grad:
-            return F.unsharded_views(self.flat_full.detach(), self.layout)
+            return flat.unsharded_views(self.flat_full.detach(), self.layout)
         with torch.enable_grad():  # also when called from a backward hook
-            live = G.UnflattenFull.apply(self.flat_full, weakref.ref(self), self.layout)
-        frozen = F.unsharded_views(self.flat_full.detach(), self.layout)
+            live = grads.UnflattenFull.apply(self.flat_full, weakref.ref(self), self.layout)
+        frozen = flat.unsharded_views(self.flat_full.detach(), self.layout)
         return [v if p.requires_grad else fz for v, fz, p in zip(live, frozen, self.layout.params)]
 
     def mark_used(self, index: int) -> None:
@@ -353,9 +375,9 @@ class Unit:
             return False
         if self._stash is not None:
             raise RuntimeError(
-                f"[rank {C.rank()}] unit '{self.name}': requires_grad changed inside a no_sync() "
+                f"[rank {collectives.rank()}] unit '{self.name}': requires_grad changed inside a no_sync() "
                 "accumulation window; change it before the window or after the synchronizing backward")
-        self.layout = F.make_layout([(p.fqn, p.shape, rg) for p, rg in zip(self.layout.params, flags)],
+        self.layout = flat.make_layout([(p.fqn, p.shape, rg) for p, rg in zip(self.layout.params, flags)],
                                     self.world)
         self.needs_grad = any(flags)
         self.release_full_grad(self.take_full_grad()[0])
@@ -401,7 +423,7 @@ class Unit:
         """Keep a micro-batch's unsharded gradient for a later reduce
         (``no_sync``); see :class:`fullshard.core.grads.GradStash`."""
         if self._stash is None:
-            self._stash = G.GradStash(self, full_grad, used)
+            self._stash = grads.GradStash(self, full_grad, used)
         else:
             self._stash.add(full_grad, used)
 
@@ -440,80 +462,13 @@ class Unit:
     def stashed_grad_bytes(self) -> int:
         return 0 if self._stash is None else self._stash.nbytes()
 
-    def reduce_grads(self, full_grad: Optional[torch.Tensor], used: list[bool]) -> "PendingReduce":
+    def reduce_grads(self, full_grad: Optional[torch.Tensor], used: list[bool]) -> reduce.PendingReduce:
         """Reduce-scatter ``full_grad`` (param-major, ``N·S`` elements; None =
         zeros) into a gradient shard, averaged over the data-parallel world.
-        Asynchronous.
+        Asynchronous: the gradient reaches ``.grad`` when the returned
+        :class:`~fullshard.core.reduce.PendingReduce` is finished.
 
-        Each rank's block carries one extra element per parameter, 1 where
-        this rank used it: after the sum a parameter no rank used is told
-        apart from one whose gradients cancel, and keeps ``grad None`` as
-        under DDP (``find_unused_parameters=True``).
+        ``used[i]``: whether this rank's backward gave layout parameter i a
+        gradient; a parameter no rank used keeps ``grad None`` (see core/reduce.py).
         """
-        cfg = self.cfg
-        n_grad, n_flags = self.layout.grad_shard_numel, len(self.layout.params)
-        block = n_grad + n_flags
-        reduce_in = POOL.take(self.world * block, self.reduce_dtype, cfg.compute_device)
-        # copy_in writes every gradient element (padding rows included), so
-        # only a missing gradient needs the buffer zeroed.
-        if full_grad is None:
-            reduce_in.zero_()
-        else:
-            F.copy_in(reduce_in, full_grad, self.layout, block_numel=block)
-        flags = reduce_in.view(self.world, block)[:, n_grad:]
-        flags.copy_(torch.tensor(used, dtype=self.reduce_dtype).expand_as(flags))
-        reduce_in.div_(cfg.dp_world_size)  # pre-divide, as DDP does
-        out = torch.empty(block, dtype=self.reduce_dtype, device=cfg.compute_device)
-        work = C.reduce_scatter(out, reduce_in, cfg.shard_group, async_op=True, tag=f"unit '{self.name}'")
-        return PendingReduce(self, work, reduce_in, out)
-
-    def accumulate_grad_shard(self, out: torch.Tensor) -> None:
-        """Add a reduced block (gradient shard, then one used flag per
-        parameter) into the sharded parameters' ``.grad``. Parameters no rank
-        used are left alone (``grad None`` stays None)."""
-        n_grad = self.layout.grad_shard_numel
-        used = (out[n_grad:] > 0).tolist()
-        master, grads = self.flat_shard, out[:n_grad]
-        # Stored in grad_dtype; added to an existing gradient in the master
-        # dtype (keep_low_precision_grads: rounded once per backward).
-        store = F.grad_shard_views(grads.to(master.device, self.grad_dtype), self.layout, self.rank)
-        wide = store if self.grad_dtype == master.dtype else None
-        sentinels, self.sentinels = self.sentinels, {}
-        for i, (sp, view, u) in enumerate(zip(self.sharded_params, store, used)):
-            if view is None:
-                continue
-            if not u:
-                ref = sentinels.get(i)
-                if ref is not None and sp.grad is not None and sp.grad is ref():
-                    sp.grad = None  # a zero we installed, never a gradient
-                continue
-            if sp.grad is None:
-                G.set_grad(sp, view)
-                continue
-            if wide is None:
-                wide = F.grad_shard_views(grads.to(master.device, master.dtype), self.layout, self.rank)
-            G.add_to_grad(sp, wide[i], self.grad_dtype)
-
-
-class PendingReduce:
-    """An in-flight reduce-scatter (and, with replicas, its all-reduce)."""
-
-    def __init__(self, unit: Unit, work, reduce_in: torch.Tensor, out: torch.Tensor):
-        self.unit, self.work, self.reduce_in, self.out = unit, work, reduce_in, out
-
-    def finish(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-        POOL.give(self.reduce_in)
-        self.reduce_in = None
-        rep = self.unit.cfg.replicate_group
-        if rep is not None:
-            C.all_reduce(self.out, rep, "sum", tag=f"unit '{self.unit.name}' replicas")
-        self.unit.accumulate_grad_shard(self.out)
-
-    def abandon(self) -> None:
-        """Wait for the collective (its buffers must outlive it) and drop the result."""
-        if self.work is not None:
-            self.work.wait()
-        POOL.give(self.reduce_in)
-        self.reduce_in = self.out = None
+        return reduce.start_reduce(self, full_grad, used)

@@ -5,10 +5,10 @@ Public API: :func:`load_gpt2_tokenizer` / :class:`GPT2Tokenizer`,
 :class:`TokenBlockDataset`, :class:`ShardedBatchSampler`, :class:`DataError`.
 """
 
+from .binarize import PreprocessResult, preprocess
 from .corpus import builtin_corpus_documents, read_text_documents, split_documents
 from .dataset import TokenBlockDataset, read_meta
 from .errors import DataError
-from .binarize import PreprocessResult, preprocess
 from .sampler import ShardedBatchSampler
 from .tokenizer import GPT2Tokenizer, load_gpt2_tokenizer
 

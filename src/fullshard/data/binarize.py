@@ -32,11 +32,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .corpus import (BUILTIN_CORPUS_NAME, builtin_corpus_documents, builtin_corpus_path,
-                     read_text_documents, text_files)
+from fullshard.digest import file_sha256
+
+from .corpus import BUILTIN_CORPUS_NAME, builtin_corpus_documents, builtin_corpus_path, read_text_documents, text_files
 from .errors import DataError
 from .tokenizer import GPT2Tokenizer, load_gpt2_tokenizer
-from fullshard.digest import file_sha256
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import DataError
 from .binarize import META_FILE
+from .errors import DataError
 
 
 def read_meta(data_dir: str | Path) -> dict:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import DataError
 from .binarize import preprocess
+from .errors import DataError
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from fullshard import checkpoint, faults
-from fullshard.core import collectives as C
+from fullshard.core import collectives
 
 logger = logging.getLogger("fullshard.train")
 _INTERVAL = re.compile(r"^checkpoint_(\d+)_(\d+)$")
@@ -79,11 +79,11 @@ def save(run, epoch: int, offset: int, end_of_epoch: bool) -> str:
     cfg, trainer = run.cfg, run.trainer
     if end_of_epoch:
         epoch, offset = epoch + 1, 0
-    samples = offset * cfg.batch_size * cfg.update_freq * C.world_size()
+    samples = offset * cfg.batch_size * cfg.update_freq * collectives.world_size()
     extra = dict(train_state=dict(epoch=epoch, offset=offset, samples=samples, num_updates=trainer.num_updates),
                  lr_scheduler=trainer.lr_scheduler.state_dict(), loss_scaler=trainer.scaler.state_dict(),
                  rng=rng_state(), meters=_meters_state(run.inner), args=cfg.to_dict(),
-                 world_size=C.world_size())
+                 world_size=collectives.world_size())
     last = os.path.join(cfg.save_dir, "checkpoint_last")
     n = trainer.num_updates
     try:
@@ -94,7 +94,7 @@ def save(run, epoch: int, offset: int, end_of_epoch: bool) -> str:
         logger.error(f"{e}; continuing without this checkpoint (--on-save-error continue)")
         return None
     saved = [last]
-    if C.rank() == 0 and cfg.save_interval_updates > 0 and n % cfg.save_interval_updates == 0:
+    if collectives.rank() == 0 and cfg.save_interval_updates > 0 and n % cfg.save_interval_updates == 0:
         interval = os.path.join(cfg.save_dir, f"checkpoint_{epoch if not end_of_epoch else epoch - 1}_{n}")
         shutil.rmtree(interval + ".tmp", ignore_errors=True)
         shutil.copytree(last, interval + ".tmp")
@@ -102,7 +102,7 @@ def save(run, epoch: int, offset: int, end_of_epoch: bool) -> str:
         os.rename(interval + ".tmp", interval)
         saved.append(interval)
         _prune(cfg.save_dir, cfg.keep_interval_updates)
-    C.barrier()
+    collectives.barrier()
     logger.info(f"saved checkpoint {', '.join(saved)} (epoch {epoch} @ {n} updates) "
                 f"(writing took {seconds:.2f} seconds)")
     return last
@@ -152,8 +152,8 @@ def load(run) -> tuple[int, int]:
     epoch, offset = 1, 0
     if not cfg.reset_dataloader:
         epoch, offset = ts["epoch"], ts["offset"]
-        if extra["world_size"] != C.world_size():
-            offset = ts["samples"] // (cfg.batch_size * cfg.update_freq * C.world_size())
+        if extra["world_size"] != collectives.world_size():
+            offset = ts["samples"] // (cfg.batch_size * cfg.update_freq * collectives.world_size())
     logger.info(f"loaded checkpoint {path} (epoch {epoch} offset {offset} @ {trainer.num_updates} updates, "
                 f"saved by {extra['world_size']} ranks) ({time.perf_counter() - start:.2f} seconds)")
     return epoch, offset

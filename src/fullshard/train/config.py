@@ -33,7 +33,7 @@ def parse_betas(text: str) -> Tuple[float, float]:
         value = ast.literal_eval(text)
         betas = tuple(float(b) for b in value)
     except (ValueError, SyntaxError, TypeError):
-        raise argparse.ArgumentTypeError(f"expected a pair like '(0.9,0.98)', got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a pair like '(0.9,0.98)', got {text!r}") from None
     if len(betas) != 2:
         raise argparse.ArgumentTypeError(f"expected two betas like '(0.9,0.98)', got {text!r}")
     return betas

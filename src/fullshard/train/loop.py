@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from fullshard.core import collectives as C
+from fullshard.core import collectives
 from fullshard.data import ShardedBatchSampler, TokenBlockDataset
 from fullshard.train import checkpoint_utils
 from fullshard.train.config import TrainConfig
@@ -62,11 +62,11 @@ def setup_rank(cfg: TrainConfig) -> torch.device:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     torch.set_num_threads(threads_per_rank(local_world))
     if not dist.is_initialized():
-        C.init_process_group(backend, timeout_s=cfg.collective_timeout_s)
+        collectives.init_process_group(backend, timeout_s=cfg.collective_timeout_s)
     else:
-        C.set_timeout(cfg.collective_timeout_s)
+        collectives.set_timeout(cfg.collective_timeout_s)
     if cfg.debug_collectives:
-        C.set_debug(True)
+        collectives.set_debug(True)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     try:
@@ -239,7 +239,7 @@ def _known_errors() -> tuple:
     # about 0.7 s of every `fullshard` command).
     from fullshard.checkpoint import CheckpointError
 
-    return (C.CollectiveError, CheckpointError, FloatingPointError)
+    return (collectives.CollectiveError, CheckpointError, FloatingPointError)
 
 
 @record

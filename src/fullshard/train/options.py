@@ -163,9 +163,11 @@ def _check_memory_flags(p: OneLineArgumentParser, args, world_size: int) -> int:
 def check_data(p: OneLineArgumentParser, data_dir: str) -> dict:
     """The meta.json of a preprocessed data directory; fails (one line, exit 2) on anything else."""
     if not os.path.isdir(data_dir):
-        p.fail(f"data directory {data_dir!r} does not exist; create it with `fullshard preprocess --destdir {data_dir} ...`")
+        p.fail(f"data directory {data_dir!r} does not exist; create it with `fullshard preprocess --destdir "
+               f"{data_dir} ...`")
     if not os.path.isfile(os.path.join(data_dir, "meta.json")):
-        p.fail(f"no meta.json in {data_dir!r}; it is not a preprocessed data directory, run `fullshard preprocess --destdir {data_dir} ...` first")
+        p.fail(f"no meta.json in {data_dir!r}; it is not a preprocessed data directory, run `fullshard preprocess "
+               f"--destdir {data_dir} ...` first")
     try:
         meta = read_meta(data_dir)
     except (DataError, OSError, ValueError) as e:
@@ -177,7 +179,8 @@ def _check_split_sizes(p: OneLineArgumentParser, args, meta: dict, world_size: i
     for split in ("train", "valid"):
         have = _split_tokens(meta, split)
         if have is None:
-            p.fail(f"no {split!r} split in {args.data_dir!r}; re-run `fullshard preprocess` to write train and valid splits")
+            p.fail(f"no {split!r} split in {args.data_dir!r}; re-run `fullshard preprocess` to write train and "
+                   "valid splits")
         # Training needs one full global batch; validation runs on what the split has (one sample or more).
         need = (args.batch_size * world_size if split == "train" else 1) * (args.tokens_per_sample + 1)
         if split == "valid" and have < need:

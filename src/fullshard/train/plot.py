@@ -43,7 +43,7 @@ def parse_log(path: str) -> Dict[str, Curve]:
         with open(path, errors="replace") as f:
             lines = f.readlines()
     except OSError as e:
-        raise LogError(f"cannot read log {path!r}: {e.strerror}")
+        raise LogError(f"cannot read log {path!r}: {e.strerror}") from None
     for line in lines:
         m = _JSON.search(line)
         if m:

@@ -25,7 +25,7 @@ from fullshard import CPUOffload, FullyShardedDataParallel, MixedPrecision, Shar
 from fullshard.activation_checkpointing import apply_activation_checkpointing
 from fullshard.amp import ShardedGradScaler
 from fullshard.construct import clean_name
-from fullshard.core import collectives as C
+from fullshard.core import collectives
 from fullshard.memory import TOTAL_FIELDS, memory_stats, memory_totals
 from fullshard.models import TransformerBlock, build_model, make_param_init_fn, num_params
 from fullshard.train.config import TrainConfig
@@ -87,8 +87,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, device: torch.device):
         self.cfg = cfg
         self.device = device
-        self.rank = C.rank()
-        self.world_size = C.world_size()
+        self.rank = collectives.rank()
+        self.world_size = collectives.world_size()
         self.model, shapes, self.num_params = self._build_model()
         # --cpu-offload: the shards the optimizer steps on live on the host; foreach
         # batches the per-parameter Adam math there into a few multi-tensor kernels.
@@ -213,7 +213,7 @@ class Trainer:
                 self._sample_memory()  # no_sync stashes; anything a backward left behind
             local += torch.tensor([loss_sum.item(), ntokens, batch[0].size(0)], dtype=torch.float64)
         total = local.to(self.device)
-        C.all_reduce(total, C.world_group(), "sum", tag="training loss")
+        collectives.all_reduce(total, collectives.world_group(), "sum", tag="training loss")
         loss_sum, ntokens, nsentences = total.tolist()
         self._check_finite(loss_sum / max(ntokens, 1) / math.log(2))
         self.scaler.unscale_(self.optimizer)
@@ -260,7 +260,7 @@ class Trainer:
             mask = counted.double()
             local += torch.stack([(per_seq * mask).sum(), mask.sum() * targets.size(1), mask.sum()])
         total = local.to(self.device)
-        C.all_reduce(total, C.world_group(), "sum", tag="validation loss")
+        collectives.all_reduce(total, collectives.world_group(), "sum", tag="validation loss")
         loss_sum, ntokens, nsentences = total.tolist()
         return dict(loss_sum=loss_sum, ntokens=int(ntokens), nsentences=int(nsentences), steps=len(batches))
 
@@ -278,7 +278,7 @@ class Trainer:
             return OrderedDict()
         peaks = torch.tensor([self.memory_peaks.get(key, 0) for key in TOTAL_FIELDS], dtype=torch.int64,
                              device=self.device)
-        C.all_reduce(peaks, C.world_group(), "max", tag="--log-memory statistics")
+        collectives.all_reduce(peaks, collectives.world_group(), "max", tag="--log-memory statistics")
         self.memory_peaks = {}
         out = OrderedDict()
         for key, value in zip(TOTAL_FIELDS, peaks.tolist()):

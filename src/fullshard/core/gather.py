@@ -1,0 +1,97 @@
+"""Gathering a unit's full values outside the training schedule: the one
+"gather one unit" of the library (:func:`gather_full`, used by
+``summon_full_params``, the full model state dict and the full optimizer
+state dict) and ``summon_full_params`` itself (:func:`full_params`).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from . import collectives, flat
+
+
+def gather_full(unit, flat_shard: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    """All-gather ``flat_shard`` (default: the unit's master flat shard; any
+    tensor laid out like it, e.g. an optimizer-state flat) over the unit's
+    shard group. The one "gather one unit" of the library: keep it so.
+
+    Returns:
+        Full-shape views, one per parameter in layout order, of one new
+        param-major buffer (``N·S`` elements, ``flat_shard``'s dtype, on the
+        compute device). Empty for a unit without parameters (no collective).
+    """
+    if not unit.layout.params:
+        return []
+    lay, dev = unit.layout, unit.cfg.compute_device
+    src = unit.flat_shard if flat_shard is None else flat_shard
+    buf = torch.empty(lay.unsharded_numel, dtype=src.dtype, device=dev)
+    collectives.all_gather(buf, src.to(dev), unit.cfg.shard_group, async_op=False,
+                           tag=f"unit '{unit.name}' full gather")
+    full = torch.empty_like(buf)
+    flat.copy_out(full, buf, lay)
+    return flat.unsharded_views(full, lay)
+
+
+def _gather_grads(unit) -> list[Optional[torch.Tensor]]:
+    """Full gradients of the unit's parameters (None where no rank has one)."""
+    lay = unit.layout
+    grads = torch.zeros_like(unit.flat_shard)
+    has = torch.tensor([float(sp.grad is not None) for sp in unit.sharded_params])
+    for view, sp in zip(flat.shard_views(grads, lay, unit.rank), unit.sharded_params):
+        if sp.grad is not None:
+            view.copy_(sp.grad)
+    collectives.all_reduce(has, unit.cfg.shard_group, "max", tag=f"unit '{unit.name}' summon grads")
+    full = gather_full(unit, grads)
+    return [g if h else None for g, h in zip(full, has.tolist())]
+
+
+@contextlib.contextmanager
+def full_params(units: list, writeback: bool = True, rank0_only: bool = False,
+                offload_to_cpu: bool = False, with_grads: bool = False):
+    """Gather every unit's full-precision parameters and register them on
+    their modules for the duration of the context (see
+    ``FullyShardedDataParallel.summon_full_params`` and core/unit.py [Note:
+    full-parameter views shadow sharded parameters]). Units an enclosing
+    call already summoned are left to it, so nested calls compose.
+
+    Raises:
+        ValueError: ``writeback`` with ``rank0_only``.
+    """
+    if writeback and rank0_only:
+        raise ValueError("summon_full_params: writeback=True with rank0_only=True is not supported (the "
+                         "other ranks hold no full parameters to write back); pass writeback=False")
+    todo = [u for u in units if not u.summoned]
+    gathered = []
+    try:
+        with torch.no_grad():
+            for unit in todo:
+                unit.summoned = True
+                if not unit.slots:
+                    continue
+                views = gather_full(unit)
+                grads = _gather_grads(unit) if with_grads else [None] * len(unit.slots)
+                if rank0_only and not collectives.is_first_rank(unit.cfg.shard_group, unit.cfg.replicate_group):
+                    continue
+                if offload_to_cpu:
+                    views = [v.cpu() for v in views]
+                    grads = [None if g is None else g.cpu() for g in grads]
+                unit.hide_full_params()
+                full = []
+                for view, grad, lay in zip(views, grads, unit.layout.params):
+                    full.append(nn.Parameter(view, requires_grad=lay.requires_grad))
+                    full[-1].grad = grad
+                unit.install_params(full)
+                gathered.append((unit, views))
+        yield
+    finally:
+        with torch.no_grad():
+            for unit, views in gathered:
+                if writeback:
+                    flat.shard_into(unit.flat_shard, unit.layout, views, unit.rank)
+                unit.restore_params()
+        for unit in todo:
+            unit.summoned = False

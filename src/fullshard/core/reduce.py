@@ -1,0 +1,94 @@
+"""The gradient reduce of one unit: the reduce-scatter input (param-major
+gradient copied rank-major, used flags, pre-division), the in-flight
+:class:`PendingReduce`, and accumulation of the reduced block into the
+sharded parameters' ``.grad``.
+
+Each rank's block carries one extra element per parameter, 1 where this
+rank used it: after the sum a parameter no rank used is told apart from one
+whose gradients cancel, and keeps ``grad None`` as under DDP
+(``find_unused_parameters=True``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import collectives, flat, grads
+from .buffers import POOL
+
+
+def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "PendingReduce":
+    """``Unit.reduce_grads``: issue the reduce-scatter of ``unit``'s
+    ``full_grad`` (param-major, ``N·S`` elements; None = zeros) with the used
+    flags ``used`` (one per layout parameter); the gradient reaches ``.grad``
+    at :meth:`PendingReduce.finish`."""
+    cfg = unit.cfg
+    n_grad, n_flags = unit.layout.grad_shard_numel, len(unit.layout.params)
+    block = n_grad + n_flags
+    reduce_in = POOL.take(unit.world * block, unit.reduce_dtype, cfg.compute_device)
+    # copy_in writes every gradient element (padding rows included), so
+    # only a missing gradient needs the buffer zeroed.
+    if full_grad is None:
+        reduce_in.zero_()
+    else:
+        flat.copy_in(reduce_in, full_grad, unit.layout, block_numel=block)
+    flags = reduce_in.view(unit.world, block)[:, n_grad:]
+    flags.copy_(torch.tensor(used, dtype=unit.reduce_dtype).expand_as(flags))
+    reduce_in.div_(cfg.dp_world_size)  # pre-divide, as DDP does
+    out = torch.empty(block, dtype=unit.reduce_dtype, device=cfg.compute_device)
+    work = collectives.reduce_scatter(out, reduce_in, cfg.shard_group, async_op=True, tag=f"unit '{unit.name}'")
+    return PendingReduce(unit, work, reduce_in, out)
+
+
+def _accumulate(unit, out: torch.Tensor) -> None:
+    """Add a reduced block (gradient shard, then one used flag per
+    parameter) into the sharded parameters' ``.grad``. Parameters no rank
+    used are left alone (``grad None`` stays None)."""
+    n_grad = unit.layout.grad_shard_numel
+    used = (out[n_grad:] > 0).tolist()
+    master, reduced = unit.flat_shard, out[:n_grad]
+    # Stored in grad_dtype; added to an existing gradient in the master
+    # dtype (keep_low_precision_grads: rounded once per backward).
+    store = flat.grad_shard_views(reduced.to(master.device, unit.grad_dtype), unit.layout, unit.rank)
+    wide = store if unit.grad_dtype == master.dtype else None
+    sentinels, unit.sentinels = unit.sentinels, {}
+    for i, (sp, view, u) in enumerate(zip(unit.sharded_params, store, used)):
+        if view is None:
+            continue
+        if not u:
+            ref = sentinels.get(i)
+            if ref is not None and sp.grad is not None and sp.grad is ref():
+                sp.grad = None  # a zero we installed, never a gradient
+            continue
+        if sp.grad is None:
+            grads.set_grad(sp, view)
+            continue
+        if wide is None:
+            wide = flat.grad_shard_views(reduced.to(master.device, master.dtype), unit.layout, unit.rank)
+        grads.add_to_grad(sp, wide[i], unit.grad_dtype)
+
+
+class PendingReduce:
+    """An in-flight reduce-scatter (and, with replicas, its all-reduce)."""
+
+    def __init__(self, unit, work, reduce_in: torch.Tensor, out: torch.Tensor):
+        self.unit, self.work, self.reduce_in, self.out = unit, work, reduce_in, out
+
+    def finish(self) -> None:
+        """Wait, sum over replicas, and accumulate into the gradient shards."""
+        if self.work is not None:
+            self.work.wait()
+        POOL.give(self.reduce_in)
+        self.reduce_in = None
+        rep = self.unit.cfg.replicate_group
+        if rep is not None:
+            collectives.all_reduce(self.out, rep, "sum", tag=f"unit '{self.unit.name}' replicas")
+        _accumulate(self.unit, self.out)
+
+    def abandon(self) -> None:
+        """Wait for the collective (its buffers must outlive it) and drop the result."""
+        if self.work is not None:
+            self.work.wait()
+        POOL.give(self.reduce_in)
+        self.reduce_in = self.out = None

@@ -1,0 +1,121 @@
+"""Every use of a private torch API in fullshard, one small function each.
+
+A private name (a leading underscore, ``torch._C``) may change or vanish in
+any torch release; keeping them here makes an upgrade one file to read. Each
+function says why no public API does the job in torch 2.13. Where a public
+replacement exists it is used at the call site instead (``sparse.values()``,
+``torch.nn.utils.clip_grads_with_norm_``, the public norm classes of
+``MixedPrecision.full_precision_module_classes``).
+
+Not routed through here: ``nn.Module``'s own bookkeeping (``_parameters``,
+``_buffers``, ``_modules``, ``_non_persistent_buffers_set``, and overriding
+``_apply``), which the engine reads and writes to swap parameters without
+``register_parameter``'s checks, as torch's own FSDP and ``nn.utils``
+do. These are nn.Module's documented-enough internals, used throughout the
+library and by most wrappers of modules.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch._C._profiler import _EventType
+
+
+# ---------------------------------------------------------------- storages
+def can_swap_storages() -> bool:
+    """Whether :func:`swap_storages` is available (``UntypedStorage._swap_data_ptr_``)."""
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def swap_storages(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+    """Exchange the memory (data pointers and sizes) of two storages in place.
+
+    No public API moves memory into an existing storage object, which a
+    unit's unsharded flat parameter needs (autograd's saved views point at
+    it); see core/buffers.py [Note: buffer reuse].
+    """
+    a._swap_data_ptr_(b)
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """``t``'s version counter (``t._version``): bumped by every in-place write.
+
+    No public API tells that a tensor was written in place (``zero_()`` by
+    ``optimizer.zero_grad(set_to_none=False)``, ``copy_()`` by a load).
+    """
+    return t._version
+
+
+# ---------------------------------------------------------------- autograd
+def in_backward_pass() -> bool:
+    """Whether the autograd engine is executing a backward on this thread
+    (``torch._C._current_graph_task_id() != -1``; torch FSDP2 uses the same
+    test; no public equivalent)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward finishes
+    (``Variable._execution_engine.queue_callback``; must be called during a
+    backward; no public equivalent, torch FSDP1 and DDP use it)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# --------------------------------------------------------- foreach kernels
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i in one fused call (``torch._foreach_copy_``)."""
+    torch._foreach_copy_(dst, src)
+
+
+def foreach_zero_(tensors: list[torch.Tensor]) -> None:
+    """Zero every tensor in one fused call (``torch._foreach_zero_``)."""
+    torch._foreach_zero_(tensors)
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar) -> None:
+    """Multiply every tensor in place by ``scalar`` (a number or 0-dim tensor)
+    in one fused call (``torch._foreach_mul_``)."""
+    torch._foreach_mul_(tensors, scalar)
+
+
+def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiply ``grads`` (same device and dtype) by ``inv_scale`` in place and
+    set ``found_inf`` (1-element fp32) to 1.0 if any element was inf or NaN
+    (``torch._amp_foreach_non_finite_check_and_unscale_``, the kernel behind
+    ``torch.amp.GradScaler.unscale_``, which has no public per-tensor form).
+
+    Raises:
+        RuntimeError, NotImplementedError: the backend or dtype has no kernel.
+    """
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+# ------------------------------------------------------------- distributed
+def default_store() -> dist.Store:
+    """The default process group's key-value store
+    (``distributed_c10d._get_default_store``; no public accessor). Used only
+    to post and read what each rank was waiting in after a collective failed.
+
+    Raises:
+        ValueError, RuntimeError: no default process group.
+    """
+    return dist.distributed_c10d._get_default_store()
+
+
+# ---------------------------------------------------------------- profiler
+def profiler_allocations(prof) -> list[tuple[int, int]]:
+    """``(start time in ns, bytes)`` of every allocator event of a finished
+    ``torch.profiler.profile(profile_memory=True)`` (frees have negative
+    bytes), from the experimental event tree
+    (``prof.profiler.kineto_results.experimental_event_tree``,
+    ``torch._C._profiler._EventType``): the public ``key_averages()`` has no
+    per-event timeline."""
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+        stack.extend(e.children)
+    return events

@@ -1,0 +1,58 @@
+"""Helpers shared by several end-to-end test modules (test modules import
+from here, never from each other): running the CLI, reading its json logs,
+loading a checkpoint's parameters."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from fullshard.train import cli as fullshard_cli
+
+ARCH = "transformer_lm_gpt_mini"
+"""The architecture most end-to-end runs train (2 layers, width 64, 2 heads)."""
+TRAIN_INNER_KEYS = ["epoch", "update", "loss", "ppl", "wps", "ups", "wpb", "bsz", "num_updates", "lr",
+                    "gnorm", "loss_scale", "train_wall", "gb_free", "wall"]
+"""Keys of a ``train_inner`` json log record, in order."""
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `python -m fullshard.train.cli ARGS` outside any torchrun environment; never raises on exit code."""
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "-m", "fullshard.train.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def main_in_process(capsys, *argv):
+    """`fullshard ARGV` in this process: (exit code, stdout, stderr)."""
+    try:
+        code = fullshard_cli.main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def json_records(text: str) -> dict:
+    """{'train_inner': [...], 'valid': [...], 'train': [...]} from a json-format log."""
+    out = {"train_inner": [], "valid": [], "train": []}
+    for line in text.splitlines():
+        parts = line.split(" | ", 3)
+        if len(parts) == 4 and parts[2] in out:
+            out[parts[2]].append(json.loads(parts[3]))
+    return out
+
+
+def checkpoint_params(corpus_dir, path, arch: str = ARCH):
+    """(state dict of an ``arch`` model loaded from checkpoint ``path``, the checkpoint's extra state)."""
+    from fullshard import checkpoint
+    from fullshard.models import build_model
+    from fullshard.train.options import arch_max_positions
+
+    vocab = int(json.loads((corpus_dir / "meta.json").read_text())["vocab_size"])
+    model = build_model(arch, vocab_size=vocab, max_positions=arch_max_positions(arch))
+    extra = checkpoint.load(str(path), model)
+    return model.state_dict(), extra
