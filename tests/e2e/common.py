@@ -8,7 +8,8 @@ import os
 import subprocess
 import sys
 
-from fullshard.train import cli as fullshard_cli
+from fullshard import checkpoint, cli as fullshard_cli
+from fullshard.models import ARCHS, build_model
 
 ARCH = "transformer_lm_gpt_mini"
 """The architecture most end-to-end runs train (2 layers, width 64, 2 heads)."""
@@ -18,11 +19,11 @@ TRAIN_INNER_KEYS = ["epoch", "update", "loss", "ppl", "wps", "ups", "wpb", "bsz"
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python -m fullshard.train.cli ARGS` outside any torchrun environment; never raises on exit code."""
+    """Run `python -m fullshard.cli ARGS` outside any torchrun environment; never raises on exit code."""
     env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "fullshard.train.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "fullshard.cli", *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -48,11 +49,7 @@ def json_records(text: str) -> dict:
 
 def checkpoint_params(corpus_dir, path, arch: str = ARCH):
     """(state dict of an ``arch`` model loaded from checkpoint ``path``, the checkpoint's extra state)."""
-    from fullshard import checkpoint
-    from fullshard.models import build_model
-    from fullshard.train.options import arch_max_positions
-
     vocab = int(json.loads((corpus_dir / "meta.json").read_text())["vocab_size"])
-    model = build_model(arch, vocab_size=vocab, max_positions=arch_max_positions(arch))
+    model = build_model(arch, vocab_size=vocab, max_positions=ARCHS[arch].max_positions)
     extra = checkpoint.load(str(path), model)
     return model.state_dict(), extra
