@@ -279,7 +279,7 @@ class FullyShardedDataParallel(UnitModule):
         """
         root = self._require_root_idle("clip_grad_norm_()")
         norm_type = float(norm_type)
-        counted, replica, local = norms.grads_by_kind(root.units, self.parameters())
+        counted, replica, local = norms.grads_by_kind(root.runtimes, self.parameters())
         cfg = self._runtime.unit.cfg
         total = norms.global_norm(counted, local, cfg.shard_group, cfg.replicate_group, norm_type)
         torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total)

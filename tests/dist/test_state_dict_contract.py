@@ -300,6 +300,18 @@ def _local(rank, world):
     for k, v in model.state_dict().items():
         if not k.endswith("_extra_state"):
             torch.testing.assert_close(fresh.state_dict()[k], v, rtol=0, atol=0, msg=k)
+    # A load that raises (an unexpected key) changes no shard, LOCAL and SHARDED alike.
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+    for sd_type, sd in ((StateDictType.LOCAL_STATE_DICT, copied), (StateDictType.SHARDED_STATE_DICT, sharded)):
+        other = build(11)
+        before = other.state_dict()
+        with FSDP.state_dict_type(other, sd_type):
+            with pytest.raises(RuntimeError, match="Unexpected key"):
+                other.load_state_dict({**sd, "nonsense.weight": torch.zeros(1)})
+        for k, v in other.state_dict().items():
+            if not k.endswith("_extra_state"):
+                torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=f"{sd_type} {k}")
     # Another layout (here: a model without the nested units) is refused by size.
     torch.manual_seed(0)
     flat_only = FSDP(Hooked())

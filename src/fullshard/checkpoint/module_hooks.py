@@ -17,18 +17,20 @@ takes part through four hooks registered at construction:
   unit's ``_fsdp_wrapped_module.`` segment from the keys below it (torch
   FSDP1's names); FULL with ``rank0_only`` empties the subtree on ranks > 0;
 * load pre-hook: adds the segment back to the incoming keys and registers
-  load targets: full-shape tensors (FULL), ``DTensor`` views of the shard
-  (SHARDED; a plain full tensor in the incoming dict is first cut to this
-  rank's rows), or None (LOCAL, whose ``_flat_param`` it copies itself);
-* load post-hook: copies this rank's rows of every FULL target that the
-  module's own loading wrote into the shard (a target counts as written
-  when its version counter or storage changed, so a module's load hooks
-  that rename or transform entries are respected), registers the sharded
-  parameters again and removes wrapper segments from reported key names.
+  load targets: full-shape tensors (FULL), ``DTensor`` copies of this rank's
+  rows (SHARDED; a plain full tensor in the incoming dict is first cut to
+  this rank's rows), or None (LOCAL, whose ``_flat_param`` it takes out of
+  the dict and checks);
+* load post-hook: copies into the shard this rank's rows of every target
+  the module's own loading wrote (a target counts as written when the
+  version counter or storage of its memory changed, so a module's load hooks
+  that rename or transform entries are respected) and a LOCAL flat shard,
+  registers the sharded parameters again and removes wrapper segments from
+  reported key names.
 
-When the load runs through a unit's ``load_state_dict`` the row copies wait
+When the load runs through a unit's ``load_state_dict`` those copies wait
 until the whole load succeeded, so a load that raises (missing keys, a
-shape mismatch) leaves every shard as it was. A state-dict call that raised
+shape mismatch) leaves every shard as it was, for each state-dict type. A state-dict call that raised
 half-way leaves targets registered only until the next forward (the root's
 pre-forward restores them, ``core/state.py`` ``start_iteration``) or the
 next state-dict call of that unit.
@@ -64,8 +66,9 @@ class _LoadTargets:
     """What a unit's load pre-hook registered, for its post-hook."""
 
     targets: list[Optional[torch.Tensor]]
-    marks: list[Optional[tuple[int, int]]]  # (version, data_ptr) at registration; None: written in place
+    marks: list[Optional[tuple[int, int, int]]]  # _mark() at registration; None: no target
     error_msgs: list
+    local_flat: Optional[torch.Tensor] = None  # LOCAL_STATE_DICT: this rank's flat shard to copy in
 
 
 # Unit module -> its pending load; row copies deferred by a unit's load_state_dict.
@@ -178,8 +181,9 @@ def _load_pre(unit_module: nn.Module, state_dict: dict, prefix: str, local_metad
     lays = unit.layout.params
     from torch.distributed.tensor import DTensor
 
+    local_flat = None
     if st.type is StateDictType.LOCAL_STATE_DICT:
-        _load_local(unit, state_dict.pop(prefix + SEGMENT + FLAT_PARAM_KEY, None), prefix, missing_keys)
+        local_flat = _local_flat(unit, state_dict.pop(prefix + SEGMENT + FLAT_PARAM_KEY, None), prefix, missing_keys)
         targets = [None] * len(lays)
     elif st.type is StateDictType.SHARDED_STATE_DICT:
         state_dicts.check_shardable(unit)
@@ -191,45 +195,55 @@ def _load_pre(unit_module: nn.Module, state_dict: dict, prefix: str, local_metad
                 state_dict[key] = state_dicts.shard_value(unit, si, rows, False)
             elif isinstance(v, DTensor):
                 state_dicts.local_rows(unit, si, v, clean_name(key))  # raises on a local shard laid out otherwise
+        # Targets hold copies of this rank's rows (a 0-dim parameter: a whole
+        # value), so nothing reaches the shard before the load succeeded.
         views = flat_layout.shard_views(unit.flat_shard, unit.layout, unit.rank)
         targets = []
         for si, (view, lay) in enumerate(zip(views, lays)):
-            live = unit.world == 1 or len(lay.shape) > 0  # writes land in the shard itself
-            local = view if live else torch.zeros(lay.shape, dtype=view.dtype, device=view.device)
-            targets.append(nn.Parameter(state_dicts.shard_value(unit, si, local, False) if live else local,
-                                        requires_grad=lay.requires_grad))
+            if unit.world == 1 or len(lay.shape) > 0:
+                value = state_dicts.shard_value(unit, si, view.clone(), False)
+            else:
+                value = torch.zeros(lay.shape, dtype=view.dtype, device=view.device)
+            targets.append(nn.Parameter(value, requires_grad=lay.requires_grad))
     else:
         dev = unit.flat_shard.device
         targets = [nn.Parameter(torch.empty(lay.shape, dtype=unit.flat_shard.dtype, device=dev),
                                 requires_grad=lay.requires_grad) for lay in lays]
-    live_sharded = st.type is StateDictType.SHARDED_STATE_DICT
-    marks = [None if t is None or (live_sharded and (unit.world == 1 or len(lay.shape) > 0))
-             else (torch_private.version_counter(t), t.data_ptr()) for t, lay in zip(targets, lays)]
-    _LOADS[id(unit_module)] = _LoadTargets(targets, marks, error_msgs)
+    marks = [None if t is None else _mark(t) for t in targets]
+    _LOADS[id(unit_module)] = _LoadTargets(targets, marks, error_msgs, local_flat)
     unit.install_params(targets)
 
 
-def _load_local(unit, flat: Optional[torch.Tensor], prefix: str, missing_keys: list) -> None:
-    """Copy a LOCAL_STATE_DICT ``_flat_param`` into the unit's flat shard.
+def _local_flat(unit, flat: Optional[torch.Tensor], prefix: str, missing_keys: list) -> Optional[torch.Tensor]:
+    """A LOCAL_STATE_DICT ``_flat_param``, checked, to copy into the unit's
+    flat shard once the load succeeded (None: nothing to copy).
 
     Raises:
         ValueError: a flat shard of another size (another world size or model).
     """
     if not unit.slots:
-        return
+        return None
     if flat is None:
         missing_keys.append(prefix + SEGMENT + FLAT_PARAM_KEY)
-        return
+        return None
     if flat.numel() != unit.flat_shard.numel():
         raise ValueError(f"[rank {collectives.rank()}] unit '{unit.name}': LOCAL_STATE_DICT "
                          f"'{prefix}{FLAT_PARAM_KEY}' has "
                          f"{flat.numel()} elements, this rank's flat shard {unit.flat_shard.numel()}; a local state "
                          "dict loads only at the world size and model it was saved with (use FULL or SHARDED)")
-    unit.flat_shard.copy_(flat.reshape(-1))
+    return flat.reshape(-1)
+
+
+def _mark(t: torch.Tensor) -> tuple[int, int, int]:
+    """Version counters of a target and of its memory (a DTensor's local
+    tensor: an in-place op bumps the wrapper's counter, not the local one's)
+    and that memory's address."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return torch_private.version_counter(t), torch_private.version_counter(local), local.data_ptr()
 
 
 def _written(target: torch.Tensor, now, mark) -> bool:
-    return now is not target or torch_private.version_counter(target) != mark[0] or target.data_ptr() != mark[1]
+    return now is not target or _mark(target) != mark
 
 
 def _load_post(unit_module: nn.Module, incompatible_keys) -> None:
@@ -250,6 +264,8 @@ def _load_post(unit_module: nn.Module, incompatible_keys) -> None:
 
     @torch.no_grad()
     def copy_rows():
+        if pending.local_flat is not None:
+            unit.flat_shard.copy_(pending.local_flat)
         views = flat_layout.shard_views(unit.flat_shard, unit.layout, unit.rank)
         for si, value in writes:
             views[si].copy_(state_dicts.local_rows(unit, si, value, unit.layout.params[si].fqn))

@@ -15,13 +15,13 @@ import torch.nn as nn
 from . import collectives
 
 
-def grads_by_kind(units, params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[torch.Tensor],
+def grads_by_kind(runtimes, params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[torch.Tensor],
                                                                     list[torch.Tensor]]:
     """(gradients of sharded parameters this rank counts in the norm, those
     a replica with replicate-group rank 0 counts instead, gradients of
     unmanaged parameters)."""
     sharded_ids, counted, replica = set(), [], []
-    for rt in units:
+    for rt in runtimes:
         rep = rt.unit.cfg.replicate_group
         mine = rep is None or collectives.group_rank(rep) == 0
         for sp in rt.unit.sharded_params:

@@ -81,8 +81,8 @@ class TrainingStateError(RuntimeError):
 class RootRuntime:
     """Per-root, per-iteration bookkeeping shared by every unit under the root."""
 
-    def __init__(self, units: list["UnitRuntime"]):
-        self.units = units
+    def __init__(self, runtimes: list["UnitRuntime"]):
+        self.runtimes = runtimes  # every unit's runtime under this root, the root's included
         self.order: list[UnitRuntime] = []  # forward order of this iteration
         self.prev_order: list[UnitRuntime] = []
         self.pending: list[PendingReduce] = []
@@ -168,7 +168,7 @@ def lazy_init_root(root: UnitRuntime, all_units: list[UnitRuntime]) -> None:
 
 
 def backward_broken(root: RootRuntime) -> bool:
-    return bool(root.pending) or root.callback_queued or any(rt.state in _BACKWARD for rt in root.units)
+    return bool(root.pending) or root.callback_queued or any(rt.state in _BACKWARD for rt in root.runtimes)
 
 
 def require_idle(root: RootRuntime, what: str) -> None:
@@ -183,7 +183,7 @@ def require_idle(root: RootRuntime, what: str) -> None:
     """
     if not in_backward_pass() and backward_broken(root):
         start_iteration(root)
-    busy = [rt.unit.name for rt in root.units if rt.state is not TrainingState.IDLE]
+    busy = [rt.unit.name for rt in root.runtimes if rt.state is not TrainingState.IDLE]
     if busy:
         raise RuntimeError(f"[rank {collectives.rank()}] {what} cannot run during forward or backward "
                            f"(units busy: {busy}); call it between iterations")
@@ -193,7 +193,7 @@ def start_iteration(root: RootRuntime) -> None:
     """Begin a clean iteration: clear whatever an interrupted one left behind
     (see [Note: one iteration]) and adopt changes the user made between
     iterations (``requires_grad_()``, gradients zeroed after ``no_sync``)."""
-    for rt in root.units:  # before anything is cleared: the user must fix this first
+    for rt in root.runtimes:  # before anything is cleared: the user must fix this first
         rt.unit.check_views()
     broken = backward_broken(root)
     for pending in root.pending:
@@ -202,7 +202,7 @@ def start_iteration(root: RootRuntime) -> None:
     root.callback_queued = False
     if broken:
         root.stash_window = False
-    for rt in root.units:
+    for rt in root.runtimes:
         rt.state = TrainingState.IDLE
         rt.pre_backward_done = False
         unit = rt.unit
@@ -408,14 +408,14 @@ def _reduce_leftover_stashes(root: RootRuntime) -> None:
     not reach on some rank (DDP with ``find_unused_parameters=True`` reduces
     such gradients too). One small all-reduce makes every rank agree on
     which units those are."""
-    cfg = root.units[0].unit.cfg
-    for rt in root.units:
+    cfg = root.runtimes[0].unit.cfg
+    for rt in root.runtimes:
         rt.unit.check_stash()
-    flags = torch.tensor([1.0 if rt.unit.has_stash else 0.0 for rt in root.units])
+    flags = torch.tensor([1.0 if rt.unit.has_stash else 0.0 for rt in root.runtimes])
     for group in (cfg.shard_group, cfg.replicate_group):
         if group is not None:
             collectives.all_reduce(flags, group, "max", tag="no_sync stashes")
-    for rt, flag in zip(root.units, flags.tolist()):
+    for rt, flag in zip(root.runtimes, flags.tolist()):
         if flag:
             unit = rt.unit
             unit.reduce_grads(*unit.pop_stashed(None, [False] * len(unit.layout.params))).finish()
@@ -428,7 +428,7 @@ def end_of_backward(root: RootRuntime) -> None:
     if root.stash_window and not root.no_sync:
         _reduce_leftover_stashes(root)
         root.stash_window = False
-    for rt in root.units:
+    for rt in root.runtimes:
         if rt.unit.state is not ShardedState.SHARDED:
             rt.unit.reshard()
         rt.state = TrainingState.IDLE
