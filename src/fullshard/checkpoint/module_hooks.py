@@ -87,7 +87,6 @@ def register(unit_module: nn.Module) -> None:
 def _check_usable(unit_module: nn.Module, what: str) -> None:
     """Raises RuntimeError during forward or backward; undoes what an earlier
     state-dict call that raised left registered."""
-    unit_module._lazy_init()
     state_dicts.check_idle(unit_module, what)
     if not unit_module.unit.summoned:
         unit_module.unit.restore_all_params()
