@@ -25,26 +25,14 @@ TOTAL_FIELDS = UNIT_FIELDS + tuple(f"{POOL_KEY}_{k}" for k in POOL_FIELDS)
 """Keys of :func:`memory_totals`, in order."""
 
 
-def _held(t) -> int:
-    """Bytes of the storage behind ``t`` (0 for None or a freed storage)."""
-    return 0 if t is None else t.untyped_storage().nbytes()
-
-
 def _unit_entry(fsdp_unit: UnitModule) -> dict[str, int]:
     rt = fsdp_unit._runtime
     unit = rt.unit
-    # An aliased unit computes on its shard: no memory beyond sharded_bytes.
-    unsharded = 0 if unit.aliased else _held(unit.flat_full) + _held(unit._gather_buf)
-    grad = unit.flat_full.grad
-    # Between the unit's gradient node and AccumulateGrad, the pooled buffer
-    # handed to autograd is the gradient; once adopted it IS flat_full.grad.
-    full_grad = _held(grad) if grad is not None else (unit._pooled_grad[1] if unit._pooled_grad else 0)
-    stash = unit._stash
     pending = 0 if rt.root is None else sum(1 for p in rt.root.pending if p.unit is unit)
     return {"sharded_bytes": unit.flat_shard.numel() * unit.flat_shard.element_size(),
-            "unsharded_bytes": unsharded,
-            "full_grad_bytes": full_grad,
-            "stashed_grad_bytes": 0 if stash is None else _held(stash.grad),
+            "unsharded_bytes": unit.unsharded_bytes(),
+            "full_grad_bytes": unit.full_grad_bytes(),
+            "stashed_grad_bytes": unit.stashed_grad_bytes(),
             "pending_reduce_scatters": pending}
 
 

@@ -26,7 +26,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .save_load import _resolve, read_extra, verify
+from .save_load import read_extra, resolve, verify
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -39,7 +39,7 @@ def model_tensors(checkpoint_dir: str) -> tuple[str, list[tuple[str, torch.Size,
     Raises:
         CheckpointError: a missing or damaged checkpoint (files named).
     """
-    path = _resolve(checkpoint_dir)
+    path = resolve(checkpoint_dir)
     verify(path)
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     out = []

@@ -251,7 +251,13 @@ def _agree(error: Optional[BaseException], final: str, tmp: str, phase: str, gro
                           f"{kept}; {hint} and save again")
 
 
-def _resolve(checkpoint_dir: str) -> str:
+def resolve(checkpoint_dir: str) -> str:
+    """The directory holding the checkpoint ``checkpoint_dir`` names: itself, or
+    ``<dir>.old`` left by a save killed while publishing.
+
+    Raises:
+        CheckpointError: neither holds a finished checkpoint (no manifest).
+    """
     final = os.path.abspath(checkpoint_dir)
     for path in (final, final + ".old"):
         if os.path.isfile(os.path.join(path, MANIFEST)):
@@ -303,8 +309,13 @@ def _flat_keys(state: dict, prefix: str = "") -> dict:
     return out
 
 
-def _check_model_keys(path: str, template: dict) -> None:
-    """Refuse a checkpoint of another model, listing the names."""
+def check_model_keys(path: str, template: dict) -> None:
+    """Refuse a checkpoint of another model, listing the names.
+
+    Raises:
+        CheckpointError: names missing from the checkpoint, names it has that
+            ``template`` (a state dict of the model) lacks, and shape mismatches.
+    """
     template = _flat_keys(template)
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     saved = {k[len("model."):]: getattr(v, "size", None) for k, v in md.items() if k.startswith("model.")}
@@ -333,14 +344,14 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
             or a model holding a unit on other ranks than its root's; in all
             cases before anything is loaded.
     """
-    path = _resolve(checkpoint_dir)
+    path = resolve(checkpoint_dir)
     group = _group(model)
     verify(path, group)
     fsdp = _is_fsdp(model)
     if optimizer is not None:
         optim_state.init_optim_state(optimizer)
     state = _states(model, optimizer)
-    _check_model_keys(path, state["model"])
+    check_model_keys(path, state["model"])
     world = _world(group)
     with warnings.catch_warnings():  # one rank: DCP's "assuming ... a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
@@ -368,7 +379,7 @@ def read_extra(checkpoint_dir: str, rank: int = 0) -> Any:
     Raises:
         CheckpointError: no finished checkpoint at ``checkpoint_dir``.
     """
-    path = _resolve(checkpoint_dir)
+    path = resolve(checkpoint_dir)
     for name in (f"extra-rank{rank}.pt", "extra-rank0.pt"):
         if os.path.isfile(os.path.join(path, name)):
             return torch.load(os.path.join(path, name), weights_only=False)

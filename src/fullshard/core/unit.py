@@ -235,9 +235,22 @@ class Unit:
     def _free_full(self) -> None:
         POOL.reclaim(self.flat_full.untyped_storage())  # see core/buffers.py [Note: buffer reuse]
 
-    def full_storage_bytes(self) -> int:
-        """Bytes currently allocated for full parameters (0 when resharded)."""
-        return 0 if self.aliased else self.flat_full.untyped_storage().nbytes()
+    def unsharded_bytes(self) -> int:
+        """Bytes held now for full parameters: the unsharded flat's storage and
+        an all-gather output in flight (0 when resharded; 0 for an aliased
+        unit, which computes on its shard)."""
+        if self.aliased:
+            return 0
+        held = self.flat_full.untyped_storage().nbytes()
+        return held + (0 if self._gather_buf is None else self._gather_buf.untyped_storage().nbytes())
+
+    def full_grad_bytes(self) -> int:
+        """Bytes of an unsharded gradient held now: ``flat_full.grad``, or the
+        pooled buffer handed to autograd and not yet adopted or returned."""
+        grad = self.flat_full.grad
+        if grad is not None:
+            return grad.untyped_storage().nbytes()
+        return self._pooled_grad[1] if self._pooled_grad else 0
 
     def _check(self, allowed: tuple[ShardedState, ...], op: str) -> None:
         if self.state not in allowed:
@@ -460,7 +473,8 @@ class Unit:
         return self._stash is not None
 
     def stashed_grad_bytes(self) -> int:
-        return 0 if self._stash is None else self._stash.nbytes()
+        """Bytes of the ``no_sync`` stash's storage (0 without a stash)."""
+        return 0 if self._stash is None else self._stash.grad.untyped_storage().nbytes()
 
     def reduce_grads(self, full_grad: Optional[torch.Tensor], used: list[bool]) -> reduce.PendingReduce:
         """Reduce-scatter ``full_grad`` (param-major, ``N·S`` elements; None =

@@ -216,7 +216,7 @@ def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: 
     # Lazy for start-up speed: save_load imports torch.distributed.checkpoint (about 0.7 s of every
     # `fullshard` command); only a run with a checkpoint to resume needs it.
     from fullshard.checkpoint import CheckpointError, read_extra, verify
-    from fullshard.checkpoint.save_load import _check_model_keys, _resolve
+    from fullshard.checkpoint.save_load import check_model_keys, resolve
 
     path = args.restore_file
     if not os.path.isabs(path) and not os.path.exists(path):
@@ -228,10 +228,10 @@ def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: 
     if not os.path.isdir(path):
         p.fail(f"--restore-file {path!r} is not a checkpoint directory")
     try:
-        resolved = _resolve(path)
+        resolved = resolve(path)
         verify(resolved)
         model = build_model(shape, device="meta", vocab_size=vocab_size, max_positions=shape.max_positions)
-        _check_model_keys(resolved, model.state_dict())
+        check_model_keys(resolved, model.state_dict())
         saved = (read_extra(resolved) or {}).get("args") or {}
     except (CheckpointError, OSError, ValueError) as e:
         p.fail(f"cannot resume from {path!r}: {str(e).split('] ', 1)[-1]}; use another --save-dir, or "
