@@ -416,8 +416,7 @@ class FullyShardedDataParallel(UnitModule):
         call that raised left with other values (see module_hooks' Note)."""
         for u in self.units():
             module_hooks.forget_load(u)
-            if not u.unit.summoned:
-                u.unit.restore_all_params()
+            u.unit.restore_all_params()
 
     @staticmethod
     @contextlib.contextmanager

@@ -88,8 +88,7 @@ def _check_usable(unit_module: nn.Module, what: str) -> None:
     """Raises RuntimeError during forward or backward; undoes what an earlier
     state-dict call that raised left registered."""
     state_dicts.check_idle(unit_module, what)
-    if not unit_module.unit.summoned:
-        unit_module.unit.restore_all_params()
+    unit_module.unit.restore_all_params()
 
 
 # ----------------------------------------------------------------------- save

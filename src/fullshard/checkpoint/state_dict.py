@@ -1,9 +1,12 @@
-"""Model state dicts of a wrapped model, torch FSDP1's contract.
+"""Model state dicts of a wrapped model, torch FSDP1's contract: the
+state-dict type and configs of each unit, and the values a unit registers
+(``module_hooks.py`` runs them through ``nn.Module.state_dict``, see its
+[Note: state dicts through nn.Module]).
 
 FULL_STATE_DICT (the default): full tensors under the original names, the
-same keys, order and shapes as the plain model's ``state_dict()``, gathered
-one unit at a time (all-gather the unit's flat shard, copy each parameter out,
-free the unit's buffer before the next one). SHARDED_STATE_DICT: each managed
+same keys, order and shapes as the plain model's ``state_dict()``, each unit
+gathered by ``core.gather.gather_full`` when ``nn.Module``'s walk reaches it
+(the tensors are copied out, the gathered buffer freed). SHARDED_STATE_DICT: each managed
 parameter is a ``DTensor`` placed ``Shard(0)`` on a 1-D mesh over the unit's
 shard group whose local tensor is this rank's shard view (no copy), so
 ``torch.distributed.checkpoint`` writes, reads and reshards it.

@@ -209,8 +209,7 @@ def start_iteration(root: RootRuntime) -> None:
         unit.release_full_grad(unit.take_full_grad()[0])  # a partial gradient of a backward that raised
         if broken:
             unit.drop_stash()
-        if not unit.summoned:
-            unit.restore_all_params()  # a state-dict call that raised between install and restore
+        unit.restore_all_params()  # a state-dict call that raised between install and restore
         if unit.state is not ShardedState.SHARDED:
             # Gathered by a forward with no backward: may hold stale values.
             unit.reshard()

@@ -163,8 +163,7 @@ class Unit:
         self.compute_dtype = cfg.param_dtype or master.dtype
         self.reduce_dtype = cfg.reduce_dtype or self.compute_dtype
         self.grad_dtype = self.compute_dtype if cfg.keep_low_precision_grads else master.dtype
-        # Where each sharded parameter's memory must stay (see check_views).
-        self._view_ptrs = [sp.data_ptr() if sp.numel() else None for sp in self.sharded_params]
+        self._record_view_ptrs()
         # With one rank per shard and nothing to cast or move, the unsharded
         # flat is the shard itself: no copy, never freed.
         on_compute = not cfg.offload_params or cfg.compute_device == torch.device("cpu")
@@ -196,7 +195,7 @@ class Unit:
         old = self.flat_shard
         new = fn(old)
         if new is old:  # nothing to convert; share_memory_() may have moved the storage
-            self._view_ptrs = [sp.data_ptr() if sp.numel() else None for sp in self.sharded_params]
+            self._record_view_ptrs()
             return False
         if new.device != old.device or new.shape != old.shape or not new.is_floating_point():
             raise RuntimeError(
@@ -215,6 +214,10 @@ class Unit:
                 sp.grad.data = sp.grad.to(self.grad_dtype)
         self._views = None
         return True
+
+    def _record_view_ptrs(self) -> None:
+        """Where each sharded parameter's memory must stay (see :meth:`check_views`)."""
+        self._view_ptrs = [sp.data_ptr() if sp.numel() else None for sp in self.sharded_params]
 
     def check_views(self) -> None:
         """Raise if a sharded parameter's memory is no longer its view of
@@ -355,8 +358,10 @@ class Unit:
                 module._parameters[attr] = value
 
     def restore_all_params(self) -> None:
-        """Undo every active install: the sharded parameters are registered again."""
-        while self._installed:
+        """Undo every active install, so the sharded parameters are registered
+        again (what a state-dict call that raised left behind). A no-op inside
+        ``summon_full_params``, which owns its install and undoes it on exit."""
+        while self._installed and not self.summoned:
             self.restore_params()
 
     def reset_views(self) -> None:
