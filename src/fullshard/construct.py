@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
 from .core import collectives, consistency, deferred_init
-from .core.unit import ParamSlot
+from .core.params import ParamSlot
 
 _PREFIX = "_fsdp_wrapped_module."
 WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")

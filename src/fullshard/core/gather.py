@@ -40,10 +40,10 @@ def _gather_grads(unit) -> list[Optional[torch.Tensor]]:
     """Full gradients of the unit's parameters (None where no rank has one)."""
     lay = unit.layout
     grads = torch.zeros_like(unit.flat_shard)
-    has = torch.tensor([float(sp.grad is not None) for sp in unit.sharded_params])
-    for view, sp in zip(flat.shard_views(grads, lay, unit.rank), unit.sharded_params):
-        if sp.grad is not None:
-            view.copy_(sp.grad)
+    has = torch.tensor([float(slot.sharded.grad is not None) for slot in unit.slots])
+    for view, slot in zip(flat.shard_views(grads, lay, unit.rank), unit.slots):
+        if slot.sharded.grad is not None:
+            view.copy_(slot.grad())
     collectives.all_reduce(has, unit.cfg.shard_group, "max", tag=f"unit '{unit.name}' summon grads")
     full = gather_full(unit, grads)
     return [g if h else None for g, h in zip(full, has.tolist())]

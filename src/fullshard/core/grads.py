@@ -89,38 +89,42 @@ class UnflattenFull(torch.autograd.Function):
         return out, None, None
 
 
-def set_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Install ``grad`` as ``param.grad``, also when its dtype differs from
-    ``param``'s (``MixedPrecision.keep_low_precision_grads``: fp32 master,
-    bf16 gradient). Autograd refuses such an assignment, so a placeholder of
-    the parameter's dtype and shape (one element, expanded) is installed and
-    its ``.data`` swapped for ``grad``, as torch FSDP1 does.
+def set_grad(slot, grad: torch.Tensor) -> torch.Tensor:
+    """Install ``grad`` (plain, this rank's shard) as the registered
+    parameter's ``.grad`` of ``slot`` (a :class:`~fullshard.core.params.ParamSlot`;
+    wrapped as a DTensor like the parameter under ``fully_shard``), also when
+    its dtype differs from the parameter's
+    (``MixedPrecision.keep_low_precision_grads``: fp32 master, bf16
+    gradient). Autograd refuses such an assignment, so a placeholder of the
+    parameter's dtype and shape (one element, expanded) is installed and its
+    ``.data`` swapped for ``grad``, as torch FSDP1 does.
 
     Returns:
-        The tensor now at ``param.grad`` (the placeholder when the dtypes
-        differ; it shares ``grad``'s memory).
+        The tensor now at ``.grad`` (the placeholder when the dtypes differ;
+        it shares ``grad``'s memory).
     """
+    param = slot.sharded
     if grad.dtype == param.dtype:
-        param.grad = grad
-        return grad
+        param.grad = slot.grad_like(grad)
+        return param.grad
     holder = torch.empty((), dtype=param.dtype, device=param.device).expand(param.shape)
     param.grad = holder
     holder.data = grad
     return holder
 
 
-def add_to_grad(param: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -> None:
-    """``param.grad += grad`` with the result in ``dtype``. ``grad`` is in the
-    accumulation dtype (the master dtype), so a low-precision ``.grad`` is
-    summed in it and rounded once; an existing ``.grad`` keeps its identity
-    when it already has ``dtype``."""
-    cur = param.grad
+def add_to_grad(slot, grad: torch.Tensor, dtype: torch.dtype) -> None:
+    """``.grad += grad`` for ``slot``'s registered parameter, with the result
+    in ``dtype``. ``grad`` (plain) is in the accumulation dtype (the master
+    dtype), so a low-precision ``.grad`` is summed in it and rounded once; an
+    existing ``.grad`` keeps its identity when it already has ``dtype``."""
+    cur = slot.grad()
     if cur is None:
-        set_grad(param, grad.to(dtype))
+        set_grad(slot, grad.to(dtype))
     elif cur.dtype == dtype:
         cur.add_(grad)  # computed in the wider dtype, rounded once on store
     else:
-        cur.data = grad.add(cur).to(dtype)
+        slot.sharded.grad.data = grad.add(cur).to(dtype)
 
 
 def _sentinel_freed(stash_ref: weakref.ref, index: int) -> None:
@@ -151,8 +155,8 @@ class GradStash:
 
     def _install_watch(self, unit) -> None:
         lay = unit.layout
-        missing = [i for i, (sp, p) in enumerate(zip(unit.sharded_params, lay.params))
-                   if p.requires_grad and sp.grad is None]
+        missing = [i for i, (slot, p) in enumerate(zip(unit.slots, lay.params))
+                   if p.requires_grad and slot.sharded.grad is None]
         if missing:
             # One allocation for all sentinels of the unit.
             zeros = torch.zeros(lay.grad_shard_numel, dtype=unit.grad_dtype, device=unit.flat_shard.device)
@@ -164,15 +168,16 @@ class GradStash:
                 self._watch(unit, i)
 
     def _install_sentinel(self, unit, i: int, zeros: torch.Tensor) -> None:
-        installed = set_grad(unit.sharded_params[i], zeros)
+        installed = set_grad(unit.slots[i], zeros)
         unit.sentinels[i] = weakref.ref(installed)
         weakref.finalize(installed, _sentinel_freed, weakref.ref(self), i)
 
     def _watch(self, unit, i: int) -> None:
-        sp = unit.sharded_params[i]
-        if sp.grad is None:
-            self._install_sentinel(unit, i, torch.zeros_like(sp, dtype=unit.grad_dtype))
-        self.watch[i] = (weakref.ref(sp.grad), torch_private.version_counter(sp.grad))
+        slot = unit.slots[i]
+        if slot.sharded.grad is None:
+            self._install_sentinel(unit, i, torch.zeros_like(slot.local, dtype=unit.grad_dtype))
+        grad = slot.sharded.grad
+        self.watch[i] = (weakref.ref(grad), torch_private.version_counter(grad))
 
     def add(self, full_grad: torch.Tensor, used: list[bool]) -> None:
         self.discard_zeroed()

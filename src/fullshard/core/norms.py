@@ -24,10 +24,11 @@ def grads_by_kind(runtimes, params: Iterable[nn.Parameter]) -> tuple[list[torch.
     for rt in runtimes:
         rep = rt.unit.cfg.replicate_group
         mine = rep is None or collectives.group_rank(rep) == 0
-        for sp in rt.unit.sharded_params:
-            sharded_ids.add(id(sp))
-            if sp.grad is not None:
-                (counted if mine else replica).append(sp.grad)
+        for slot in rt.unit.slots:
+            sharded_ids.add(id(slot.sharded))
+            grad = slot.grad()
+            if grad is not None:
+                (counted if mine else replica).append(grad)
     local = [p.grad for p in params if id(p) not in sharded_ids and p.grad is not None]
     return counted, replica, local
 

@@ -53,20 +53,21 @@ def _accumulate(unit, out: torch.Tensor) -> None:
     store = flat.grad_shard_views(reduced.to(master.device, unit.grad_dtype), unit.layout, unit.rank)
     wide = store if unit.grad_dtype == master.dtype else None
     sentinels, unit.sentinels = unit.sentinels, {}
-    for i, (sp, view, u) in enumerate(zip(unit.sharded_params, store, used)):
+    for i, (slot, view, u) in enumerate(zip(unit.slots, store, used)):
         if view is None:
             continue
+        sp = slot.sharded
         if not u:
             ref = sentinels.get(i)
             if ref is not None and sp.grad is not None and sp.grad is ref():
                 sp.grad = None  # a zero we installed, never a gradient
             continue
         if sp.grad is None:
-            grads.set_grad(sp, view)
+            grads.set_grad(slot, view)
             continue
         if wide is None:
             wide = flat.grad_shard_views(reduced.to(master.device, master.dtype), unit.layout, unit.rank)
-        grads.add_to_grad(sp, wide[i], unit.grad_dtype)
+        grads.add_to_grad(slot, wide[i], unit.grad_dtype)
 
 
 class PendingReduce:

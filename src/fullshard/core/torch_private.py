@@ -119,3 +119,23 @@ def profiler_allocations(prof) -> list[tuple[int, int]]:
             events.append((e.start_time_ns, e.extra_fields.alloc_size))
         stack.extend(e.children)
     return events
+
+
+# ---------------------------------------------------------------- DTensor
+def local_tensor(dtensor) -> torch.Tensor:
+    """The local tensor object of a DTensor itself (``_local_tensor``).
+
+    ``DTensor.to_local()`` returns a new view per call (an autograd op); the
+    engine needs the object, to compare memory and to write in place.
+    """
+    return dtensor._local_tensor
+
+
+def set_local_tensor(dtensor, tensor: torch.Tensor) -> None:
+    """Point a DTensor parameter at new local memory, keeping the object.
+
+    ``p.data = DTensor(...)`` leaves a DTensor's local tensor unchanged in
+    torch 2.13 and no public API rebinds it; torch FSDP2 assigns
+    ``_local_tensor`` the same way after ``nn.Module._apply``.
+    """
+    dtensor._local_tensor = tensor

@@ -35,8 +35,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from . import collectives, flat, grads, reduce
+from . import collectives, flat, grads
 from .buffers import POOL
+from .params import ParamSlot
+from .unit_grads import UnitGrads
 
 
 class ShardedState(enum.Enum):
@@ -45,20 +47,6 @@ class ShardedState(enum.Enum):
     SHARDED = "SHARDED"
     UNSHARDING = "UNSHARDING"  # all-gather issued, not yet waited on
     UNSHARDED = "UNSHARDED"
-
-
-@dataclasses.dataclass
-class ParamSlot:
-    """One original parameter and every ``(module, attribute)`` that holds it
-    (more than one when weights are tied). ``param`` is dropped once the unit
-    has taken its shard, so the full tensor can be freed."""
-
-    fqn: str
-    param: Optional[nn.Parameter]
-    owners: list[tuple[nn.Module, str]]
-    init_rows: Optional[Callable[[int, int], torch.Tensor]] = None
-    """For a meta ``param``: ``fn(row_start, row_end)`` returning those rows
-    initialized, so the unit materializes only this rank's chunk."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +66,8 @@ class UnitConfig:
         reshard_after_forward: free full parameters after forward (FULL_SHARD).
         keep_low_precision_grads: gradient shards in the compute dtype
             instead of the master dtype (see ``MixedPrecision``).
+        pin_memory: with ``offload_params`` and an accelerator, keep the
+            host shards in pinned memory.
     """
 
     shard_group: object
@@ -89,13 +79,14 @@ class UnitConfig:
     offload_params: bool = False
     reshard_after_forward: bool = True
     keep_low_precision_grads: bool = False
+    pin_memory: bool = True
 
 
 class UnitStateError(RuntimeError):
     """An illegal sharded-state transition of a unit."""
 
 
-class Unit:
+class Unit(UnitGrads):
     """Shards of one unit's parameters and their unsharded counterpart.
 
     The sharded ``nn.Parameter`` objects (what the optimizer sees and
@@ -122,9 +113,6 @@ class Unit:
         self.summoned = False  # inside summon_full_params
         # Stack of install_params records: (module, attr, previous value).
         self._installed: list[list[tuple[nn.Module, str, object]]] = []
-        # Trainable parameters whose full view received a gradient in the
-        # current backward (set by grads.UnflattenFull's backward), in layout order.
-        self._used: list[bool] = [False] * len(self.layout.params)
         self._stash: Optional[grads.GradStash] = None
         # (data_ptr, nbytes) of the pooled full gradient UnflattenFull handed
         # to autograd and nobody has released yet; see core/grads.py
@@ -138,24 +126,36 @@ class Unit:
     # ------------------------------------------------------------------ setup
     def _shard(self) -> None:
         """Keep only this rank's chunks; swap the modules' parameters for them."""
-        cfg = self.cfg
         master_dtype = self.slots[0].param.dtype if self.slots else torch.float32
-        shard_device = torch.device("cpu") if cfg.offload_params else cfg.compute_device
-        # Pinned host memory makes the per-unit host<->device copies
-        # asynchronous; only meaningful (and only allowed) with an accelerator.
-        pin = cfg.offload_params and cfg.compute_device.type != "cpu"
-        self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=master_dtype, device=shard_device,
-                                      pin_memory=pin)
-        flat.shard_into(self.flat_shard, self.layout,
-                     [s.init_rows if s.param.is_meta else s.param for s in self.slots], self.rank)
-        self.sharded_params: list[nn.Parameter] = []
+        # Meta parameters with no row initializer (fully_shard on a meta
+        # module) keep a meta shard until ``to_empty`` (see :meth:`adopt`).
+        meta = [s.param.is_meta and s.init_rows is None for s in self.slots]
+        if any(meta) and not all(meta):
+            raise ValueError(f"[rank {collectives.rank()}] unit '{self.name}': some parameters are on the meta "
+                             "device and others are not; materialize all of them or none before sharding")
+        self.flat_shard = self._new_shard(master_dtype, torch.device("meta") if any(meta) else None)
+        if not any(meta):
+            flat.shard_into(self.flat_shard, self.layout,
+                            [s.init_rows if s.param.is_meta else s.param for s in self.slots], self.rank)
         for slot, view in zip(self.slots, flat.shard_views(self.flat_shard, self.layout, self.rank)):
-            sp = nn.Parameter(view, requires_grad=slot.param.requires_grad)
-            self.sharded_params.append(sp)
-            for module, attr in slot.owners:
-                module._parameters[attr] = sp
+            slot.make_sharded(view, slot.param.requires_grad)
             slot.param = None  # the full tensor is no longer ours to keep
         self._make_full()
+
+    def _new_shard(self, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
+        """A zeroed flat shard (``layout.shard_numel`` elements) where shards live."""
+        cfg = self.cfg
+        if device is None:
+            device = torch.device("cpu") if cfg.offload_params else cfg.compute_device
+        # Pinned host memory makes the per-unit host<->device copies
+        # asynchronous; only meaningful (and only allowed) with an accelerator.
+        pin = cfg.offload_params and cfg.pin_memory and cfg.compute_device.type != "cpu" and device.type == "cpu"
+        return torch.zeros(self.layout.shard_numel, dtype=dtype, device=device, pin_memory=pin)
+
+    @property
+    def sharded_params(self) -> list[nn.Parameter]:
+        """The registered sharded parameters, in layout order."""
+        return [s.sharded for s in self.slots]
 
     def _make_full(self) -> None:
         """Derive the dtypes from the master dtype and make a (freed) unsharded flat."""
@@ -205,27 +205,84 @@ class Unit:
                 "FullyShardedDataParallel instead)")
         if old.is_pinned() and not new.is_pinned():
             new = new.pin_memory()
-        self.flat_shard = new
-        for sp, view in zip(self.sharded_params, flat.shard_views(new, self.layout, self.rank)):
-            sp.data = view  # keeps the Parameter object (and its place in any optimizer)
-        self._make_full()
+        self._set_shard(new)
         for sp in self.sharded_params:
             if sp.grad is not None and sp.grad.dtype != self.grad_dtype:
                 sp.grad.data = sp.grad.to(self.grad_dtype)
+        return True
+
+    def _set_shard(self, new: torch.Tensor) -> None:
+        """Make ``new`` the flat shard: every registered parameter (the same
+        object, so an optimizer holding it keeps working) views it."""
+        self.flat_shard = new
+        for slot, view in zip(self.slots, flat.shard_views(new, self.layout, self.rank)):
+            slot.rebind(view)
+        self._make_full()
         self._views = None
+
+    def adopt(self) -> bool:
+        """Take back what ``nn.Module._apply`` (``to_empty``, ``.to(dtype)``)
+        or ``load_state_dict(assign=True)`` registered in place of the
+        sharded parameters (``fully_shard``, which lets both run on the
+        model as torch FSDP2 does): each registered value is copied into the
+        flat shard and the registered parameter made a view of it again. A
+        meta shard (``fully_shard`` of a meta module) is allocated on the
+        device the values now live on, in their dtype.
+
+        Returns:
+            True when ``flat_full`` was replaced (hooks on it must be re-armed).
+        Raises:
+            ValueError: the new values of one unit differ in dtype or device.
+        """
+        self._check((ShardedState.SHARDED,), "adopt new parameter values")
+        for slot in self.slots:
+            for module, attr in slot.owners:
+                value = module._parameters.get(attr)
+                if value is not None and value is not slot.sharded:
+                    slot.sharded = value
+            for module, attr in slot.owners:
+                module._parameters[attr] = slot.sharded
+        values = [slot.registered_local() for slot in self.slots]
+        if all(v is s.local for v, s in zip(values, self.slots)):
+            return False
+        kinds = {(v.dtype, v.device) for v in values}
+        if len(kinds) > 1:
+            raise ValueError(f"[rank {collectives.rank()}] unit '{self.name}': its parameters now have different "
+                             f"dtypes or devices {sorted(map(str, kinds))}; one unit needs one of each")
+        dtype, device = kinds.pop() if kinds else (self.flat_shard.dtype, self.flat_shard.device)
+        replace = self.flat_shard.is_meta or dtype != self.flat_shard.dtype or (
+            device != self.flat_shard.device and not self.cfg.offload_params)
+        if device.type != "meta" and not self.cfg.offload_params and device != self.cfg.compute_device:
+            raise ValueError(f"[rank {collectives.rank()}] unit '{self.name}': parameters moved to {device}, but the "
+                             f"unit computes on {self.cfg.compute_device}; keep them on the mesh's device")
+        target = self._new_shard(dtype, torch.device("meta") if device.type == "meta" else None) \
+            if replace else self.flat_shard
+        if target.device.type != "meta":
+            with torch.no_grad():
+                for view, value in zip(flat.shard_views(target, self.layout, self.rank), values):
+                    if not value.is_meta and value is not view:
+                        view.copy_(value)
+        self._set_shard(target)
         return True
 
     def _record_view_ptrs(self) -> None:
         """Where each sharded parameter's memory must stay (see :meth:`check_views`)."""
-        self._view_ptrs = [sp.data_ptr() if sp.numel() else None for sp in self.sharded_params]
+        for slot in self.slots:
+            meta = slot.local.is_meta or not slot.local.numel()
+            slot.view_ptr = None if meta else slot.local.data_ptr()
 
     def check_views(self) -> None:
         """Raise if a sharded parameter's memory is no longer its view of
         ``flat_shard`` (``.half()`` / ``.to()`` called on a module inside the
         unit instead of on the wrapper, or ``p.data = ...``): the all-gather
         would read values the optimizer no longer updates."""
-        for slot, sp, ptr in zip(self.slots, self.sharded_params, self._view_ptrs):
-            if ptr is not None and (sp.data_ptr() != ptr or sp.dtype != self.flat_shard.dtype):
+        if self.flat_shard.is_meta:
+            raise RuntimeError(
+                f"[rank {collectives.rank()}] unit '{self.name}': its parameters are still on the meta device; "
+                "call model.to_empty(device=...) and initialize them before running the model")
+        for slot in self.slots:
+            sp = slot.registered_local()
+            if slot.view_ptr is not None and (sp.data_ptr() != slot.view_ptr or sp.dtype != self.flat_shard.dtype):
                 raise RuntimeError(
                     f"[rank {collectives.rank()}] unit '{self.name}': parameter '{slot.fqn}' ({sp.dtype}) no longer "
                     f"views the unit's {self.flat_shard.dtype} flat shard (.half()/.to() on a module inside the "
@@ -318,6 +375,7 @@ class Unit:
         else:
             views = flat.unsharded_views(self.flat_full.detach(), self.layout)
         for slot, view in zip(self.slots, views):
+            view = slot.full_view(view)
             for module, attr in slot.owners:
                 module.__dict__[attr] = view
 
@@ -330,7 +388,9 @@ class Unit:
         return [v if p.requires_grad else fz for v, fz, p in zip(live, frozen, self.layout.params)]
 
     def mark_used(self, index: int) -> None:
-        self._used[index] = True
+        """Layout parameter ``index``'s full view received a gradient in the
+        current backward (called by ``grads.UnflattenFull``'s backward)."""
+        self.slots[index].used = True
 
     def hide_full_params(self) -> None:
         """Make owning modules resolve attributes to the sharded parameters again."""
@@ -376,118 +436,3 @@ class Unit:
         if not self.aliased:
             self._free_full()
         self.state = ShardedState.SHARDED
-
-    # ------------------------------------------------------------- gradients
-    def refresh_requires_grad(self) -> bool:
-        """Adopt ``requires_grad`` flags changed on the sharded parameters
-        since the layout was made (``requires_grad_()`` after wrapping).
-
-        Returns:
-            True when the set of trainable parameters changed.
-        Raises:
-            RuntimeError: the change happened inside a ``no_sync``
-                accumulation window (a stash in the old layout exists).
-        """
-        flags = [sp.requires_grad for sp in self.sharded_params]
-        if flags == [p.requires_grad for p in self.layout.params]:
-            return False
-        if self._stash is not None:
-            raise RuntimeError(
-                f"[rank {collectives.rank()}] unit '{self.name}': requires_grad changed inside a no_sync() "
-                "accumulation window; change it before the window or after the synchronizing backward")
-        self.layout = flat.make_layout([(p.fqn, p.shape, rg) for p, rg in zip(self.layout.params, flags)],
-                                    self.world)
-        self.needs_grad = any(flags)
-        self.release_full_grad(self.take_full_grad()[0])
-        self.flat_full.requires_grad_(self.needs_grad)
-        self._views = None
-        return True
-
-    def take_full_grad(self) -> tuple[Optional[torch.Tensor], list[bool]]:
-        """Detach and return the accumulated unsharded gradient (or None) and
-        which parameters received a gradient since the last call. The caller
-        passes the gradient to :meth:`release_full_grad` when done with it."""
-        g = self.flat_full.grad
-        self.flat_full.grad = None
-        used, self._used = self._used, [False] * len(self.layout.params)
-        return g, used
-
-    def take_grad_buffer(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A pooled ``N·S``-element buffer for this backward's full gradient."""
-        self.release_full_grad(None)  # an earlier one autograd did not adopt
-        buf = POOL.take(self.layout.unsharded_numel, dtype, device)
-        self._pooled_grad = (buf.data_ptr(), buf.untyped_storage().nbytes())
-        return buf
-
-    def release_full_grad(self, grad: Optional[torch.Tensor], keep: bool = False) -> None:
-        """Settle the pooled full gradient once ``grad`` (from
-        :meth:`take_full_grad`, or None) is no longer needed. When ``grad``
-        is the pooled buffer it goes back to the pool, or with ``keep`` (a
-        ``no_sync`` stash holds it) it leaves the pool's accounting and is
-        freed like any tensor; when autograd copied or summed instead of
-        adopting the buffer, the buffer is already gone and only the
-        accounting is settled."""
-        if self._pooled_grad is None:
-            return
-        ptr, nbytes = self._pooled_grad
-        self._pooled_grad = None
-        if grad is not None and grad.data_ptr() == ptr and grad.untyped_storage().nbytes() == nbytes:
-            if not keep:
-                POOL.give(grad)
-                return
-        POOL.forget(nbytes)
-
-    def stash_grad(self, full_grad: torch.Tensor, used: list[bool]) -> None:
-        """Keep a micro-batch's unsharded gradient for a later reduce
-        (``no_sync``); see :class:`fullshard.core.grads.GradStash`."""
-        if self._stash is None:
-            self._stash = grads.GradStash(self, full_grad, used)
-        else:
-            self._stash.add(full_grad, used)
-
-    def stash_holds(self, full_grad: torch.Tensor) -> bool:
-        """Whether the ``no_sync`` stash keeps ``full_grad``'s memory (it
-        adopts the first micro-batch's gradient when no cast is needed)."""
-        return self._stash is not None and \
-            self._stash.grad.untyped_storage().data_ptr() == full_grad.untyped_storage().data_ptr()
-
-    def pop_stashed(self, full_grad: Optional[torch.Tensor],
-                    used: list[bool]) -> tuple[Optional[torch.Tensor], list[bool]]:
-        """``full_grad`` plus whatever :meth:`stash_grad` kept, and the union
-        of the used flags; the stash is emptied."""
-        stash, self._stash = self._stash, None
-        if stash is None:
-            return full_grad, used
-        return stash.pop(full_grad, used)
-
-    def check_stash(self) -> None:
-        """Drop the parts of the stash whose gradients the user zeroed."""
-        if self._stash is not None and self._stash.discard_zeroed():
-            self.drop_stash()
-
-    def drop_stash(self) -> None:
-        """Forget the stash and take back sentinel gradients still installed."""
-        self._stash = None
-        for i, ref in self.sentinels.items():
-            if ref() is not None and self.sharded_params[i].grad is ref():
-                self.sharded_params[i].grad = None
-        self.sentinels = {}
-
-    @property
-    def has_stash(self) -> bool:
-        return self._stash is not None
-
-    def stashed_grad_bytes(self) -> int:
-        """Bytes of the ``no_sync`` stash's storage (0 without a stash)."""
-        return 0 if self._stash is None else self._stash.grad.untyped_storage().nbytes()
-
-    def reduce_grads(self, full_grad: Optional[torch.Tensor], used: list[bool]) -> reduce.PendingReduce:
-        """Reduce-scatter ``full_grad`` (param-major, ``N·S`` elements; None =
-        zeros) into a gradient shard, averaged over the data-parallel world.
-        Asynchronous: the gradient reaches ``.grad`` when the returned
-        :class:`~fullshard.core.reduce.PendingReduce` is finished.
-
-        ``used[i]``: whether this rank's backward gave layout parameter i a
-        gradient; a parameter no rank used keeps ``grad None`` (see core/reduce.py).
-        """
-        return reduce.start_reduce(self, full_grad, used)
