@@ -11,22 +11,29 @@ from .amp import ShardedGradScaler
 from .api import (
     BackwardPrefetch,
     CPUOffload,
+    CPUOffloadPolicy,
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
     LocalStateDictConfig,
     MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     ShardingStrategy,
     StateDictType,
 )
+from .forward_methods import register_fsdp_forward_method
 from .fsdp import FSDP, FullyShardedDataParallel
+from .fsdp2 import FSDPModule, UnshardHandle, fully_shard
 from .memory import memory_stats
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
            "CPUOffload", "StateDictType", "FullStateDictConfig",
            "ShardedStateDictConfig", "FullOptimStateDictConfig", "ShardedOptimStateDictConfig",
            "LocalStateDictConfig", "LocalOptimStateDictConfig", "ShardedGradScaler",
-           "apply_activation_checkpointing", "CheckpointWrapper", "offload_activations", "memory_stats", "wrap"]
+           "apply_activation_checkpointing", "CheckpointWrapper", "offload_activations", "memory_stats", "wrap",
+           "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
+           "register_fsdp_forward_method"]
 __version__ = "0.1.0"

@@ -207,3 +207,47 @@ class LocalOptimStateDictConfig:
     ``FSDP.optim_state_dict`` refuses LOCAL_STATE_DICT and names it."""
 
     offload_to_cpu: bool = False
+
+
+# ------------------------------------------------------- fully_shard (FSDP2)
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Mixed precision of :func:`fullshard.fully_shard` (torch FSDP2's
+    ``MixedPrecisionPolicy``, same fields and meaning).
+
+    Attributes:
+        param_dtype: dtype of the all-gathered full parameters and of the
+            forward/backward compute; None = the sharded parameters' dtype.
+            Sharded parameters (fp32 master) and their gradients keep theirs.
+        reduce_dtype: dtype gradients are reduce-scattered (and all-reduced)
+            in; None = ``param_dtype``.
+        output_dtype: dtype floating-point forward outputs are cast to; None
+            = no cast.
+        cast_forward_inputs: cast floating-point forward inputs to
+            ``param_dtype``.
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading (torch FSDP2's ``OffloadPolicy``): shards live on the
+    mesh's device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Sharded parameters and gradients live in host memory; the optimizer
+    steps there and each unit's shard is copied to the device for its
+    all-gather (torch FSDP2's ``CPUOffloadPolicy``).
+
+    Attributes:
+        pin_memory: keep the host shards in pinned (page-locked) memory so
+            host-to-device copies are asynchronous (only with an accelerator).
+    """
+
+    pin_memory: bool = True

@@ -27,17 +27,19 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """
     if not isinstance(module, UnitModule):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} is not a "
-                         "FullyShardedDataParallel unit")
-    inner = getattr(module.module, method_name, None)
+                         "FullyShardedDataParallel unit or fully_shard module")
+    # The wrapper's method lives on the wrapped module; fully_shard's on the module itself.
+    target = module._modules.get("_fsdp_wrapped_module", module)
+    inner = getattr(target, method_name, None)
     if not callable(inner):
-        raise ValueError(f"register_fsdp_forward_method: the wrapped {type(module.module).__name__} has "
+        raise ValueError(f"register_fsdp_forward_method: {type(target).__name__} has "
                          f"no method {method_name!r}")
     unit_ref = weakref.ref(module)
 
     @functools.wraps(inner)
     def run(*args, **kwargs):
         unit = unit_ref()
-        return unit._run_as_forward(getattr(unit.module, method_name), args, kwargs)
+        return unit._run_as_forward(inner, args, kwargs)
 
     object.__setattr__(module, method_name, run)
 

@@ -27,7 +27,10 @@ class UnitModule(nn.Module):
 def unit_modules(model: nn.Module, root_only: bool = False) -> list[UnitModule]:
     """Every :class:`UnitModule` in ``model`` (itself included), in module
     order; with ``root_only`` only those not nested in another one."""
-    units = [m for m in model.modules() if isinstance(m, UnitModule)]
+    # One per unit: the modules of one fully_shard([a, b]) call share a runtime.
+    seen: set[int] = set()
+    units = [m for m in model.modules() if isinstance(m, UnitModule)
+             and not (id(m._runtime) in seen or seen.add(id(m._runtime)))]
     if root_only:
         nested = {id(n) for u in units for n in u.modules() if n is not u}
         units = [u for u in units if id(u) not in nested]

@@ -35,7 +35,7 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
         flat.copy_in(reduce_in, full_grad, unit.layout, block_numel=block)
     flags = reduce_in.view(unit.world, block)[:, n_grad:]
     flags.copy_(torch.tensor(used, dtype=unit.reduce_dtype).expand_as(flags))
-    reduce_in.div_(cfg.dp_world_size)  # pre-divide, as DDP does
+    reduce_in.div_(unit.grad_divide_factor or cfg.dp_world_size)  # pre-divide, as DDP does
     out = torch.empty(block, dtype=unit.reduce_dtype, device=cfg.compute_device)
     work = collectives.reduce_scatter(out, reduce_in, cfg.shard_group, async_op=True, tag=f"unit '{unit.name}'")
     return PendingReduce(unit, work, reduce_in, out)
@@ -82,10 +82,16 @@ class PendingReduce:
             self.work.wait()
         POOL.give(self.reduce_in)
         self.reduce_in = None
-        rep = self.unit.cfg.replicate_group
+        unit, rep = self.unit, self.unit.cfg.replicate_group
         if rep is not None:
-            collectives.all_reduce(self.out, rep, "sum", tag=f"unit '{self.unit.name}' replicas")
-        _accumulate(self.unit, self.out)
+            if unit.partial_out is not None:  # sums kept by set_requires_all_reduce(False)
+                self.out.add_(unit.partial_out)
+                unit.partial_out = None
+            if not unit.requires_all_reduce:
+                unit.partial_out = self.out
+                return
+            collectives.all_reduce(self.out, rep, "sum", tag=f"unit '{unit.name}' replicas")
+        _accumulate(unit, self.out)
 
     def abandon(self) -> None:
         """Wait for the collective (its buffers must outlive it) and drop the result."""

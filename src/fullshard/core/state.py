@@ -53,6 +53,11 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = "POST_BACKWARD"
 
 
+# Roots whose reduce-scatters a backward left in flight (set_is_last_backward(False)):
+# an optimizer step finishes them first (see fsdp2.py), so no step uses a
+# partial gradient.
+DEFERRED: "weakref.WeakSet[RootRuntime]" = weakref.WeakSet()
+
 # Reduce-scatters allowed in flight before the oldest is waited on: each holds
 # a unit-sized input buffer, so an unbounded queue would keep a full model's
 # worth of gradients alive until the end of backward.
@@ -91,6 +96,10 @@ class RootRuntime:
         # A backward ran inside no_sync since the last synchronizing one.
         # Symmetric across ranks, so it can gate a collective.
         self.stash_window = False
+        # set_is_last_backward(False): the backward's reduce-scatters finish
+        # later (next forward, an optimizer step, or an idle-only call).
+        self.is_last_backward = True
+        self.deferred = False
 
     def position(self, rt: "UnitRuntime", order: list["UnitRuntime"]) -> int:
         for i, other in enumerate(order):
@@ -114,6 +123,13 @@ class UnitRuntime:
         self.root: Optional[RootRuntime] = None
         self.is_root = False
         self.pre_backward_done = False
+        # FSDPModule's per-unit settings (fully_shard); see fsdp2.py.
+        self.requires_gradient_sync = True
+        self.reshard_after_backward = True
+        self.unshard_in_backward = True
+        self.forward_prefetch_units: Optional[list[UnitRuntime]] = None
+        self.backward_prefetch_units: Optional[list[UnitRuntime]] = None
+        self.nested_calls = 0  # calls of the unit's modules inside its own forward
         self._grad_hook = None
         self.arm_grad_hook()
 
@@ -168,7 +184,17 @@ def lazy_init_root(root: UnitRuntime, all_units: list[UnitRuntime]) -> None:
 
 
 def backward_broken(root: RootRuntime) -> bool:
-    return bool(root.pending) or root.callback_queued or any(rt.state in _BACKWARD for rt in root.runtimes)
+    return (bool(root.pending) and not root.deferred) or root.callback_queued or \
+        any(rt.state in _BACKWARD for rt in root.runtimes)
+
+
+def finish_deferred(root: RootRuntime) -> None:
+    """Finish the reduce-scatters a backward under ``set_is_last_backward(False)`` left in flight."""
+    if root.deferred:
+        root.deferred = False
+        pending, root.pending = root.pending, []
+        for p in pending:
+            p.finish()
 
 
 def require_idle(root: RootRuntime, what: str) -> None:
@@ -181,8 +207,10 @@ def require_idle(root: RootRuntime, what: str) -> None:
     Raises:
         RuntimeError: a forward or backward is in flight (the busy units named).
     """
-    if not in_backward_pass() and backward_broken(root):
-        start_iteration(root)
+    if not in_backward_pass():
+        finish_deferred(root)
+        if backward_broken(root):
+            start_iteration(root)
     busy = [rt.unit.name for rt in root.runtimes if rt.state is not TrainingState.IDLE]
     if busy:
         raise RuntimeError(f"[rank {collectives.rank()}] {what} cannot run during forward or backward "
@@ -195,6 +223,7 @@ def start_iteration(root: RootRuntime) -> None:
     iterations (``requires_grad_()``, gradients zeroed after ``no_sync``)."""
     for rt in root.runtimes:  # before anything is cleared: the user must fix this first
         rt.unit.check_views()
+    finish_deferred(root)
     broken = backward_broken(root)
     for pending in root.pending:
         pending.abandon()
@@ -205,13 +234,16 @@ def start_iteration(root: RootRuntime) -> None:
     for rt in root.runtimes:
         rt.state = TrainingState.IDLE
         rt.pre_backward_done = False
+        rt.nested_calls = 0
         unit = rt.unit
         unit.release_full_grad(unit.take_full_grad()[0])  # a partial gradient of a backward that raised
         if broken:
             unit.drop_stash()
         unit.restore_all_params()  # a state-dict call that raised between install and restore
-        if unit.state is not ShardedState.SHARDED:
-            # Gathered by a forward with no backward: may hold stale values.
+        if unit.state is not ShardedState.SHARDED and (broken or not unit.kept_fresh()):
+            # Gathered by a forward with no backward, or kept gathered
+            # (unshard(), reshard_after_backward=False) while an optimizer
+            # step changed the shards: the full parameters are stale.
             unit.reshard()
         unit.reset_views()
         unit.check_stash()
@@ -246,6 +278,9 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
         root.order.append(rt)
     rt.unit.ensure_unsharded()
     rt.unit.use_full_params()
+    for other in rt.forward_prefetch_units or ():
+        if other.unit.state is ShardedState.SHARDED:
+            other.unit.unshard()
     if rt.forward_prefetch:
         i = root.position(rt, root.prev_order)
         if 0 <= i < len(root.prev_order) - 1:
@@ -341,13 +376,19 @@ class PreBackwardHook:
         _queue_end_of_backward(rt.root)
         if rt.state is not TrainingState.PRE_BACKWARD:
             rt.transition(TrainingState.PRE_BACKWARD)
+        if not rt.unshard_in_backward:  # set_unshard_in_backward(False): backward needs no parameters
+            return None
         rt.unit.ensure_unsharded()
         # Grad-mode views: a recomputation that bypasses our pre_forward (a
         # checkpointed module inside the unit) must build a graph to them.
         rt.unit.use_full_params(grad=True)
         if not rt.pre_backward_done:
             rt.pre_backward_done = True
-            if rt.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            if rt.backward_prefetch_units is not None:
+                for other in rt.backward_prefetch_units:
+                    if other.state is TrainingState.IDLE and other.unit.state is ShardedState.SHARDED:
+                        other.unit.unshard()
+            elif rt.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                 _prefetch_backward(rt)
         return None
 
@@ -368,7 +409,7 @@ class PostBackwardHook:
         rt.transition(TrainingState.POST_BACKWARD)
         grad, used = unit.take_full_grad()
         if grad is not None:
-            if root.no_sync:
+            if root.no_sync or not rt.requires_gradient_sync:
                 unit.stash_grad(grad, used)
                 unit.release_full_grad(grad, keep=unit.stash_holds(grad))
                 root.stash_window = True
@@ -384,7 +425,10 @@ class PostBackwardHook:
 
 def _reshard_after_backward(rt: UnitRuntime) -> None:
     if rt.unit.state is not ShardedState.SHARDED:
-        rt.unit.reshard()
+        if rt.reshard_after_backward:
+            rt.unit.reshard()
+        else:
+            rt.unit.keep_unsharded()
     if rt.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch_backward(rt)
 
@@ -410,7 +454,7 @@ def _reduce_leftover_stashes(root: RootRuntime) -> None:
     cfg = root.runtimes[0].unit.cfg
     for rt in root.runtimes:
         rt.unit.check_stash()
-    flags = torch.tensor([1.0 if rt.unit.has_stash else 0.0 for rt in root.runtimes])
+    flags = torch.tensor([1.0 if rt.unit.has_stash and rt.requires_gradient_sync else 0.0 for rt in root.runtimes])
     for group in (cfg.shard_group, cfg.replicate_group):
         if group is not None:
             collectives.all_reduce(flags, group, "max", tag="no_sync stashes")
@@ -421,15 +465,24 @@ def _reduce_leftover_stashes(root: RootRuntime) -> None:
 
 
 def end_of_backward(root: RootRuntime) -> None:
-    for pending in root.pending:
-        pending.finish()
-    root.pending = []
+    if root.is_last_backward:
+        for pending in root.pending:
+            pending.finish()
+        root.pending = []
+    else:
+        root.deferred = bool(root.pending)
+        if root.deferred:
+            DEFERRED.add(root)
     if root.stash_window and not root.no_sync:
         _reduce_leftover_stashes(root)
-        root.stash_window = False
+        # Units under set_requires_gradient_sync(False) keep accumulating.
+        root.stash_window = not all(rt.requires_gradient_sync for rt in root.runtimes)
     for rt in root.runtimes:
         if rt.unit.state is not ShardedState.SHARDED:
-            rt.unit.reshard()
+            if rt.reshard_after_backward:
+                rt.unit.reshard()
+            else:
+                rt.unit.keep_unsharded()
         rt.state = TrainingState.IDLE
         rt.pre_backward_done = False
     root.callback_queued = False

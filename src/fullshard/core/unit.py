@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from . import collectives, flat, grads
+from . import collectives, flat, grads, torch_private
 from .buffers import POOL
 from .params import ParamSlot
 from .unit_grads import UnitGrads
@@ -111,6 +111,15 @@ class Unit(UnitGrads):
         self._gather_buf: Optional[torch.Tensor] = None
         self._gather_work = None
         self.summoned = False  # inside summon_full_params
+        # Version of flat_shard when the unit was deliberately left unsharded
+        # (FSDPModule.unshard, reshard_after_backward=False); see kept_fresh.
+        self._kept_version: Optional[int] = None
+        # FSDPModule settings: gradients pre-divided by this instead of the
+        # data-parallel world size; replicas' all-reduce skipped (HSDP) with
+        # reduce-scatter outputs summed in ``partial_out`` until it runs.
+        self.grad_divide_factor: Optional[float] = None
+        self.requires_all_reduce = True
+        self.partial_out: Optional[torch.Tensor] = None
         # Stack of install_params records: (module, attr, previous value).
         self._installed: list[list[tuple[nn.Module, str, object]]] = []
         self._stash: Optional[grads.GradStash] = None
@@ -427,9 +436,22 @@ class Unit(UnitGrads):
     def reset_views(self) -> None:
         self._views = None
 
+    def keep_unsharded(self) -> None:
+        """Leave the unit gathered past the end of this iteration; the next
+        iteration reuses the full parameters only if no shard changed since."""
+        self._kept_version = torch_private.version_counter(self.flat_shard)
+
+    def kept_fresh(self) -> bool:
+        """Whether the unit was kept gathered and its shards are unchanged
+        since (an optimizer step bumps the flat shard's version counter:
+        every sharded parameter is a view of it)."""
+        return self._kept_version is not None and \
+            self._kept_version == torch_private.version_counter(self.flat_shard)
+
     def reshard(self) -> None:
         """Free full parameters. UNSHARDED/UNSHARDING → SHARDED."""
         self._check((ShardedState.UNSHARDED, ShardedState.UNSHARDING), "reshard")
+        self._kept_version = None
         if self.state is ShardedState.UNSHARDING:  # prefetched but never used
             self.wait_unshard()
         self.hide_full_params()

@@ -1,0 +1,467 @@
+"""``fully_shard``: torch FSDP2's API (``torch.distributed.fsdp.fully_shard``)
+as a second front door over the same engine as ``FullyShardedDataParallel``.
+
+Each call makes one unit of the module (or list of modules) it is given,
+taking every parameter below it that no earlier call took; the module's
+class becomes a subclass of :class:`FSDPModule` and keeps its name, so
+parameter names do not change. Parameters become ``DTensor``s whose local
+tensors are views of the unit's flat shard (see core/params.py [Note:
+parameter records]); forward hooks run the same schedule (core/state.py) as
+the wrapper's ``forward``. Where torch FSDP2 and DDP differ, DDP's result is
+the one given (docs/migration.md lists the differences).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from . import construct, wrap
+from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .core import casting, collectives, deferred_init, state
+from .core.module import UnitModule, unit_modules
+from .core.params import DTensorSpec
+from .core.tree import map_tensors
+from .core.unit import ShardedState, Unit, UnitConfig
+
+_CLASSES: dict[type, type] = {}
+_NO_MP, _NO_OFFLOAD = MixedPrecisionPolicy(), OffloadPolicy()  # frozen: safe to share as defaults
+_DEFAULT_MESH: "weakref.WeakKeyDictionary[Any, DeviceMesh]" = weakref.WeakKeyDictionary()
+
+
+class _UnitState:
+    """What the modules of one ``fully_shard`` call share: the runtime, the
+    modules whose stored tensors count as outputs, the output dtype, and the
+    ids of tensors stored on them before the current forward."""
+
+    def __init__(self, runtime: state.UnitRuntime, own: list[nn.Module], output_dtype):
+        self.runtime = runtime
+        self.own = own
+        self.output_dtype = output_dtype
+        self.before: Optional[set[int]] = None
+
+
+class FSDPModule(UnitModule):
+    """Base added to the class of every module :func:`fully_shard` was
+    applied to (``isinstance(model, FSDPModule)``), with torch FSDP2's
+    methods. ``type(model)`` becomes ``FSDP<Original>``, a subclass of both.
+    """
+
+    # ------------------------------------------------------------ schedule
+    def _lazy_init(self) -> None:
+        rt = self._runtime
+        if rt.root is None:
+            runtimes = list({id(m._runtime): m._runtime for m in unit_modules(self)}.values())
+            state.lazy_init_root(rt, runtimes)
+
+    def _run_as_forward(self, fn, args: tuple, kwargs: dict) -> Any:
+        """``fn(*args, **kwargs)`` between the unit's pre- and post-forward."""
+        args, kwargs = _pre_forward(self, args, kwargs)
+        return _post_forward(self, args, kwargs, fn(*args, **kwargs))
+
+    def _require_idle(self, what: str) -> None:
+        self._lazy_init()
+        state.require_idle(self._runtime.root, what)
+
+    def _targets(self, recurse: bool) -> list["FSDPModule"]:
+        return [m for m in unit_modules(self) if recurse or m is self]
+
+    # ---------------------------------------------------- unshard / reshard
+    def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
+        """All-gather this unit's full parameters now (ahead of its forward);
+        they stay gathered until its forward/backward reshards them, or, if
+        the shards change first (an optimizer step), until the next forward.
+
+        Returns:
+            With ``async_op``, an :class:`UnshardHandle` whose ``wait()``
+            finishes the all-gather; otherwise None (already finished).
+        Raises:
+            RuntimeError: during forward or backward.
+        """
+        self._require_idle("unshard()")
+        unit = self._runtime.unit
+        if unit.state is ShardedState.SHARDED:
+            unit.unshard()
+        unit.keep_unsharded()
+        handle = UnshardHandle(unit)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this unit's full parameters (no-op when sharded).
+
+        Raises:
+            RuntimeError: during forward or backward.
+        """
+        self._require_idle("reshard()")
+        unit = self._runtime.unit
+        if unit.state is not ShardedState.SHARDED:
+            unit.reshard()
+
+    # ------------------------------------------------------------ settings
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before an optimizer step.
+        With False its reduce-scatters finish later (at the next forward, an
+        optimizer step, or any call that needs gradients), overlapping them
+        with the next micro-batch; results are the same. Call on the root.
+
+        Raises:
+            RuntimeError: not the root.
+        """
+        self._lazy_init()
+        if not self._runtime.is_root:
+            raise RuntimeError("set_is_last_backward() must be called on the root module (the outermost "
+                               "fully_shard module, which runs forward first)")
+        self._runtime.root.is_last_backward = bool(is_last_backward)
+        if not is_last_backward:
+            _watch_optimizer_steps()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With False, backward keeps each unit's unsharded gradient and sums
+        it over micro-batches (``no_sync``); the first backward with True
+        reduce-scatters the sum. Results equal one larger batch, as DDP's."""
+        for m in self._targets(recurse):
+            m._runtime.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: with False, reduce-scattered gradients are summed locally and
+        the all-reduce over replicas waits for a backward with True, which
+        all-reduces the sum (``.grad`` is written then)."""
+        for m in self._targets(recurse):
+            m._runtime.unit.requires_all_reduce = bool(requires_all_reduce)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Free full parameters after forward (True) or keep them for
+        backward (False). The root always keeps them.
+
+        Raises:
+            ValueError: not a bool.
+        """
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r}")
+        for m in self._targets(recurse):
+            m._runtime.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """With False, full parameters stay gathered after backward, so the
+        next micro-batch's forward needs no all-gather. They are reused only
+        while the shards are unchanged: after an optimizer step the next
+        forward gathers again."""
+        for m in self._targets(recurse):
+            m._runtime.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather ``modules`` (fully_shard modules) right after this one's
+        all-gather in forward, instead of at their own forward.
+
+        Raises:
+            ValueError: an entry is not a fully_shard module.
+        """
+        self._runtime.forward_prefetch_units = _runtimes_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather ``modules`` right after this one's all-gather in
+        backward, replacing the default (the previous unit in forward order).
+
+        Raises:
+            ValueError: an entry is not a fully_shard module.
+        """
+        self._runtime.backward_prefetch_units = _runtimes_of(modules, "set_modules_to_backward_prefetch")
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's gradients by ``factor`` before summing them
+        over ranks (default: the data-parallel world size, DDP's mean).
+
+        Raises:
+            ValueError: ``factor`` is not positive.
+        """
+        if not float(factor) > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor!r}")
+        self._runtime.unit.grad_divide_factor = float(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """With False, the unit is not gathered for its backward (for modules
+        whose backward does not read their parameters, e.g. an embedding).
+        A backward that does read them fails with an error, never a wrong
+        gradient (the freed storage holds no elements)."""
+        self._runtime.unshard_in_backward = bool(unshard_in_backward)
+
+    # -------------------------------------------------- nn.Module overrides
+    def _apply(self, fn, recurse: bool = True):
+        """``to_empty(device=...)`` (deferred init), ``.to(dtype)`` and
+        friends: after ``nn.Module._apply`` the unit takes the new values
+        into its flat shard (``Unit.adopt``); the parameter objects stay.
+
+        Raises:
+            RuntimeError: during forward or backward.
+            ValueError: a unit's parameters end up with different dtypes, or
+                on a device other than the mesh's.
+        """
+        rt = self._runtime
+        if rt.root is not None:
+            state.require_idle(rt.root, "module._apply()/.to()")
+        if rt.unit.state is not ShardedState.SHARDED:
+            rt.unit.reshard()
+        out = super()._apply(fn, recurse)
+        _adopt(rt)
+        return out
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``."""
+
+    def __init__(self, unit: Unit):
+        self._unit = unit
+
+    def wait(self) -> None:
+        """Finish the all-gather; the unit's modules then read full parameters."""
+        unit, self._unit = self._unit, None
+        if unit is not None and unit.state is ShardedState.UNSHARDING:
+            unit.wait_unshard()
+        if unit is not None and unit.state is ShardedState.UNSHARDED:
+            unit.use_full_params(grad=False)
+
+
+def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
+                reshard_after_forward: Optional[bool] = None,
+                mp_policy: MixedPrecisionPolicy = _NO_MP,
+                offload_policy: OffloadPolicy = _NO_OFFLOAD,
+                ignored_params: Optional[set[nn.Parameter]] = None):
+    """Shard ``module``'s parameters not taken by an earlier call over
+    ``mesh`` as one unit (torch FSDP2's ``fully_shard``; apply it to each
+    block, then to the root).
+
+    Args:
+        module: a module, or a list of modules that form one unit (tied
+            weights across them; one all-gather for all).
+        mesh: 1-D ``DeviceMesh`` to shard over (default: every rank, on the
+            current accelerator or the CPU), or 2-D ``(replicate, shard)`` for
+            HSDP.
+        reshard_after_forward: free full parameters after forward and gather
+            again for backward (True, default for non-root units), or keep them
+            (False). The root keeps them either way.
+        mp_policy: a :class:`MixedPrecisionPolicy`.
+        offload_policy: :class:`OffloadPolicy` (none) or
+            :class:`CPUOffloadPolicy`.
+        ignored_params: parameters left as they are (neither sharded nor
+            reduced).
+
+    Returns:
+        ``module`` (its class now a subclass of :class:`FSDPModule`), or the list.
+    Raises:
+        RuntimeError: no initialized process group.
+        ValueError: a module already passed to ``fully_shard`` or wrapped by
+            ``FullyShardedDataParallel``; a mesh of more than 2 dimensions;
+            a ``reshard_after_forward`` that is not a bool or None; policies of
+            the wrong type; parameters that differ across the ranks of the
+            mesh.
+    """
+    if not collectives.is_initialized():
+        raise RuntimeError("fully_shard needs an initialized process group: launch with `torchrun "
+                           "--nproc-per-node N script.py` and call torch.distributed.init_process_group() first")
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    name = "+".join(type(m).__name__ for m in modules)
+    where = f"[rank {collectives.rank()}] fully_shard({name})"
+    _check_args(modules, reshard_after_forward, mp_policy, offload_policy, where)
+    mesh = mesh if mesh is not None else _default_mesh()
+    shard_group, replicate_group, placements = _groups_of(mesh, where)
+    device = _mesh_device(mesh)
+    ignored = {id(p) for p in ignored_params or ()}
+    is_unit = lambda m: isinstance(m, UnitModule)  # noqa: E731
+    slots = _collect(modules, ignored, name, is_unit)
+    for s in slots:
+        if s.param.ndim == 0:  # Shard(0) cannot express it; DDP would replicate it
+            raise ValueError(f"{where}: parameter '{s.fqn}' is 0-dimensional, which a Shard(0) DTensor cannot "
+                             "hold; make it a 1-element 1-D tensor, pass it in ignored_params, or use "
+                             "FullyShardedDataParallel")
+    for s in slots:
+        s.spec = DTensorSpec(mesh, placements, s.param.shape, _contiguous_stride(s.param.shape))
+    own = [o for m in modules for o in wrap._unwrapped_modules(m, is_unit, set())]
+    if not any(b.is_meta for o in own for b in o.buffers(recurse=False)):  # meta: to_empty moves them
+        deferred_init.move_buffers(own, device, None)
+    real = [s for s in slots if not s.param.is_meta]
+    construct.prepare_values(real, own, None, device, False, name, (shard_group, replicate_group))
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    cfg = UnitConfig(
+        shard_group=shard_group, replicate_group=replicate_group,
+        dp_world_size=collectives.group_size(shard_group) * (
+            collectives.group_size(replicate_group) if replicate_group is not None else 1),
+        compute_device=device, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+        offload_params=offload, pin_memory=offload and offload_policy.pin_memory,
+        reshard_after_forward=reshard_after_forward is not False)
+    for s in slots:
+        construct.register(construct.TAKEN, s.param, name)
+    with torch.no_grad():
+        unit = Unit(name, slots, cfg)
+    runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward, backward_prefetch=None,
+                                forward_prefetch=False, forward_input_caster=casting.input_caster(mp_policy))
+    runtime.backward_prefetch_units = None
+    shared = _UnitState(runtime, own, mp_policy.output_dtype)
+    for m in modules:
+        construct.register(construct.WRAPPED, m, name)
+        m.__class__ = _fsdp_class(type(m))
+        m._runtime = runtime
+        m._fsdp_state = shared
+        m.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
+        m.register_forward_hook(_post_forward_hook, with_kwargs=True)
+        m.register_load_state_dict_post_hook(_after_load)
+    return module
+
+
+# ------------------------------------------------------------------ hooks
+@torch.compiler.disable
+def _pre_forward_hook(module: FSDPModule, args: tuple, kwargs: dict):
+    return _pre_forward(module, args, kwargs)
+
+
+@torch.compiler.disable
+def _post_forward_hook(module: FSDPModule, args: tuple, kwargs: dict, output: Any):
+    return _post_forward(module, args, kwargs, output)
+
+
+def _pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    shared = module._fsdp_state
+    rt = shared.runtime
+    if rt.state is state.TrainingState.FORWARD:  # a module of this unit called inside its forward
+        rt.nested_calls += 1
+        return args, kwargs
+    module._lazy_init()
+    out = state.pre_forward(rt, args, kwargs)
+    if rt.state is state.TrainingState.FORWARD:
+        shared.before = _stored_ids(shared.own) if torch.is_grad_enabled() else None
+    return out
+
+
+def _post_forward(module: FSDPModule, args: tuple, kwargs: dict, output: Any) -> Any:
+    shared = module._fsdp_state
+    rt = shared.runtime
+    if rt.nested_calls:
+        rt.nested_calls -= 1
+        return output
+    stored = ()
+    if rt.state is state.TrainingState.FORWARD and shared.before is not None:
+        stored = tuple(v for m in shared.own for v in m.__dict__.values()
+                       if torch.is_tensor(v) and v.grad_fn is not None and id(v) not in shared.before)
+    shared.before = None
+    output = state.post_forward(rt, output, stored)
+    dtype = shared.output_dtype
+    if dtype is not None:
+        output = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
+    return output
+
+
+def _stored_ids(own: list[nn.Module]) -> set[int]:
+    return {id(v) for m in own for v in m.__dict__.values() if torch.is_tensor(v)}
+
+
+def _after_load(module: FSDPModule, incompatible_keys) -> None:
+    _adopt(module._runtime)
+
+
+def _adopt(rt: state.UnitRuntime) -> None:
+    with torch.no_grad():
+        if rt.unit.adopt():
+            rt.rearm_grad_hook()
+
+
+# ------------------------------------------------------------ construction
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<cls>``: the module's class with :class:`FSDPModule` first in its bases (cached)."""
+    if issubclass(cls, FSDPModule):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+def _check_args(modules: list[nn.Module], reshard_after_forward, mp_policy, offload_policy, where: str) -> None:
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise ValueError(f"{where}: takes an nn.Module or a non-empty list of them")
+    for m in modules:
+        if isinstance(m, UnitModule):
+            raise ValueError(f"{where}: {type(m).__name__} is already sharded (fully_shard or "
+                             "FullyShardedDataParallel); apply fully_shard once per module")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"{where}: reshard_after_forward must be None, True or False; resharding to a smaller "
+                         f"group after forward (an int) is not implemented, got {reshard_after_forward!r}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"{where}: mp_policy must be a fullshard.MixedPrecisionPolicy, got "
+                         f"{type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(f"{where}: offload_policy must be a fullshard.OffloadPolicy or CPUOffloadPolicy, got "
+                         f"{type(offload_policy).__name__}")
+
+
+def _collect(modules: list[nn.Module], ignored: set[int], name: str, is_unit) -> list:
+    """This unit's parameter records: parameters below ``modules`` that no
+    earlier ``fully_shard`` took, merged by identity (tied weights)."""
+    by_id: dict[int, Any] = {}
+    for m in modules:
+        for slot in construct.collect_slots(m, set(), frozenset(ignored), name, is_unit):
+            if id(slot.param) in by_id:
+                by_id[id(slot.param)].owners.extend(o for o in slot.owners if o not in by_id[id(slot.param)].owners)
+            else:
+                by_id[id(slot.param)] = slot
+    return list(by_id.values())
+
+
+def _default_mesh() -> DeviceMesh:
+    world = collectives.world_group()
+    if world not in _DEFAULT_MESH:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        _DEFAULT_MESH[world] = init_device_mesh(device_type, (collectives.world_size(),))
+    return _DEFAULT_MESH[world]
+
+
+def _groups_of(mesh: DeviceMesh, where: str):
+    """(shard group, replicate group or None, DTensor placements) of a mesh."""
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None, (Shard(0),)
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0), (Replicate(), Shard(0))
+    raise ValueError(f"{where}: mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def _runtimes_of(modules: Iterable, what: str) -> list[state.UnitRuntime]:
+    modules = list(modules)
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"{what}: {type(m).__name__} is not a fully_shard module")
+    return [m._runtime for m in modules]
+
+
+def _finish_deferred_before_step(optimizer, args, kwargs) -> None:
+    for root in list(state.DEFERRED):
+        state.finish_deferred(root)
+    state.DEFERRED.clear()
+
+
+_STEP_HOOK: list = []
+
+
+def _watch_optimizer_steps() -> None:
+    """Once per process: every optimizer step first finishes reduce-scatters
+    left in flight by ``set_is_last_backward(False)``."""
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(torch.optim.Optimizer.register_optimizer_step_pre_hook(_finish_deferred_before_step))
