@@ -33,8 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from tests.dist.llama import Llama, LlamaArgs, build_plain, token_batch  # noqa: E402
 
 
-def build_model(mesh, args=LlamaArgs(), seed=0, init="full"):
+def build_model(mesh, args=None, seed=0, init="full"):
     """A sharded, initialized Llama: meta device → fully_shard per block and root → to_empty → init."""
+    args = args or LlamaArgs()
     with torch.device("meta"):
         model = Llama(args)
     for block in model.layers.values():
@@ -52,7 +53,7 @@ def build_model(mesh, args=LlamaArgs(), seed=0, init="full"):
     return model
 
 
-def train(model, optimizer, first_step, steps, log=print):
+def train(model, optimizer, first_step, steps, max_norm=1.0, log=print):
     """``steps`` optimizer steps from global step ``first_step``; returns [(loss, grad_norm)] as floats.
 
     The loss is the mean over the global batch; the gradient norm is the global one before clipping."""
@@ -62,7 +63,7 @@ def train(model, optimizer, first_step, steps, log=print):
         inputs, labels = token_batch(step, rank, world_size)
         loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         optimizer.step()

@@ -23,8 +23,9 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.ab
                       "examples", "train_llama.py")
 IMPLS = {"torch": "torch.distributed.fsdp"}
 """Implementation name → module whose ``fully_shard`` replaces the script's (add ``"fullshard": "fullshard"``)."""
-LR, STEPS, SPLIT = 1e-2, 6, 3
-"""The script's default learning rate; steps per run; the step at which the checkpoint is saved."""
+LR, STEPS, SPLIT, MAX_NORM = 1e-2, 6, 3, 0.5
+"""The script's default learning rate; steps per run; the step at which the checkpoint is saved; the clipping
+threshold (below the gradient norms of these steps, so clipping scales every step)."""
 RTOL, ATOL = 1e-5, 1e-6
 """fp32 tolerance of sharded vs single-process figures (reduction order differs)."""
 
@@ -60,7 +61,7 @@ def _reference():
         inputs, labels = token_batch(step)
         loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=MAX_NORM)
         opt.step()
         opt.zero_grad()
         history.append((loss.item(), norm.item()))
@@ -81,16 +82,16 @@ def _train_and_checkpoint(rank, world, impl, ckpt):
     placements = {name: p.placements for name, p in model.named_parameters() if isinstance(p, DTensor)}
     assert set(placements) == set(initial) and set(placements.values()) == {(Shard(0),)}, placements
     opt = _optimizer(model)
-    history = script.train(model, opt, 0, SPLIT, log=None)
+    history = script.train(model, opt, 0, SPLIT, MAX_NORM, log=None)
     script.save_checkpoint(ckpt, model, opt, SPLIT)
     at_split = _full(model)
-    history += script.train(model, opt, SPLIT, STEPS - SPLIT, log=None)
+    history += script.train(model, opt, SPLIT, STEPS - SPLIT, MAX_NORM, log=None)
     # Resume: a model with other weights (seed 1) and a fresh optimizer take the checkpoint's state.
     resumed = script.build_model(mesh, seed=1)
     resumed_opt = _optimizer(resumed)
     step = script.load_checkpoint(ckpt, resumed, resumed_opt)
     loaded = _full(resumed)
-    resumed_history = script.train(resumed, resumed_opt, step, STEPS - SPLIT, log=None)
+    resumed_history = script.train(resumed, resumed_opt, step, STEPS - SPLIT, MAX_NORM, log=None)
     return dict(initial=initial, history=history, at_split=at_split, final=_full(model), step=step,
                 loaded=loaded, resumed_history=resumed_history, resumed_final=_full(resumed))
 
@@ -104,7 +105,7 @@ def _load_elsewhere(rank, world, impl, ckpt):
     opt = _optimizer(model)
     step = script.load_checkpoint(ckpt, model, opt)
     loaded = _full(model)
-    history = script.train(model, opt, step, STEPS - SPLIT, log=None)
+    history = script.train(model, opt, step, STEPS - SPLIT, MAX_NORM, log=None)
     return dict(step=step, loaded=loaded, history=history, final=_full(model))
 
 
@@ -126,6 +127,7 @@ def _assert_history(got, want, what):
 @pytest.mark.parametrize("impl", sorted(IMPLS))
 def test_llama_script_matches_single_process(impl, tmp_path):
     ref_history, ref_weights = _reference()
+    assert min(norm for _, norm in ref_history) > MAX_NORM, "clipping must act for the test to cover it"
     ckpt = str(tmp_path / "step-3")
     ranks = run_ranks(_train_and_checkpoint, 2, impl, ckpt, timeout_s=120)
     out = ranks[0]
