@@ -64,7 +64,7 @@ def train(model, optimizer, first_step, steps, max_norm=1.0, log=print):
         loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        if isinstance(grad_norm, DTensor):
+        if isinstance(grad_norm, DTensor):  # the global norm, as a DTensor on the mesh
             grad_norm = grad_norm.full_tensor()
         optimizer.step()
         optimizer.zero_grad()
@@ -95,8 +95,9 @@ def load_checkpoint(path, model, optimizer):
 
 def latest_checkpoint(ckpt_dir):
     """The newest ``step-<N>`` folder under ``ckpt_dir``, or None."""
-    steps = [int(name[5:]) for name in os.listdir(ckpt_dir) if name.startswith("step-")] if ckpt_dir and \
-        os.path.isdir(ckpt_dir) else []
+    if not ckpt_dir or not os.path.isdir(ckpt_dir):
+        return None
+    steps = [int(name.removeprefix("step-")) for name in os.listdir(ckpt_dir) if name.startswith("step-")]
     return os.path.join(ckpt_dir, f"step-{max(steps)}") if steps else None
 
 

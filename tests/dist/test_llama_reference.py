@@ -4,6 +4,8 @@ The script's own functions run on gloo ranks with the ``fully_shard`` named by `
 script's one import line, and are compared with a plain single-process model trained on the same global
 batches: the initial weights bit for bit, per-step losses and gradient norms and the final weights within fp32
 tolerance. Its DCP checkpoint must resume bit for bit at the same world size and load at another one.
+Under HSDP (a 2-D mesh) clip_grad_norm_ must see the global gradient norm (pytorch/pytorch#170862 reported
+partial norms).
 """
 from __future__ import annotations
 
@@ -109,6 +111,18 @@ def _load_elsewhere(rank, world, impl, ckpt):
     return dict(step=step, loaded=loaded, history=history, final=_full(model))
 
 
+def _hsdp(rank, world, impl):
+    """SPLIT steps on a (2, 2) mesh: parameters (Replicate, Shard(0)), clipping on the global norm."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    script = _script(impl)
+    model = script.build_model(init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
+    assert {p.placements for p in model.parameters()} == {(Replicate(), Shard(0))}
+    history = script.train(model, _optimizer(model), 0, SPLIT, MAX_NORM, log=None)
+    return dict(history=history, weights=_full(model))
+
+
 def _assert_weights(got, want, what, exact=False):
     assert list(got) == list(want), what
     got, want = ({name: torch.as_tensor(value) for name, value in weights.items()} for weights in (got, want))
@@ -149,3 +163,12 @@ def test_llama_script_matches_single_process(impl, tmp_path):
     _assert_weights(four["loaded"], out["at_split"], "weights saved at 2 ranks, loaded at 4", exact=True)
     _assert_history(four["history"], ref_history[SPLIT:], "4 ranks after loading vs 1 process")
     _assert_weights(four["final"], ref_weights[STEPS], "weights after loading at 4 and training, vs 1 process")
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_llama_script_hsdp_matches_single_process(impl):
+    ref_history, ref_weights = _reference()
+    assert min(norm for _, norm in ref_history[:SPLIT]) > MAX_NORM, "clipping must act for the test to cover it"
+    out = run_ranks(_hsdp, 4, impl, timeout_s=120)[0]
+    _assert_history(out["history"], ref_history[:SPLIT], "HSDP (2, 2) vs 1 process")
+    _assert_weights(out["weights"], ref_weights[SPLIT], f"weights after {SPLIT} steps, HSDP (2, 2) vs 1 process")
