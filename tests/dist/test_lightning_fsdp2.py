@@ -22,7 +22,7 @@ lightning = pytest.importorskip("lightning")
 
 pytestmark = pytest.mark.fast
 
-IMPLS = {"torch": "torch.distributed.fsdp"}
+IMPLS = {"torch": "torch.distributed.fsdp", "fullshard": "fullshard"}
 """Implementation name → module whose ``fully_shard`` the LightningModule uses (add ``"fullshard"``)."""
 LR, STEPS, SPLIT, GLOBAL_BATCH, MAX_NORM = 1e-2, 6, 3, 8, 0.5
 """MAX_NORM is below every step's gradient norm, so clipping acts in every step."""

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.fast
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                       "examples", "train_llama.py")
-IMPLS = {"torch": "torch.distributed.fsdp"}
+IMPLS = {"torch": "torch.distributed.fsdp", "fullshard": "fullshard"}
 """Implementation name → module whose ``fully_shard`` replaces the script's (add ``"fullshard": "fullshard"``)."""
 LR, STEPS, SPLIT, MAX_NORM = 1e-2, 6, 3, 0.5
 """The script's default learning rate; steps per run; the step at which the checkpoint is saved; the clipping
