@@ -229,7 +229,7 @@ class UnshardHandle:
 
 
 def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
-                reshard_after_forward: Optional[bool] = None,
+                reshard_after_forward: Optional[Union[bool, int]] = None,
                 mp_policy: MixedPrecisionPolicy = _NO_MP,
                 offload_policy: OffloadPolicy = _NO_OFFLOAD,
                 ignored_params: Optional[set[nn.Parameter]] = None):
@@ -244,8 +244,10 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             current accelerator or the CPU), or 2-D ``(replicate, shard)`` for
             HSDP.
         reshard_after_forward: free full parameters after forward and gather
-            again for backward (True, default for non-root units), or keep them
-            (False). The root keeps them either way.
+            again for backward (True, default for non-root units), keep them
+            (False), or an int k dividing the shard size: keep 1/k of them and
+            gather within k consecutive ranks in backward (intra-node, hpZ).
+            The root keeps them either way.
         mp_policy: a :class:`MixedPrecisionPolicy`.
         offload_policy: :class:`OffloadPolicy` (none) or
             :class:`CPUOffloadPolicy`.
@@ -258,7 +260,8 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
         RuntimeError: no initialized process group.
         ValueError: a module already passed to ``fully_shard`` or wrapped by
             ``FullyShardedDataParallel``; a mesh of more than 2 dimensions;
-            a ``reshard_after_forward`` that is not a bool or None; policies of
+            a ``reshard_after_forward`` int that does not divide the shard
+            group size; policies of
             the wrong type; parameters that differ across the ranks of the
             mesh.
     """
@@ -271,6 +274,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     _check_args(modules, reshard_after_forward, mp_policy, offload_policy, where)
     mesh = mesh if mesh is not None else _default_mesh()
     shard_group, replicate_group, placements = _groups_of(mesh, where)
+    reshard_after_forward, post_forward_group = _post_forward_group(reshard_after_forward, shard_group, where)
     device = _mesh_device(mesh)
     ignored = {id(p) for p in ignored_params or ()}
     is_unit = lambda m: isinstance(m, UnitModule)  # noqa: E731
@@ -294,7 +298,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             collectives.group_size(replicate_group) if replicate_group is not None else 1),
         compute_device=device, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         offload_params=offload, pin_memory=offload and offload_policy.pin_memory,
-        reshard_after_forward=reshard_after_forward is not False)
+        reshard_after_forward=reshard_after_forward is not False, post_forward_group=post_forward_group)
     for s in slots:
         construct.register(construct.TAKEN, s.param, name)
     with torch.no_grad():
@@ -387,9 +391,9 @@ def _check_args(modules: list[nn.Module], reshard_after_forward, mp_policy, offl
         if isinstance(m, UnitModule):
             raise ValueError(f"{where}: {type(m).__name__} is already sharded (fully_shard or "
                              "FullyShardedDataParallel); apply fully_shard once per module")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"{where}: reshard_after_forward must be None, True or False; resharding to a smaller "
-                         f"group after forward (an int) is not implemented, got {reshard_after_forward!r}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+        raise ValueError(f"{where}: reshard_after_forward must be None, a bool or an int, got "
+                         f"{reshard_after_forward!r}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"{where}: mp_policy must be a fullshard.MixedPrecisionPolicy, got "
                          f"{type(mp_policy).__name__}")
@@ -409,6 +413,34 @@ def _collect(modules: list[nn.Module], ignored: set[int], name: str, is_unit) ->
             else:
                 by_id[id(slot.param)] = slot
     return list(by_id.values())
+
+
+_POST_FORWARD_GROUPS: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _post_forward_group(reshard_after_forward, shard_group, where: str):
+    """(reshard after forward?, post-forward group or None). An int k keeps
+    1/k of the full parameters on each rank after forward, gathered in
+    backward within k consecutive ranks of the shard group (hpZ; ZeRO++,
+    Wang et al. 2023, §3.2). k = shard size is True, k = 1 is False.
+
+    Raises:
+        ValueError: k is not a positive divisor of the shard group's size.
+    """
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward, None
+    k, n = reshard_after_forward, collectives.group_size(shard_group)
+    if k < 1 or n % k:
+        raise ValueError(f"{where}: reshard_after_forward={k} must divide the shard group size {n} "
+                         "(the ranks that re-gather in backward)")
+    if k in (1, n):
+        return k == n, None
+    cache = _POST_FORWARD_GROUPS.setdefault(shard_group, {})
+    if k not in cache:  # every rank creates every subgroup, in the same order
+        ranks, mine = collectives.group_ranks(shard_group), collectives.group_rank(shard_group) // k
+        groups = [collectives.new_group(ranks[i:i + k]) for i in range(0, n, k)]
+        cache[k] = groups[mine]
+    return True, cache[k]
 
 
 def _default_mesh() -> DeviceMesh:

@@ -226,3 +226,15 @@ def copy_in(reduce_in: torch.Tensor, full_grad: torch.Tensor, layout: FlatLayout
     src = _param_major_blocks(full_grad, layout, grad=True)
     if dst:
         torch_private.foreach_copy_(dst, src)
+
+
+def copy_rank_rows(dst: torch.Tensor, flat_full: torch.Tensor, layout: FlatLayout, first: int, count: int) -> None:
+    """Ranks ``first .. first+count-1``'s flat shards, rank-major (``count·S``
+    elements in ``dst``), taken from the unsharded flat (param-major): the
+    part of an all-gather's output a post-forward group member keeps
+    (``reshard_after_forward=int``), so that an all-gather of the members'
+    parts rebuilds the whole output."""
+    dst_blocks = _rank_major_blocks(dst, FlatLayout(layout.params, count), layout.shard_numel, grad=False)
+    src = [b[first:first + count] for b in _param_major_blocks(flat_full, layout, grad=False)]
+    if dst_blocks:
+        torch_private.foreach_copy_(dst_blocks, src)

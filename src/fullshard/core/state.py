@@ -246,6 +246,7 @@ def start_iteration(root: RootRuntime) -> None:
             # step changed the shards: the full parameters are stale.
             unit.reshard()
         unit.reset_views()
+        unit.drop_partial()
         unit.check_stash()
         if unit.refresh_requires_grad():
             rt.arm_grad_hook()
@@ -335,8 +336,10 @@ def post_forward(rt: UnitRuntime, output: Any, extra: tuple = ()) -> Any:
         return output
     grad_on = torch.is_grad_enabled()
     # Without grad no backward follows, so nothing is worth keeping gathered.
-    if not grad_on or (rt.reshard_after_forward and not rt.is_root):
+    if not grad_on:
         rt.unit.reshard()
+    elif rt.reshard_after_forward and not rt.is_root:
+        rt.unit.reshard_partial()
     rt.transition(TrainingState.IDLE)
     if grad_on:
         hook = PreBackwardHook(weakref.ref(rt))
@@ -478,6 +481,7 @@ def end_of_backward(root: RootRuntime) -> None:
         # Units under set_requires_gradient_sync(False) keep accumulating.
         root.stash_window = not all(rt.requires_gradient_sync for rt in root.runtimes)
     for rt in root.runtimes:
+        rt.unit.drop_partial()  # a unit the backward did not reach
         if rt.unit.state is not ShardedState.SHARDED:
             if rt.reshard_after_backward:
                 rt.unit.reshard()

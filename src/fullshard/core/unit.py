@@ -68,6 +68,11 @@ class UnitConfig:
             instead of the master dtype (see ``MixedPrecision``).
         pin_memory: with ``offload_params`` and an accelerator, keep the
             host shards in pinned memory.
+        post_forward_group: ``reshard_after_forward=k``: the group of k
+            consecutive shard-group ranks this rank belongs to. After forward
+            each keeps 1/k of the full parameters (:meth:`Unit.reshard_partial`)
+            and backward all-gathers within it (the hpZ scheme of ZeRO++,
+            Wang et al. 2023, §3.2). None: reshard fully.
     """
 
     shard_group: object
@@ -80,6 +85,7 @@ class UnitConfig:
     reshard_after_forward: bool = True
     keep_low_precision_grads: bool = False
     pin_memory: bool = True
+    post_forward_group: object = None
 
 
 class UnitStateError(RuntimeError):
@@ -109,6 +115,7 @@ class Unit(UnitGrads):
         self.needs_grad = any(p.requires_grad for p in self.layout.params)
         self._views: Optional[list[torch.Tensor]] = None  # grad-mode views, one set per iteration
         self._gather_buf: Optional[torch.Tensor] = None
+        self._partial: Optional[torch.Tensor] = None  # see reshard_partial
         self._gather_work = None
         self.summoned = False  # inside summon_full_params
         # Version of flat_shard when the unit was deliberately left unsharded
@@ -311,6 +318,7 @@ class Unit(UnitGrads):
         if self.aliased:
             return 0
         held = self.flat_full.untyped_storage().nbytes()
+        held += 0 if self._partial is None else self._partial.untyped_storage().nbytes()
         return held + (0 if self._gather_buf is None else self._gather_buf.untyped_storage().nbytes())
 
     def full_grad_bytes(self) -> int:
@@ -334,12 +342,14 @@ class Unit(UnitGrads):
         self.state = ShardedState.UNSHARDING
         if self.aliased or not self.slots:
             return
-        send = self.flat_shard
-        if send.dtype != self.compute_dtype or send.device != self.cfg.compute_device:
+        send, group = self.flat_shard, self.cfg.shard_group
+        if self._partial is not None:  # kept after forward: gather within the post-forward group
+            send, group = self._partial, self.cfg.post_forward_group
+        elif send.dtype != self.compute_dtype or send.device != self.cfg.compute_device:
             send = send.to(self.cfg.compute_device, self.compute_dtype, non_blocking=True)
         self._gather_buf = POOL.take(self.layout.unsharded_numel, self.compute_dtype, self.cfg.compute_device)
-        self._gather_work = collectives.all_gather(self._gather_buf, send, self.cfg.shard_group, async_op=True,
-                                         tag=f"unit '{self.name}'")
+        self._gather_work = collectives.all_gather(self._gather_buf, send, group, async_op=True,
+                                                   tag=f"unit '{self.name}'")
 
     def wait_unshard(self) -> None:
         """Finish the all-gather and lay out full parameters. UNSHARDING → UNSHARDED."""
@@ -356,6 +366,7 @@ class Unit(UnitGrads):
             flat.copy_out(self.flat_full.data, self._gather_buf, self.layout)
             POOL.give(self._gather_buf)
             self._gather_buf = None
+        self.drop_partial()
         self.state = ShardedState.UNSHARDED
 
     def ensure_unsharded(self) -> None:
@@ -447,6 +458,27 @@ class Unit(UnitGrads):
         every sharded parameter is a view of it)."""
         return self._kept_version is not None and \
             self._kept_version == torch_private.version_counter(self.flat_shard)
+
+    def reshard_partial(self) -> None:
+        """Reshard after forward to the post-forward group: keep the rows of
+        the all-gather output that this rank's place in the group stands for
+        (``N/k`` flat shards, compute dtype), so the backward's all-gather
+        runs within the group. UNSHARDED → SHARDED."""
+        group = self.cfg.post_forward_group
+        if group is None or self.aliased or not self.slots or self.state is not ShardedState.UNSHARDED:
+            return self.reshard()
+        k = collectives.group_size(group)
+        count = self.world // k
+        part = POOL.take(count * self.layout.shard_numel, self.compute_dtype, self.cfg.compute_device)
+        flat.copy_rank_rows(part, self.flat_full.detach(), self.layout, collectives.group_rank(group) * count, count)
+        self.reshard()
+        self._partial = part
+
+    def drop_partial(self) -> None:
+        """Forget what :meth:`reshard_partial` kept (used, or stale: a new iteration)."""
+        if self._partial is not None:
+            POOL.give(self._partial)
+            self._partial = None
 
     def reshard(self) -> None:
         """Free full parameters. UNSHARDED/UNSHARDING → SHARDED."""
