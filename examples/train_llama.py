@@ -13,7 +13,6 @@ RNG tracker is CUDA-only), so the rows repeat across ranks and the start depends
 """
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -26,11 +25,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard  # swap: from fullshard import fully_shard
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from tests.dist.llama import Llama, LlamaArgs, build_plain, token_batch  # noqa: E402
+from fullshard import fully_shard  # torch FSDP2: from torch.distributed.fsdp import fully_shard
+from fullshard.models.llama import Llama, LlamaArgs, build_plain, token_batch
 
 
 def build_model(mesh, args=None, seed=0, init="full"):
