@@ -20,11 +20,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from . import construct, wrap
+from . import construct, dtensor_specs, wrap
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .core import casting, collectives, deferred_init, state
 from .core.module import UnitModule, unit_modules
-from .core.params import DTensorSpec
 from .core.tree import map_tensors
 from .core.unit import ShardedState, Unit, UnitConfig
 
@@ -242,7 +241,12 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             weights across them; one all-gather for all).
         mesh: 1-D ``DeviceMesh`` to shard over (default: every rank, on the
             current accelerator or the CPU), or 2-D ``(replicate, shard)`` for
-            HSDP.
+            HSDP. Parameters that are already DTensors (tensor parallelism:
+            ``parallelize_module`` on a mesh sliced from the same root, e.g.
+            ``mesh["tp"]`` with ``mesh=mesh["dp"]`` here) are sharded on dim 0
+            of their TP-local part and become DTensors on the (dp, tp) mesh;
+            modules read the TP DTensor (dtensor_specs.py [Note:
+            tensor-parallel parameters]).
         reshard_after_forward: free full parameters after forward and gather
             again for backward (True, default for non-root units), or keep them
             (False). The root keeps them either way.
@@ -260,7 +264,8 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             ``FullyShardedDataParallel``; a mesh of more than 2 dimensions;
             a ``reshard_after_forward`` that is not a bool or None; policies of
             the wrong type; parameters that differ across the ranks of the
-            mesh.
+            mesh; a DTensor parameter placed other than ``Shard``/``Replicate``
+            or on a mesh that is not a disjoint slice of ``mesh``'s root.
     """
     if not collectives.is_initialized():
         raise RuntimeError("fully_shard needs an initialized process group: launch with `torchrun "
@@ -280,8 +285,8 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             raise ValueError(f"{where}: parameter '{s.fqn}' is 0-dimensional, which a Shard(0) DTensor cannot "
                              "hold; make it a 1-element 1-D tensor, pass it in ignored_params, or use "
                              "FullyShardedDataParallel")
-    for s in slots:
-        s.spec = DTensorSpec(mesh, placements, s.param.shape, _contiguous_stride(s.param.shape))
+    originals = [s.param for s in slots]
+    dtensor_specs.assign_specs(slots, mesh, placements, where)  # DTensor (TP) slots now hold their local part
     own = [o for m in modules for o in wrap._unwrapped_modules(m, is_unit, set())]
     if not any(b.is_meta for o in own for b in o.buffers(recurse=False)):  # meta: to_empty moves them
         deferred_init.move_buffers(own, device, None)
@@ -295,8 +300,8 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
         compute_device=device, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         offload_params=offload, pin_memory=offload and offload_policy.pin_memory,
         reshard_after_forward=reshard_after_forward is not False)
-    for s in slots:
-        construct.register(construct.TAKEN, s.param, name)
+    for p in originals:
+        construct.register(construct.TAKEN, p, name)
     with torch.no_grad():
         unit = Unit(name, slots, cfg)
     runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward, backward_prefetch=None,
@@ -433,14 +438,6 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cpu")
     module = getattr(torch, mesh.device_type)
     return torch.device(mesh.device_type, module.current_device())
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
 
 
 def _runtimes_of(modules: Iterable, what: str) -> list[state.UnitRuntime]:

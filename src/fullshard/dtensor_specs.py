@@ -1,0 +1,101 @@
+"""How ``fully_shard`` presents each parameter of a unit as a DTensor
+(core/params.py :class:`DTensorSpec`), including parameters that are
+already DTensors of tensor parallelism (``parallelize_module``).
+
+[Note: tensor-parallel parameters]
+A tensor-parallel (TP) parameter is a DTensor on a TP mesh whose local
+tensor is this rank's TP part. The engine shards that local tensor (a plain
+tensor) on dim 0 over the data-parallel (dp) group, exactly as a plain
+parameter; the ranks of one dp group share a TP coordinate, so they hold
+parts of equal shapes. The registered sharded parameter is a DTensor on the
+concatenation of the dp mesh and the TP mesh with placements (dp placement,
+*TP placements): dp shards dim 0 of the TP part, which is ``Shard(0)`` of
+the global tensor unless TP also shards dim 0, when the dp chunks interleave
+with the TP chunks and the placement is ``_StridedShard(0, split_factor=
+<TP shards of dim 0>)`` (torch FSDP2's ``_init_sharding_spec_tp``). Modules
+read the gathered TP part as a DTensor on the TP mesh with the original
+placements; its backward (``DTensor.from_local``'s) gives the TP-local
+gradient, which the engine reduce-scatters over dp like any other.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .core import torch_private
+from .core.params import DTensorSpec, ParamSlot
+
+
+def assign_specs(slots: list[ParamSlot], mesh, placements: tuple, where: str) -> None:
+    """Give each slot its :class:`DTensorSpec`; a DTensor parameter's slot
+    then holds its TP-local tensor (a plain tensor, what the engine shards).
+
+    Args:
+        slots: the unit's records; ``slot.param`` the original parameter.
+        mesh: the data-parallel mesh (1-D shard, or 2-D (replicate, shard)).
+        placements: the data-parallel placements (``(Shard(0),)`` or
+            ``(Replicate(), Shard(0))``).
+        where: ``"[rank r] fully_shard(Name)"`` for errors.
+    Raises:
+        ValueError: a DTensor parameter with a placement other than ``Shard``
+            or ``Replicate`` (``Partial``, already strided), or whose mesh is
+            not disjoint from ``mesh`` within one root mesh.
+    """
+    concatenated: dict = {}
+    for slot in slots:
+        p = slot.param
+        if not isinstance(p, DTensor):
+            slot.spec = DTensorSpec(mesh, placements, p.shape, contiguous_stride(p.shape))
+            continue
+        tp_mesh = p.device_mesh
+        if tp_mesh not in concatenated:
+            concatenated[tp_mesh] = _concatenate(mesh, tp_mesh, slot.fqn, where)
+        slot.spec = tp_spec(p, concatenated[tp_mesh], placements, slot.fqn, where)
+        local = torch_private.local_tensor(p).detach()
+        slot.param = local.requires_grad_(p.requires_grad)
+
+
+def tp_spec(param: DTensor, spmd_mesh, dp_placements: tuple, fqn: str, where: str) -> DTensorSpec:
+    """The spec of a TP parameter sharded over dp (see [Note: tensor-parallel
+    parameters]): the sharded parameter on ``spmd_mesh`` (dp dims, then TP
+    dims) with placements ``(*dp_placements[:-1], dp placement, *TP
+    placements)``; the full view on the TP mesh with the TP placements.
+
+    Raises:
+        ValueError: a TP placement that is not ``Shard`` or ``Replicate``.
+    """
+    tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
+    for placement in tp_placements:
+        if type(placement) not in (Shard, Replicate):
+            raise ValueError(
+                f"{where}: parameter '{fqn}' is a DTensor with placements {tp_placements}; fully_shard takes "
+                "tensor-parallel parameters placed Shard(d) or Replicate() on each mesh dim (not Partial or "
+                "strided); redistribute it (or pass it in ignored_params)")
+    split = math.prod(tp_mesh.size(i) for i, pl in enumerate(tp_placements) if pl.is_shard(dim=0))
+    dp_placement = torch_private.strided_shard(0, split) if split > 1 else Shard(0)
+    return DTensorSpec(spmd_mesh, (*dp_placements[:-1], dp_placement, *tp_placements), param.shape,
+                       tuple(param.stride()), full_mesh=tp_mesh, full_placements=tp_placements)
+
+
+def _concatenate(dp_mesh, tp_mesh, fqn: str, where: str):
+    """The mesh of the dp dims followed by the TP dims (one root mesh)."""
+    try:
+        return torch_private.concatenate_meshes([dp_mesh, tp_mesh])
+    except (RuntimeError, TypeError, ValueError, AssertionError) as e:
+        raise ValueError(
+            f"{where}: parameter '{fqn}' is a DTensor on mesh "
+            f"{tp_mesh}, which does not combine with the data-parallel mesh {dp_mesh} ({str(e).splitlines()[0]}); "
+            "slice both from one named mesh, e.g. mesh = init_device_mesh(device, (dp, tp), "
+            "mesh_dim_names=('dp', 'tp')); parallelize_module(..., mesh['tp']); fully_shard(..., "
+            "mesh=mesh['dp'])") from None
+
+
+def contiguous_stride(shape: torch.Size) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
