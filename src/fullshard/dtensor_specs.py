@@ -73,7 +73,8 @@ def tp_spec(param: DTensor, spmd_mesh, dp_placements: tuple, fqn: str, where: st
                 f"{where}: parameter '{fqn}' is a DTensor with placements {tp_placements}; fully_shard takes "
                 "tensor-parallel parameters placed Shard(d) or Replicate() on each mesh dim (not Partial or "
                 "strided); redistribute it (or pass it in ignored_params)")
-    split = math.prod(tp_mesh.size(i) for i, pl in enumerate(tp_placements) if pl.is_shard(dim=0))
+    split = math.prod(tp_mesh.size(i) for i, pl in enumerate(tp_placements)
+                      if isinstance(pl, Shard) and pl.dim % param.ndim == 0)
     dp_placement = torch_private.strided_shard(0, split) if split > 1 else Shard(0)
     return DTensorSpec(spmd_mesh, (*dp_placements[:-1], dp_placement, *tp_placements), param.shape,
                        tuple(param.stride()), full_mesh=tp_mesh, full_placements=tp_placements)
