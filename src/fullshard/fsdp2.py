@@ -12,25 +12,21 @@ the one given (docs/migration.md lists the differences).
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
 
-from . import construct, wrap
+from . import construct, dtensor_specs, wrap
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .core import casting, collectives, deferred_init, state
 from .core.module import UnitModule, unit_modules
-from .core.params import DTensorSpec
 from .core.tree import map_tensors
 from .core.unit import ShardedState, Unit, UnitConfig
 
 _CLASSES: dict[type, type] = {}
 _NO_MP, _NO_OFFLOAD = MixedPrecisionPolicy(), OffloadPolicy()  # frozen: safe to share as defaults
-_DEFAULT_MESH: "weakref.WeakKeyDictionary[Any, DeviceMesh]" = weakref.WeakKeyDictionary()
 
 
 class _UnitState:
@@ -242,7 +238,12 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             weights across them; one all-gather for all).
         mesh: 1-D ``DeviceMesh`` to shard over (default: every rank, on the
             current accelerator or the CPU), or 2-D ``(replicate, shard)`` for
-            HSDP.
+            HSDP. Parameters that are already DTensors (tensor parallelism:
+            ``parallelize_module`` on a mesh sliced from the same root, e.g.
+            ``mesh["tp"]`` with ``mesh=mesh["dp"]`` here) are sharded on dim 0
+            of their TP-local part and become DTensors on the (dp, tp) mesh;
+            modules read the TP DTensor (dtensor_specs.py [Note:
+            tensor-parallel parameters]).
         reshard_after_forward: free full parameters after forward and gather
             again for backward (True, default for non-root units), keep them
             (False), or an int k dividing the shard size: keep 1/k of them and
@@ -263,7 +264,8 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             a ``reshard_after_forward`` int that does not divide the shard
             group size; policies of
             the wrong type; parameters that differ across the ranks of the
-            mesh.
+            mesh; a DTensor parameter placed other than ``Shard``/``Replicate``
+            or on a mesh that is not a disjoint slice of ``mesh``'s root.
     """
     if not collectives.is_initialized():
         raise RuntimeError("fully_shard needs an initialized process group: launch with `torchrun "
@@ -272,10 +274,11 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     name = "+".join(type(m).__name__ for m in modules)
     where = f"[rank {collectives.rank()}] fully_shard({name})"
     _check_args(modules, reshard_after_forward, mp_policy, offload_policy, where)
-    mesh = mesh if mesh is not None else _default_mesh()
-    shard_group, replicate_group, placements = _groups_of(mesh, where)
-    reshard_after_forward, post_forward_group = _post_forward_group(reshard_after_forward, shard_group, where)
-    device = _mesh_device(mesh)
+    mesh = mesh if mesh is not None else dtensor_specs.default_mesh()
+    shard_group, replicate_group, placements = dtensor_specs.groups_of(mesh, where)
+    reshard_after_forward, post_forward_group = dtensor_specs.post_forward_group(
+        reshard_after_forward, shard_group, where)
+    device = dtensor_specs.mesh_device(mesh)
     ignored = {id(p) for p in ignored_params or ()}
     is_unit = lambda m: isinstance(m, UnitModule)  # noqa: E731
     slots = _collect(modules, ignored, name, is_unit)
@@ -284,8 +287,8 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             raise ValueError(f"{where}: parameter '{s.fqn}' is 0-dimensional, which a Shard(0) DTensor cannot "
                              "hold; make it a 1-element 1-D tensor, pass it in ignored_params, or use "
                              "FullyShardedDataParallel")
-    for s in slots:
-        s.spec = DTensorSpec(mesh, placements, s.param.shape, _contiguous_stride(s.param.shape))
+    originals = [s.param for s in slots]
+    dtensor_specs.assign_specs(slots, mesh, placements, where)  # DTensor (TP) slots now hold their local part
     own = [o for m in modules for o in wrap._unwrapped_modules(m, is_unit, set())]
     if not any(b.is_meta for o in own for b in o.buffers(recurse=False)):  # meta: to_empty moves them
         deferred_init.move_buffers(own, device, None)
@@ -299,8 +302,8 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
         compute_device=device, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         offload_params=offload, pin_memory=offload and offload_policy.pin_memory,
         reshard_after_forward=reshard_after_forward is not False, post_forward_group=post_forward_group)
-    for s in slots:
-        construct.register(construct.TAKEN, s.param, name)
+    for p in originals:
+        construct.register(construct.TAKEN, p, name)
     with torch.no_grad():
         unit = Unit(name, slots, cfg)
     runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward, backward_prefetch=None,
@@ -413,66 +416,6 @@ def _collect(modules: list[nn.Module], ignored: set[int], name: str, is_unit) ->
             else:
                 by_id[id(slot.param)] = slot
     return list(by_id.values())
-
-
-_POST_FORWARD_GROUPS: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
-
-
-def _post_forward_group(reshard_after_forward, shard_group, where: str):
-    """(reshard after forward?, post-forward group or None). An int k keeps
-    1/k of the full parameters on each rank after forward, gathered in
-    backward within k consecutive ranks of the shard group (hpZ; ZeRO++,
-    Wang et al. 2023, §3.2). k = shard size is True, k = 1 is False.
-
-    Raises:
-        ValueError: k is not a positive divisor of the shard group's size.
-    """
-    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
-        return reshard_after_forward, None
-    k, n = reshard_after_forward, collectives.group_size(shard_group)
-    if k < 1 or n % k:
-        raise ValueError(f"{where}: reshard_after_forward={k} must divide the shard group size {n} "
-                         "(the ranks that re-gather in backward)")
-    if k in (1, n):
-        return k == n, None
-    cache = _POST_FORWARD_GROUPS.setdefault(shard_group, {})
-    if k not in cache:  # every rank creates every subgroup, in the same order
-        ranks, mine = collectives.group_ranks(shard_group), collectives.group_rank(shard_group) // k
-        groups = [collectives.new_group(ranks[i:i + k]) for i in range(0, n, k)]
-        cache[k] = groups[mine]
-    return True, cache[k]
-
-
-def _default_mesh() -> DeviceMesh:
-    world = collectives.world_group()
-    if world not in _DEFAULT_MESH:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        _DEFAULT_MESH[world] = init_device_mesh(device_type, (collectives.world_size(),))
-    return _DEFAULT_MESH[world]
-
-
-def _groups_of(mesh: DeviceMesh, where: str):
-    """(shard group, replicate group or None, DTensor placements) of a mesh."""
-    if mesh.ndim == 1:
-        return mesh.get_group(0), None, (Shard(0),)
-    if mesh.ndim == 2:
-        return mesh.get_group(1), mesh.get_group(0), (Replicate(), Shard(0))
-    raise ValueError(f"{where}: mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
-
-
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    module = getattr(torch, mesh.device_type)
-    return torch.device(mesh.device_type, module.current_device())
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
 
 
 def _runtimes_of(modules: Iterable, what: str) -> list[state.UnitRuntime]:

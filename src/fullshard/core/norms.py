@@ -34,6 +34,10 @@ def grads_by_kind(runtimes, params: Iterable[nn.Parameter]) -> tuple[list[torch.
 
 
 def _norm_part(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    # An empty shard (fewer rows than ranks) adds nothing; the inf norm of an
+    # empty tensor is an error (no identity for max), which would leave the
+    # other ranks waiting in the all-reduce.
+    grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type).cpu() for g in grads])

@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch._C._profiler import _EventType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 # ---------------------------------------------------------------- storages
@@ -139,3 +141,23 @@ def set_local_tensor(dtensor, tensor: torch.Tensor) -> None:
     ``_local_tensor`` the same way after ``nn.Module._apply``.
     """
     dtensor._local_tensor = tensor
+
+
+def strided_shard(dim: int, split_factor: int):
+    """``_StridedShard(dim, split_factor=...)``: the placement of a data-parallel
+    shard of a tensor-parallel part that TP already sharded on ``dim``
+    (``split_factor`` TP chunks). No public placement describes dp chunks
+    interleaved with TP chunks; torch FSDP2 uses this one for FSDP + TP."""
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def concatenate_meshes(meshes: list):
+    """One ``DeviceMesh`` whose dims are those of ``meshes`` in order, all
+    slices of one root mesh (``DeviceMesh._concatenate``, what torch FSDP2
+    uses for its data-parallel + tensor-parallel mesh; no public API builds a
+    mesh from disjoint slices).
+
+    Raises:
+        RuntimeError: the meshes come from different roots or overlap.
+    """
+    return DeviceMesh._concatenate(meshes)
