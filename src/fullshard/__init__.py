@@ -24,6 +24,7 @@ from .api import (
     ShardingStrategy,
     StateDictType,
 )
+from .core.norms import clip_grad_norm_
 from .forward_methods import register_fsdp_forward_method
 from .fsdp import FSDP, FullyShardedDataParallel
 from .fsdp2 import FSDPModule, UnshardHandle, fully_shard
@@ -35,5 +36,5 @@ __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPref
            "LocalStateDictConfig", "LocalOptimStateDictConfig", "ShardedGradScaler",
            "apply_activation_checkpointing", "CheckpointWrapper", "offload_activations", "memory_stats", "wrap",
            "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
-           "register_fsdp_forward_method"]
+           "register_fsdp_forward_method", "clip_grad_norm_"]
 __version__ = "0.1.0"

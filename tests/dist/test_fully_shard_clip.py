@@ -75,8 +75,11 @@ def _ddp_run(norm_type: float, max_norms: list) -> list:
     return out
 
 
-def _fully_shard_run(mesh, norm_type: float, max_norms: list) -> list:
+def _fully_shard_run(mesh, norm_type: float, max_norms: list, clip=None) -> list:
+    """``clip``: the clipping function (torch's by default; ``fullshard.clip_grad_norm_``)."""
     from fullshard import fully_shard
+
+    clip = clip or torch.nn.utils.clip_grad_norm_
 
     rank = torch.distributed.get_rank()
     model = _net()
@@ -87,12 +90,20 @@ def _fully_shard_run(mesh, norm_type: float, max_norms: list) -> list:
     out = []
     for step in range(STEPS):
         _loss(model, step, rank).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norms[step], norm_type)
+        norm = clip(model.parameters(), max_norms[step], norm_type)
         grads = [_global(p.grad) for p in model.parameters()]
         opt.step()
         opt.zero_grad()
         out.append((_global(norm).item(), grads, [_global(p.detach()) for p in model.parameters()]))
     return out
+
+
+def _fullshard_clip(params, max_norm, norm_type):
+    from fullshard import clip_grad_norm_
+
+    norm = clip_grad_norm_(params, max_norm, norm_type)
+    assert type(norm) is torch.Tensor and norm.dim() == 0, type(norm)
+    return norm
 
 
 def _compare(got: list, want: list, what: str) -> None:
@@ -113,6 +124,11 @@ def _clip_vs_ddp(rank, world, hsdp):
         want = _ddp_run(norm_type, max_norms)
         got = _fully_shard_run(mesh, norm_type, max_norms)
         _compare(got, want, f"[rank {rank}] {'HSDP' if hsdp else 'FSDP'} {world} ranks, norm {norm_type}")
+        # fullshard.clip_grad_norm_ returns a plain tensor: its .item() is the global norm on every
+        # rank, also for inf (torch's returns a Partial(max) DTensor there).
+        got = _fully_shard_run(mesh, norm_type, max_norms, clip=_fullshard_clip)
+        assert all(isinstance(norm, float) for norm, _, _ in got)
+        _compare(got, want, f"[rank {rank}] fullshard.clip_grad_norm_, {world} ranks, norm {norm_type}")
     out = {"clip": True}
     if world == 2:
         out["mixed"] = _mixed(rank, world)
@@ -176,6 +192,14 @@ def _mixed(rank, world):
         grad_diff = max((_global(p.grad) - q.grad).abs().max().item()
                         for p, q in zip(model.parameters(), ddp.module.parameters()))
         out[norm_type] = (total.item(), want, grad_diff)
+        # fullshard.clip_grad_norm_ takes the mix in one call (plain gradients count once).
+        for p, g in zip(model.parameters(), saved):
+            p.grad.copy_(g)
+        from fullshard import clip_grad_norm_
+        ours = clip_grad_norm_(model.parameters(), max_norm, norm_type).item()
+        ours_diff = max((_global(p.grad) - q.grad).abs().max().item()
+                        for p, q in zip(model.parameters(), ddp.module.parameters()))
+        out[("fullshard", norm_type)] = (ours, want, ours_diff)
         for params, grads in ((model.parameters(), saved), (ddp.parameters(), ddp_saved)):
             for p, g in zip(params, grads):
                 p.grad.copy_(g)
@@ -186,9 +210,10 @@ def test_ignored_param_with_dtensors():
     for rank_out in (out["mixed"] for out in _group("fsdp2")):
         assert rank_out["refused"] is not None and "mixed torch.Tensor and DTensor" in rank_out["refused"], rank_out
         for norm_type in NORM_TYPES:
-            total, want, grad_diff = rank_out[norm_type]
-            assert total == pytest.approx(want, rel=RTOL), (norm_type, total, want)
-            assert grad_diff < ATOL, (norm_type, grad_diff)
+            for key in (norm_type, ("fullshard", norm_type)):
+                total, want, grad_diff = rank_out[key]
+                assert total == pytest.approx(want, rel=RTOL), (key, total, want)
+                assert grad_diff < ATOL, (key, grad_diff)
 
 
 # ------------------------------------------------- the wrapper's own method

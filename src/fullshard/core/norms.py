@@ -11,8 +11,10 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from . import collectives
+from .params import local_of
 
 
 def grads_by_kind(runtimes, params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[torch.Tensor],
@@ -64,3 +66,73 @@ def global_norm(counted: list[torch.Tensor], local: list[torch.Tensor], shard_gr
     if is_inf:
         return torch.maximum(part, rest)
     return (part + rest).pow(1.0 / norm_type)
+
+
+def _shard_groups(t) -> list:
+    """Process groups of the mesh dimensions a DTensor is sharded over (its
+    norm contributions are summed over them; replicated dimensions hold
+    copies and are not).
+
+    Raises:
+        ValueError: a ``Partial`` placement (a gradient not yet reduced).
+    """
+    groups = []
+    for dim, placement in enumerate(t.placements):
+        if placement.is_partial():
+            raise ValueError(f"clip_grad_norm_: a gradient is a Partial DTensor ({t.placements}); reduce it "
+                             "(redistribute to Shard or Replicate) before clipping")
+        if placement.is_shard():
+            groups.append(t.device_mesh.get_group(dim))
+    return groups
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type`` norm of ``grads`` as if every DTensor were gathered:
+    each DTensor's local contribution is summed (max for inf) over the mesh
+    dimensions it is sharded on, plain tensors count once (replicated), and
+    empty local shards contribute nothing. Gradients on different meshes
+    (tensor parallelism on some modules only) and plain ones may be mixed.
+
+    Returns:
+        0-dim fp32 plain tensor on the host, equal on every rank.
+    """
+    is_inf = norm_type == float("inf")
+    by_groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        key = tuple(_shard_groups(g)) if isinstance(g, DTensor) else ()
+        by_groups.setdefault(key, []).append(local_of(g))
+    total = torch.zeros((), dtype=torch.float32)
+    for groups, locals_ in by_groups.items():  # insertion order: the same on every rank
+        part = _norm_part([t for t in locals_ if t.numel()], norm_type)
+        for group in groups:
+            collectives.all_reduce(part, group, "max" if is_inf else "sum", tag="gradient norm")
+        total = torch.maximum(total, part) if is_inf else total + part
+    return total if is_inf else total.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for sharded models, returning the
+    global norm as a plain tensor: every rank gets the same value (torch's
+    returns a DTensor, ``Partial`` for the inf norm, whose ``.item()`` is
+    the rank's local maximum), gradients on several meshes and plain
+    (replicated) ones may be mixed, and empty shards are skipped. Each
+    gradient is multiplied in place by ``min(1, max_norm / (norm + 1e-6))``,
+    torch's coefficient.
+
+    Args:
+        parameters: tensors or DTensors (e.g. ``model.parameters()``).
+        max_norm: the norm to clip to.
+        norm_type: p of the p-norm; ``float("inf")`` for the max norm.
+    Returns:
+        The total norm before clipping: 0-dim fp32 tensor on the host.
+    Raises:
+        ValueError: a ``Partial`` DTensor gradient.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = total_norm(grads, float(norm_type))
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        local = local_of(g)
+        local.mul_(coef.to(local.device))  # as torch: a low-precision gradient is scaled in fp32, rounded once
+    return norm
