@@ -13,6 +13,8 @@ What must hold:
   frame and graph counts stay where the first step left them. The full-parameter views the engine writes
   into ``module.__dict__`` are new tensor objects every iteration (checked here, so this is not vacuous):
   dynamo guards them by metadata (dtype, shape, stride, requires_grad), not by identity.
+- The compiled graph runs in every step (block 0's output comes from aot_autograd's node), so bitwise
+  equality under ``aot_eager`` is not eager code compared with itself.
 
 The FSDP hooks stay outside the graphs (``torch.compiler.disable``): graphs break at unit boundaries.
 """
