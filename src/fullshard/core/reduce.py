@@ -10,11 +10,12 @@ whose gradients cancel, and keeps ``grad None`` as under DDP
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
 
-from . import collectives, flat, grads
+from . import collectives, flat, grads, torch_private
 from .buffers import POOL
 
 
@@ -41,10 +42,11 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
     return PendingReduce(unit, work, reduce_in, out)
 
 
-def _accumulate(unit, out: torch.Tensor) -> None:
+def _accumulate(unit, out: torch.Tensor, skip: frozenset = frozenset()) -> None:
     """Add a reduced block (gradient shard, then one used flag per
     parameter) into the sharded parameters' ``.grad``. Parameters no rank
-    used are left alone (``grad None`` stays None)."""
+    used are left alone (``grad None`` stays None), and so are the layout
+    indices in ``skip``."""
     n_grad = unit.layout.grad_shard_numel
     used = (out[n_grad:] > 0).tolist()
     master, reduced = unit.flat_shard, out[:n_grad]
@@ -54,7 +56,7 @@ def _accumulate(unit, out: torch.Tensor) -> None:
     wide = store if unit.grad_dtype == master.dtype else None
     sentinels, unit.sentinels = unit.sentinels, {}
     for i, (slot, view, u) in enumerate(zip(unit.slots, store, used)):
-        if view is None:
+        if view is None or i in skip:
             continue
         sp = slot.sharded
         if not u:
@@ -75,6 +77,39 @@ class PendingReduce:
 
     def __init__(self, unit, work, reduce_in: torch.Tensor, out: torch.Tensor):
         self.unit, self.work, self.reduce_in, self.out = unit, work, reduce_in, out
+        # Layout index -> (weakref to .grad, its version) when finishing was
+        # deferred past the end of backward (see watch_grads).
+        self.seen: Optional[dict[int, tuple[weakref.ref, int]]] = None
+
+    def watch_grads(self) -> None:
+        """This reduce finishes after backward returned
+        (``set_is_last_backward(False)``): note every gradient it will add to,
+        so :meth:`finish` can tell what the user did to them meanwhile. A
+        missing gradient gets a zero sentinel (core/grads.py [Note: no_sync
+        and zero_grad]), so that ``zero_grad(set_to_none=True)`` shows."""
+        unit = self.unit
+        if unit.cfg.replicate_group is not None and not unit.requires_all_reduce:
+            return  # set_requires_all_reduce(False): this reduce writes no gradient
+        self.seen = {}
+        for i, (slot, lay) in enumerate(zip(unit.slots, unit.layout.params)):
+            if not lay.requires_grad:
+                continue
+            if slot.sharded.grad is None:
+                zeros = torch.zeros_like(slot.local, dtype=unit.grad_dtype)
+                unit.sentinels[i] = weakref.ref(grads.set_grad(slot, zeros))
+            grad = slot.sharded.grad
+            self.seen[i] = (weakref.ref(grad), torch_private.version_counter(grad))
+
+    def _changed_since_backward(self) -> tuple[frozenset, Optional[str]]:
+        """(indices whose gradient the user dropped, the first one changed in place or replaced)."""
+        dropped, changed = set(), None
+        for i, (ref, version) in (self.seen or {}).items():
+            grad = self.unit.slots[i].sharded.grad
+            if grad is None:
+                dropped.add(i)  # zero_grad(set_to_none=True) after backward: DDP's sum is gone too
+            elif (grad is not ref() or torch_private.version_counter(grad) != version) and changed is None:
+                changed = self.unit.slots[i].fqn
+        return frozenset(dropped), changed
 
     def finish(self) -> None:
         """Wait, sum over replicas, and accumulate into the gradient shards."""
@@ -91,7 +126,15 @@ class PendingReduce:
                 unit.partial_out = self.out
                 return
             collectives.all_reduce(self.out, rep, "sum", tag=f"unit '{unit.name}' replicas")
-        _accumulate(unit, self.out)
+        dropped, changed = self._changed_since_backward()
+        _accumulate(unit, self.out, dropped if changed is None else frozenset(self.seen))
+        if changed is not None:
+            raise RuntimeError(
+                f"[rank {collectives.rank()}] unit '{unit.name}': the gradient of '{changed}' was changed in place "
+                "(clip_grad_norm_, unscale_, zero_grad(set_to_none=False)) after a backward under "
+                "set_is_last_backward(False), whose reduce-scatter had not finished, so the unit's gradients lack "
+                "that backward's sum; call set_is_last_backward(True) before a backward whose gradients are used "
+                "before the next forward or optimizer step")
 
     def abandon(self) -> None:
         """Wait for the collective (its buffers must outlive it) and drop the result."""

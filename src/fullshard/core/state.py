@@ -193,8 +193,14 @@ def finish_deferred(root: RootRuntime) -> None:
     if root.deferred:
         root.deferred = False
         pending, root.pending = root.pending, []
+        errors = []
         for p in pending:
-            p.finish()
+            try:
+                p.finish()
+            except RuntimeError as err:  # finish the others first: their collectives are in flight
+                errors.append(err)
+        if errors:
+            raise errors[0]
 
 
 def require_idle(root: RootRuntime, what: str) -> None:
@@ -473,6 +479,8 @@ def end_of_backward(root: RootRuntime) -> None:
         root.deferred = bool(root.pending)
         if root.deferred:
             DEFERRED.add(root)
+            for pending in root.pending:
+                pending.watch_grads()
     if root.stash_window and not root.no_sync:
         _reduce_leftover_stashes(root)
         # Units under set_requires_gradient_sync(False) keep accumulating.
