@@ -73,15 +73,16 @@ def _unshard_case(rank, world):
 
 
 # ------------------------------------------- set_requires_gradient_sync
-def _accumulate(model, opt, rank, sharded, *, micro=3, zero_at=None, set_to_none=True, target=None):
+def _no_sync_loop(model, opt, rank, sharded, *, micro=3, zero_at=None, set_to_none=True):
     """Two optimizer steps of ``micro`` micro-batches, all but the last without
-    gradient sync; ``zero_at``: zero_grad after that micro-batch."""
+    gradient sync (DDP: ``no_sync()``); ``zero_at``: zero_grad after that
+    micro-batch, inside the accumulation window."""
     out = []
     for step in range(2):
         for i in range(micro):
             sync = i == micro - 1
             if sharded:
-                (target or model).set_requires_gradient_sync(sync, **({"recurse": False} if target else {}))
+                model.set_requires_gradient_sync(sync)
             loss = FP.loss_of(model, rank, step * micro + i)
             if sharded or sync:
                 loss.backward()
@@ -116,9 +117,9 @@ def _nested_only_loop(model, opt, rank, sharded):
 
 def _grad_sync_case(rank, world):
     return {
-        "no_sync": FP.parity(rank, _accumulate),
-        "zero_grad_none": FP.parity(rank, lambda *a: _accumulate(*a, zero_at=0, set_to_none=True)),
-        "zero_grad_zeros": FP.parity(rank, lambda *a: _accumulate(*a, zero_at=0, set_to_none=False)),
+        "no_sync": FP.parity(rank, _no_sync_loop),
+        "zero_grad_none": FP.parity(rank, lambda *a: _no_sync_loop(*a, zero_at=0, set_to_none=True)),
+        "zero_grad_zeros": FP.parity(rank, lambda *a: _no_sync_loop(*a, zero_at=0, set_to_none=False)),
         "nested_only": FP.parity(rank, _nested_only_loop),
     }
 

@@ -41,7 +41,6 @@ from .buffers import POOL
 from .params import ParamSlot
 from .unit_grads import UnitGrads
 
-
 _STEPS = {"count": 0, "hook": None}  # optimizer steps since kept_fresh first needed them
 
 
