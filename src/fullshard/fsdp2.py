@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import construct, dtensor_specs, wrap
 from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .core import casting, collectives, deferred_init, state
+from .core import backward_guard, casting, collectives, deferred_init, state
 from .core.module import UnitModule, unit_modules
 from .core.tree import map_tensors
 from .core.unit import ShardedState, Unit, UnitConfig
@@ -39,6 +39,10 @@ class _UnitState:
         self.own = own
         self.output_dtype = output_dtype
         self.before: Optional[set[int]] = None
+        # Calls of the unit's modules (and registered methods) now running.
+        # Decremented even when forward raises, so a forward that raised
+        # never makes the next one look like a call nested inside it.
+        self.depth = 0
 
 
 class FSDPModule(UnitModule):
@@ -56,8 +60,15 @@ class FSDPModule(UnitModule):
 
     def _run_as_forward(self, fn, args: tuple, kwargs: dict) -> Any:
         """``fn(*args, **kwargs)`` between the unit's pre- and post-forward."""
-        args, kwargs = _pre_forward(self, args, kwargs)
-        return _post_forward(self, args, kwargs, fn(*args, **kwargs))
+        shared = self._fsdp_state
+        shared.depth += 1
+        try:
+            args, kwargs = _pre_forward(self, args, kwargs)
+            return _post_forward(self, args, kwargs, fn(*args, **kwargs))
+        finally:
+            shared.depth -= 1
+            if not shared.depth:
+                backward_guard.leave(self._runtime.unit)
 
     def _require_idle(self, what: str) -> None:
         self._lazy_init()
@@ -102,10 +113,12 @@ class FSDPModule(UnitModule):
 
     # ------------------------------------------------------------ settings
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last before an optimizer step.
-        With False its reduce-scatters finish later (at the next forward, an
-        optimizer step, or any call that needs gradients), overlapping them
-        with the next micro-batch; results are the same. Call on the root.
+        """Whether the next backward is the last before an optimizer step
+        (torch FSDP2 may then leave earlier backwards' reduce-scatters in
+        flight). Recorded, with no effect on results or on when collectives
+        finish: fullshard finishes every backward's reduce-scatters before
+        ``backward()`` returns, so no gradient read afterwards (clipping,
+        logging, an optimizer step) can be a partial sum. Call on the root.
 
         Raises:
             RuntimeError: not the root.
@@ -115,8 +128,6 @@ class FSDPModule(UnitModule):
             raise RuntimeError("set_is_last_backward() must be called on the root module (the outermost "
                                "fully_shard module, which runs forward first)")
         self._runtime.root.is_last_backward = bool(is_last_backward)
-        if not is_last_backward:
-            _watch_optimizer_steps()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With False, backward keeps each unit's unsharded gradient and sums
@@ -184,8 +195,12 @@ class FSDPModule(UnitModule):
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """With False, the unit is not gathered for its backward (for modules
         whose backward does not read their parameters, e.g. an embedding).
-        A backward that does read them fails with an error, never a wrong
-        gradient (the freed storage holds no elements)."""
+
+        Raises:
+            RuntimeError: (in backward) the backward reads a full parameter
+                that is not gathered (see core/backward_guard.py), never a
+                wrong gradient or a crash.
+        """
         self._runtime.unshard_in_backward = bool(unshard_in_backward)
 
     # -------------------------------------------------- nn.Module overrides
@@ -306,6 +321,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
         construct.register(construct.TAKEN, p, name)
     with torch.no_grad():
         unit = Unit(name, slots, cfg)
+    construct.register_unit(unit)
     runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward, backward_prefetch=None,
                                 forward_prefetch=False, forward_input_caster=casting.input_caster(mp_policy))
     runtime.backward_prefetch_units = None
@@ -317,6 +333,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
         m._fsdp_state = shared
         m.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
         m.register_forward_hook(_post_forward_hook, with_kwargs=True)
+        m.register_forward_hook(_leave_forward_hook, always_call=True)
         m.register_load_state_dict_post_hook(_after_load)
     return module
 
@@ -324,7 +341,16 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
 # ------------------------------------------------------------------ hooks
 @torch.compiler.disable
 def _pre_forward_hook(module: FSDPModule, args: tuple, kwargs: dict):
+    module._fsdp_state.depth += 1  # first: _leave_forward_hook runs even if what follows raises
     return _pre_forward(module, args, kwargs)
+
+
+@torch.compiler.disable
+def _leave_forward_hook(module: FSDPModule, args: tuple, output: Any) -> None:
+    shared = module._fsdp_state
+    shared.depth = max(0, shared.depth - 1)  # 0: a user pre-hook before ours raised
+    if not shared.depth:
+        backward_guard.leave(shared.runtime.unit)  # forward raised before _post_forward could
 
 
 @torch.compiler.disable
@@ -335,13 +361,15 @@ def _post_forward_hook(module: FSDPModule, args: tuple, kwargs: dict, output: An
 def _pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     shared = module._fsdp_state
     rt = shared.runtime
-    if rt.state is state.TrainingState.FORWARD:  # a module of this unit called inside its forward
+    if shared.depth > 1 and rt.state is state.TrainingState.FORWARD:  # called inside the unit's own forward
         rt.nested_calls += 1
         return args, kwargs
     module._lazy_init()
     out = state.pre_forward(rt, args, kwargs)
     if rt.state is state.TrainingState.FORWARD:
         shared.before = _stored_ids(shared.own) if torch.is_grad_enabled() else None
+        if torch.is_grad_enabled() and not rt.unshard_in_backward:
+            backward_guard.enter(rt.unit)
     return out
 
 
@@ -356,6 +384,7 @@ def _post_forward(module: FSDPModule, args: tuple, kwargs: dict, output: Any) ->
         stored = tuple(v for m in shared.own for v in m.__dict__.values()
                        if torch.is_tensor(v) and v.grad_fn is not None and id(v) not in shared.before)
     shared.before = None
+    backward_guard.leave(rt.unit)
     output = state.post_forward(rt, output, stored)
     dtype = shared.output_dtype
     if dtype is not None:
@@ -424,19 +453,3 @@ def _runtimes_of(modules: Iterable, what: str) -> list[state.UnitRuntime]:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"{what}: {type(m).__name__} is not a fully_shard module")
     return [m._runtime for m in modules]
-
-
-def _finish_deferred_before_step(optimizer, args, kwargs) -> None:
-    for root in list(state.DEFERRED):
-        state.finish_deferred(root)
-    state.DEFERRED.clear()
-
-
-_STEP_HOOK: list = []
-
-
-def _watch_optimizer_steps() -> None:
-    """Once per process: every optimizer step first finishes reduce-scatters
-    left in flight by ``set_is_last_backward(False)``."""
-    if not _STEP_HOOK:
-        _STEP_HOOK.append(torch.optim.Optimizer.register_optimizer_step_pre_hook(_finish_deferred_before_step))

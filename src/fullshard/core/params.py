@@ -106,6 +106,21 @@ class ParamSlot:
         else:
             torch_private.set_local_tensor(self.sharded, view)
 
+    def assigned_mismatch(self, value: torch.Tensor) -> Optional[str]:
+        """Why ``value`` (assigned in place of the registered parameter,
+        ``load_state_dict(assign=True)``) cannot be this rank's shard, or None."""
+        want = tuple(self.local.shape)
+        got = tuple(local_of(value).shape)
+        placements = getattr(value, "placements", None)
+        expected = None if self.spec is None else tuple(self.spec.placements)
+        if got == want and (placements is None if expected is None else tuple(placements) == expected):
+            return None
+        form = "a plain tensor" if placements is None else f"a DTensor with placements {tuple(placements)}"
+        return (f"parameter '{self.fqn}' was assigned {form} of local shape {got}, not this rank's shard "
+                f"({'a DTensor with placements ' + str(expected) + ' and ' if expected else ''}local shape {want}, "
+                "as model.state_dict() holds it); load full tensors with torch.distributed.checkpoint.state_dict."
+                "set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True))")
+
     def registered_local(self) -> torch.Tensor:
         """The plain tensor behind the registered parameter now (which may no
         longer be ``local`` after ``p.data = ...`` or ``module.to()``)."""

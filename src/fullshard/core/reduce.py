@@ -41,10 +41,11 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
     return PendingReduce(unit, work, reduce_in, out)
 
 
-def _accumulate(unit, out: torch.Tensor) -> None:
+def _accumulate(unit, out: torch.Tensor, skip: frozenset = frozenset()) -> None:
     """Add a reduced block (gradient shard, then one used flag per
     parameter) into the sharded parameters' ``.grad``. Parameters no rank
-    used are left alone (``grad None`` stays None)."""
+    used are left alone (``grad None`` stays None), and so are the layout
+    indices in ``skip``."""
     n_grad = unit.layout.grad_shard_numel
     used = (out[n_grad:] > 0).tolist()
     master, reduced = unit.flat_shard, out[:n_grad]
@@ -54,7 +55,7 @@ def _accumulate(unit, out: torch.Tensor) -> None:
     wide = store if unit.grad_dtype == master.dtype else None
     sentinels, unit.sentinels = unit.sentinels, {}
     for i, (slot, view, u) in enumerate(zip(unit.slots, store, used)):
-        if view is None:
+        if view is None or i in skip:
             continue
         sp = slot.sharded
         if not u:

@@ -53,11 +53,6 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = "POST_BACKWARD"
 
 
-# Roots whose reduce-scatters a backward left in flight (set_is_last_backward(False)):
-# an optimizer step finishes them first (see fsdp2.py), so no step uses a
-# partial gradient.
-DEFERRED: "weakref.WeakSet[RootRuntime]" = weakref.WeakSet()
-
 # Reduce-scatters allowed in flight before the oldest is waited on: each holds
 # a unit-sized input buffer, so an unbounded queue would keep a full model's
 # worth of gradients alive until the end of backward.
@@ -96,10 +91,9 @@ class RootRuntime:
         # A backward ran inside no_sync since the last synchronizing one.
         # Symmetric across ranks, so it can gate a collective.
         self.stash_window = False
-        # set_is_last_backward(False): the backward's reduce-scatters finish
-        # later (next forward, an optimizer step, or an idle-only call).
+        # FSDPModule.set_is_last_backward: recorded; every backward still
+        # finishes its reduce-scatters (see end_of_backward).
         self.is_last_backward = True
-        self.deferred = False
 
     def position(self, rt: "UnitRuntime", order: list["UnitRuntime"]) -> int:
         for i, other in enumerate(order):
@@ -184,17 +178,8 @@ def lazy_init_root(root: UnitRuntime, all_units: list[UnitRuntime]) -> None:
 
 
 def backward_broken(root: RootRuntime) -> bool:
-    return (bool(root.pending) and not root.deferred) or root.callback_queued or \
+    return bool(root.pending) or root.callback_queued or \
         any(rt.state in _BACKWARD for rt in root.runtimes)
-
-
-def finish_deferred(root: RootRuntime) -> None:
-    """Finish the reduce-scatters a backward under ``set_is_last_backward(False)`` left in flight."""
-    if root.deferred:
-        root.deferred = False
-        pending, root.pending = root.pending, []
-        for p in pending:
-            p.finish()
 
 
 def require_idle(root: RootRuntime, what: str) -> None:
@@ -207,10 +192,8 @@ def require_idle(root: RootRuntime, what: str) -> None:
     Raises:
         RuntimeError: a forward or backward is in flight (the busy units named).
     """
-    if not in_backward_pass():
-        finish_deferred(root)
-        if backward_broken(root):
-            start_iteration(root)
+    if not in_backward_pass() and backward_broken(root):
+        start_iteration(root)
     busy = [rt.unit.name for rt in root.runtimes if rt.state is not TrainingState.IDLE]
     if busy:
         raise RuntimeError(f"[rank {collectives.rank()}] {what} cannot run during forward or backward "
@@ -223,7 +206,6 @@ def start_iteration(root: RootRuntime) -> None:
     iterations (``requires_grad_()``, gradients zeroed after ``no_sync``)."""
     for rt in root.runtimes:  # before anything is cleared: the user must fix this first
         rt.unit.check_views()
-    finish_deferred(root)
     broken = backward_broken(root)
     for pending in root.pending:
         pending.abandon()
@@ -468,14 +450,12 @@ def _reduce_leftover_stashes(root: RootRuntime) -> None:
 
 
 def end_of_backward(root: RootRuntime) -> None:
-    if root.is_last_backward:
-        for pending in root.pending:
-            pending.finish()
-        root.pending = []
-    else:
-        root.deferred = bool(root.pending)
-        if root.deferred:
-            DEFERRED.add(root)
+    # Every backward finishes its reduce-scatters, also under
+    # set_is_last_backward(False): a gradient read before the next forward
+    # (clipping, logging) must never be a partial sum.
+    for pending in root.pending:
+        pending.finish()
+    root.pending = []
     if root.stash_window and not root.no_sync:
         _reduce_leftover_stashes(root)
         # Units under set_requires_gradient_sync(False) keep accumulating.

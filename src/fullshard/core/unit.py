@@ -34,11 +34,18 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import collectives, flat, grads, torch_private
 from .buffers import POOL
 from .params import ParamSlot
 from .unit_grads import UnitGrads
+
+_STEPS = {"count": 0, "hook": None}  # optimizer steps since kept_fresh first needed them
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _STEPS["count"] += 1
 
 
 class ShardedState(enum.Enum):
@@ -118,9 +125,9 @@ class Unit(UnitGrads):
         self._partial: Optional[torch.Tensor] = None  # see reshard_partial
         self._gather_work = None
         self.summoned = False  # inside summon_full_params
-        # Version of flat_shard when the unit was deliberately left unsharded
+        # Shard versions when the unit was deliberately left unsharded
         # (FSDPModule.unshard, reshard_after_backward=False); see kept_fresh.
-        self._kept_version: Optional[int] = None
+        self._kept_version: Optional[tuple[int, ...]] = None
         # FSDPModule settings: gradients pre-divided by this instead of the
         # data-parallel world size; replicas' all-reduce skipped (HSDP) with
         # reduce-scatter outputs summed in ``partial_out`` until it runs.
@@ -245,17 +252,27 @@ class Unit(UnitGrads):
         meta shard (``fully_shard`` of a meta module) is allocated on the
         device the values now live on, in their dtype.
 
+        The registered parameter objects stay: an object assigned in place of
+        one gives it its value and dtype (``torch.utils.swap_tensors``), so
+        an optimizer made before ``load_state_dict(assign=True)`` still holds
+        the parameters the model trains.
+
         Returns:
             True when ``flat_full`` was replaced (hooks on it must be re-armed).
         Raises:
-            ValueError: the new values of one unit differ in dtype or device.
+            ValueError: the new values of one unit differ in dtype or device;
+                an assigned value is not this rank's shard.
         """
         self._check((ShardedState.SHARDED,), "adopt new parameter values")
         for slot in self.slots:
-            for module, attr in slot.owners:
-                value = module._parameters.get(attr)
-                if value is not None and value is not slot.sharded:
-                    slot.sharded = value
+            new = next((v for v in (m._parameters.get(a) for m, a in slot.owners)
+                        if v is not None and v is not slot.sharded), None)
+            if new is not None:  # load_state_dict(assign=True) registered another object
+                wrong = slot.assigned_mismatch(new)
+                if wrong:
+                    raise ValueError(f"[rank {collectives.rank()}] unit '{self.name}': {wrong}")
+                # The registered object, which optimizers hold, takes the new value.
+                torch.utils.swap_tensors(slot.sharded, new)
             for module, attr in slot.owners:
                 module._parameters[attr] = slot.sharded
         values = [slot.registered_local() for slot in self.slots]
@@ -450,14 +467,29 @@ class Unit(UnitGrads):
     def keep_unsharded(self) -> None:
         """Leave the unit gathered past the end of this iteration; the next
         iteration reuses the full parameters only if no shard changed since."""
-        self._kept_version = torch_private.version_counter(self.flat_shard)
+        self._kept_version = self._shard_versions()
 
     def kept_fresh(self) -> bool:
         """Whether the unit was kept gathered and its shards are unchanged
-        since (an optimizer step bumps the flat shard's version counter:
-        every sharded parameter is a view of it)."""
-        return self._kept_version is not None and \
-            self._kept_version == torch_private.version_counter(self.flat_shard)
+        since (an optimizer step, ``copy_`` or any other in-place write
+        bumps one of the version counters of :meth:`_shard_versions`)."""
+        return self._kept_version is not None and self._kept_version == self._shard_versions()
+
+    def _shard_versions(self) -> tuple[int, ...]:
+        """Version counters of the flat shard, each registered parameter and
+        its local tensor. All are needed: an in-place op on a DTensor
+        parameter (every optimizer step under ``fully_shard``) bumps only the
+        DTensor's own counter, one on its local tensor only the local's.
+        Foreach ops on DTensors (a ``foreach`` optimizer, the default on
+        GPUs) bump none, so every optimizer step counts too. Writes through
+        ``p.data`` or other foreach ops go unseen (autograd misses them too)."""
+        if _STEPS["hook"] is None:
+            _STEPS["hook"] = register_optimizer_step_post_hook(_count_step)
+        versions = [_STEPS["count"], torch_private.version_counter(self.flat_shard)]
+        for slot in self.slots:
+            versions.append(torch_private.version_counter(slot.sharded))
+            versions.append(torch_private.version_counter(slot.registered_local()))
+        return tuple(versions)
 
     def reshard_partial(self) -> None:
         """Reshard after forward to the post-forward group: keep the rows of

@@ -1,0 +1,249 @@
+"""``fully_shard``'s construction paths against DDP on the same weights and
+batches: what the model looks like afterwards, a list of modules with tied
+weights as one unit, deferred (meta) init, dtype conversion and
+``load_state_dict(assign=True)`` after sharding, an optimizer made between
+forward and backward; and the construction errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fullshard
+from fullshard import fully_shard
+from tests.dist import fsdp2_parity as FP
+from tests.dist.harness import run_ranks
+
+pytestmark = pytest.mark.fast
+
+
+def _train(model, opt, rank, sharded, steps=3):
+    out = []
+    for step in range(steps):
+        loss = FP.loss_of(model, rank, step)
+        loss.backward()
+        out.append(FP.snap(model, loss))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def _parity_on(rank, model, opt=None, loop=_train, dtype=None, **tol) -> float:
+    """``loop`` on ``model`` (already sharded) and on DDP over a plain model
+    holding its full weights now; the snapshots must agree."""
+    plain = FP.make()
+    if dtype is not None:
+        plain.to(dtype)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), plain.parameters()):
+            q.copy_(FP.full(p))
+    ref = DDP(plain)
+    want = loop(ref, FP.sgd(ref), rank, False)
+    got = loop(model, opt or FP.sgd(model), rank, True)
+    FP.assert_same(got, want, **tol)
+    return FP.max_diff(got, want)
+
+
+# ------------------------------------------------------------------ identity
+def _identity_case(rank, world):
+    plain = FP.make()
+    model = FP.shard(FP.make())
+    assert isinstance(model, fullshard.FSDPModule) and isinstance(model, FP.Net)
+    assert type(model).__name__ == "FSDPNet" and type(model.layers[0]).__name__ == "FSDPBlock"
+    assert not isinstance(model.norm, fullshard.FSDPModule)
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in plain.named_modules()]
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    sd = model.state_dict()
+    assert list(sd) == list(plain.state_dict())
+    for name, value in sd.items():
+        full = plain.state_dict()[name]
+        assert isinstance(value, DTensor) and value.placements == (Shard(0),), name
+        assert value.shape == full.shape, name
+        rows = -(-full.shape[0] // world)  # torch.chunk
+        assert value.to_local().shape[0] == max(0, min(full.shape[0] - rank * rows, rows)), name
+        torch.testing.assert_close(value.full_tensor(), full, rtol=0, atol=0)
+    return {}
+
+
+# ---------------------------------------------------- list unit, tied weights
+def _tied_case(rank, world):
+    def shard_fn(model):
+        for layer in model.layers:
+            fully_shard(layer)
+        pair = [model.tok_embeddings, model.output]
+        assert fully_shard(pair) is pair
+        fully_shard(model)
+        assert model.output.weight is model.tok_embeddings.weight
+        assert model.output.unit is model.tok_embeddings.unit
+        return model
+    build = lambda: FP.make(tied=True)  # noqa: E731
+    return {"tied_list_unit": FP.parity(rank, _train, build=build, shard_fn=shard_fn)}
+
+
+# ---------------------------------------------------------------- deferred init
+def _meta_model():
+    with torch.device("meta"):
+        model = FP.Net()
+    return FP.shard(model)
+
+
+def _deferred_case(rank, world):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    res = {}
+    # Forward before to_empty: one clear error.
+    model = _meta_model()
+    with pytest.raises(RuntimeError, match=r"\[rank \d\] unit '.*': .*meta device.*to_empty"):
+        FP.loss_of(model, rank, 0)
+    # The user's init on the sharded parameters, under a seed.
+    model = _meta_model()
+    model.to_empty(device="cpu")
+    assert all(isinstance(p, DTensor) and not p.is_meta for p in model.parameters())
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        for layer in model.layers:
+            gate = layer.gate
+            gate.copy_(distribute_tensor(torch.tensor([1.0, 0.1]), gate.device_mesh, gate.placements))
+    res["reset_parameters"] = _parity_on(rank, model)
+    # A full state dict (rank 0's) scattered into the shards.
+    model = _meta_model()
+    model.to_empty(device="cpu")
+    full = FP.make(seed=5).state_dict() if rank == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    loaded = FP.params(model)
+    for name, value in FP.make(seed=5).named_parameters():
+        torch.testing.assert_close(loaded[f"param:{name}"], value, rtol=0, atol=0)
+    res["set_model_state_dict"] = _parity_on(rank, model)
+    return res
+
+
+# ------------------------------------------------------ conversions and loads
+def _convert_case(rank, world):
+    res = {}
+    model = FP.shard(FP.make())
+    opt = FP.sgd(model)  # made before: holds the same parameter objects after the conversion
+    ids = [id(p) for p in model.parameters()]
+    model.to(torch.float64)
+    assert [id(p) for p in model.parameters()] == ids
+    assert all(isinstance(p, DTensor) and p.dtype == torch.float64 for p in model.parameters())
+    res["float64"] = _parity_on(rank, model, opt, dtype=torch.float64)
+
+    model = FP.shard(FP.make())
+    model.bfloat16()
+    want = FP.make().bfloat16()
+    for p, q in zip(model.parameters(), want.parameters()):
+        assert p.dtype == torch.bfloat16
+        torch.testing.assert_close(FP.full(p), q.detach(), rtol=0, atol=0)
+    # bf16 sums depend on the order of the reduction: bf16 tolerance
+    one = lambda *a: _train(*a, steps=1)  # noqa: E731
+    res["bfloat16"] = _parity_on(rank, model, loop=one, dtype=torch.bfloat16, rtol=2e-2, atol=2e-2)
+
+    # load_state_dict(assign=True) of another sharded model's state dict:
+    # the optimizer made before keeps training the model.
+    model = FP.shard(FP.make())
+    opt = FP.sgd(model)
+    ids = [id(p) for p in model.parameters()]
+    other = FP.shard(FP.make(seed=1))
+    model.load_state_dict(other.state_dict(), assign=True)
+    assert [id(p) for p in model.parameters()] == ids
+    for p, q in zip(model.parameters(), FP.make(seed=1).parameters()):
+        torch.testing.assert_close(FP.full(p), q.detach(), rtol=0, atol=0)
+    res["assign"] = _parity_on(rank, model, opt)
+    # Full tensors cannot be assigned to sharded parameters: one clear error.
+    model = FP.shard(FP.make())
+    with pytest.raises(ValueError, match=r"\[rank \d\] unit '.*': parameter '.*' was assigned a plain tensor"):
+        model.load_state_dict(FP.make(seed=1).state_dict(), assign=True)
+    return res
+
+
+# ------------------------------------------- optimizer between forward and backward
+def _late_optimizer(model, opt, rank, sharded):
+    out, opt = [], None
+    for step in range(3):
+        loss = FP.loss_of(model, rank, step)
+        if opt is None:
+            # torch FSDP2 hands such an optimizer the unsharded parameters
+            # its root registers during forward; ours always sees the shards.
+            opt = FP.sgd(model)
+            if sharded:
+                assert all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
+        loss.backward()
+        out.append(FP.snap(model, loss))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def _late_optimizer_case(rank, world):
+    return {"late_optimizer": FP.parity(rank, _late_optimizer, optimizer=lambda m: None)}
+
+
+# -------------------------------------------------------------- construction errors
+def _raises(match, fn):
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def _errors_case(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    where = r"\[rank \d\]"
+    model = FP.make()
+    fully_shard(model.layers[0])
+    _raises(f"{where} fully_shard.*already sharded", lambda: fully_shard(model.layers[0]))
+    _raises(f"{where} fully_shard.*already sharded", lambda: fully_shard([model.layers[1], model.layers[0]]))
+    # Root first, then a child: its parameters are the root's shards already.
+    model = FP.make()
+    fully_shard(model)
+    _raises(f"{where} parameter 'gate' of unit 'Block' is already a sharded parameter of unit 'Net'",
+            lambda: fully_shard(model.layers[0]))
+    # Inside an FSDP1 wrapper, and the wrapper itself.
+    model = FP.make()
+    wrapper = fullshard.FullyShardedDataParallel(model)
+    _raises(f"{where} parameter 'gate' of unit 'Block' is already a sharded parameter of unit 'Net'",
+            lambda: fully_shard(model.layers[0]))
+    _raises(f"{where} fully_shard.*already sharded", lambda: fully_shard(wrapper))
+    _raises("reshard_after_forward must be None, True or False.*int.*not implemented",
+            lambda: fully_shard(FP.make(), reshard_after_forward=2))
+    mesh3 = init_device_mesh("cpu", (1, 1, world))
+    _raises("mesh must be 1-D .* or 2-D .*got 3-D", lambda: fully_shard(FP.make(), mesh=mesh3))
+    _raises("mp_policy must be a fullshard.MixedPrecisionPolicy, got MixedPrecision",
+            lambda: fully_shard(FP.make(), mp_policy=fullshard.MixedPrecision()))
+    _raises("offload_policy must be", lambda: fully_shard(FP.make(), offload_policy=fullshard.CPUOffload()))
+    scalar = FP.make()
+    scalar.temperature = nn.Parameter(torch.tensor(1.0))
+    _raises(f"{where} fully_shard.*'temperature' is 0-dimensional", lambda: fully_shard(scalar))
+    # Different weights on different ranks: torch FSDP2 would shard each
+    # rank's own values (a model no rank holds); DDP broadcasts rank 0's.
+    _raises(f"{where} unit 'Block': parameter 'lin1.weight' differs across ranks",
+            lambda: fully_shard(FP.make(seed=rank).layers[0]))
+    # After all these refusals, sharding and training still match DDP.
+    return {"after_errors": FP.parity(rank, _train)}
+
+
+def _group_two(rank, world):
+    out = {}
+    for case in (_identity_case, _tied_case, _deferred_case, _convert_case, _late_optimizer_case, _errors_case):
+        out.update(case(rank, world))
+    return out
+
+
+def _group_three(rank, world):
+    out = {}
+    for case in (_identity_case, _tied_case, _deferred_case):
+        out.update(case(rank, world))
+    return out
+
+
+def test_construction_two_ranks():
+    print(run_ranks(_group_two, 2)[0])
+
+
+def test_construction_three_ranks():
+    """Uneven shards and an empty one (``gate`` on rank 2)."""
+    print(run_ranks(_group_three, 3)[0])
