@@ -61,7 +61,12 @@ class FSDPModule(UnitModule):
     def _run_as_forward(self, fn, args: tuple, kwargs: dict) -> Any:
         """``fn(*args, **kwargs)`` between the unit's pre- and post-forward."""
         args, kwargs = _pre_forward(self, args, kwargs)
-        return _post_forward(self, args, kwargs, fn(*args, **kwargs))
+        try:
+            out = fn(*args, **kwargs)
+        except Exception:
+            _post_forward(self, args, kwargs, None)  # as the forward hook does (always_call)
+            raise
+        return _post_forward(self, args, kwargs, out)
 
     def _require_idle(self, what: str) -> None:
         self._lazy_init()
@@ -309,7 +314,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
         m._runtime = runtime
         m._fsdp_state = shared
         m.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
-        m.register_forward_hook(_post_forward_hook, with_kwargs=True)
+        m.register_forward_hook(_post_forward_hook, with_kwargs=True, always_call=True)
         m.register_load_state_dict_post_hook(_after_load)
     return module
 
@@ -328,21 +333,26 @@ def _post_forward_hook(module: FSDPModule, args: tuple, kwargs: dict, output: An
 def _pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     shared = module._fsdp_state
     rt = shared.runtime
-    if rt.state is state.TrainingState.FORWARD:  # a module of this unit called inside its forward
-        rt.nested_calls += 1
+    if rt.forward_depth:  # a module of this unit called inside its forward
+        rt.forward_depth += 1
         return args, kwargs
     module._lazy_init()
     out = state.pre_forward(rt, args, kwargs)
     if rt.state is state.TrainingState.FORWARD:
         shared.before = _stored_ids(shared.own) if torch.is_grad_enabled() else None
+    rt.forward_depth = 1
     return out
 
 
 def _post_forward(module: FSDPModule, args: tuple, kwargs: dict, output: Any) -> Any:
+    # Also runs when the forward raised (always_call; output is None then):
+    # the unit leaves FORWARD, so the next call is not taken for a nested one.
     shared = module._fsdp_state
     rt = shared.runtime
-    if rt.nested_calls:
-        rt.nested_calls -= 1
+    if not rt.forward_depth:  # the pre-forward raised: nothing to finish
+        return output
+    rt.forward_depth -= 1
+    if rt.forward_depth:
         return output
     stored = ()
     if rt.state is state.TrainingState.FORWARD and shared.before is not None:
