@@ -213,6 +213,9 @@ class FullyShardedDataParallel(UnitModule):
         self._in_forward = True
         try:
             out = fn(*args, **kwargs)
+        except Exception:
+            state.post_forward(rt, None)  # leave FORWARD: no_sync() and friends see an idle unit
+            raise
         finally:
             self._in_forward = False
         return state.post_forward(rt, out, self._stored_tensors(before))

@@ -39,10 +39,6 @@ class _UnitState:
         self.own = own
         self.output_dtype = output_dtype
         self.before: Optional[set[int]] = None
-        # Calls of the unit's modules (and registered methods) now running.
-        # Decremented even when forward raises, so a forward that raised
-        # never makes the next one look like a call nested inside it.
-        self.depth = 0
 
 
 class FSDPModule(UnitModule):
@@ -60,15 +56,13 @@ class FSDPModule(UnitModule):
 
     def _run_as_forward(self, fn, args: tuple, kwargs: dict) -> Any:
         """``fn(*args, **kwargs)`` between the unit's pre- and post-forward."""
-        shared = self._fsdp_state
-        shared.depth += 1
+        args, kwargs = _pre_forward(self, args, kwargs)
         try:
-            args, kwargs = _pre_forward(self, args, kwargs)
-            return _post_forward(self, args, kwargs, fn(*args, **kwargs))
-        finally:
-            shared.depth -= 1
-            if not shared.depth:
-                backward_guard.leave(self._runtime.unit)
+            out = fn(*args, **kwargs)
+        except Exception:
+            _post_forward(self, args, kwargs, None)  # as the forward hook does (always_call)
+            raise
+        return _post_forward(self, args, kwargs, out)
 
     def _require_idle(self, what: str) -> None:
         self._lazy_init()
@@ -332,8 +326,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
         m._runtime = runtime
         m._fsdp_state = shared
         m.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
-        m.register_forward_hook(_post_forward_hook, with_kwargs=True)
-        m.register_forward_hook(_leave_forward_hook, always_call=True)
+        m.register_forward_hook(_post_forward_hook, with_kwargs=True, always_call=True)
         m.register_load_state_dict_post_hook(_after_load)
     return module
 
@@ -341,16 +334,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
 # ------------------------------------------------------------------ hooks
 @torch.compiler.disable
 def _pre_forward_hook(module: FSDPModule, args: tuple, kwargs: dict):
-    module._fsdp_state.depth += 1  # first: _leave_forward_hook runs even if what follows raises
     return _pre_forward(module, args, kwargs)
-
-
-@torch.compiler.disable
-def _leave_forward_hook(module: FSDPModule, args: tuple, output: Any) -> None:
-    shared = module._fsdp_state
-    shared.depth = max(0, shared.depth - 1)  # 0: a user pre-hook before ours raised
-    if not shared.depth:
-        backward_guard.leave(shared.runtime.unit)  # forward raised before _post_forward could
 
 
 @torch.compiler.disable
@@ -361,8 +345,8 @@ def _post_forward_hook(module: FSDPModule, args: tuple, kwargs: dict, output: An
 def _pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     shared = module._fsdp_state
     rt = shared.runtime
-    if shared.depth > 1 and rt.state is state.TrainingState.FORWARD:  # called inside the unit's own forward
-        rt.nested_calls += 1
+    if rt.forward_depth:  # a module of this unit called inside its forward
+        rt.forward_depth += 1
         return args, kwargs
     module._lazy_init()
     out = state.pre_forward(rt, args, kwargs)
@@ -370,14 +354,19 @@ def _pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, 
         shared.before = _stored_ids(shared.own) if torch.is_grad_enabled() else None
         if torch.is_grad_enabled() and not rt.unshard_in_backward:
             backward_guard.enter(rt.unit)
+    rt.forward_depth = 1
     return out
 
 
 def _post_forward(module: FSDPModule, args: tuple, kwargs: dict, output: Any) -> Any:
+    # Also runs when the forward raised (always_call; output is None then):
+    # the unit leaves FORWARD, so the next call is not taken for a nested one.
     shared = module._fsdp_state
     rt = shared.runtime
-    if rt.nested_calls:
-        rt.nested_calls -= 1
+    if not rt.forward_depth:  # the pre-forward raised: nothing to finish
+        return output
+    rt.forward_depth -= 1
+    if rt.forward_depth:
         return output
     stored = ()
     if rt.state is state.TrainingState.FORWARD and shared.before is not None:

@@ -1,18 +1,91 @@
 """Helpers shared by several multi-process test modules (test modules import
 from here, never from each other): DDP-parity tolerances and training loop,
-a BatchNorm model, and a tiny Hugging Face GPT-2."""
+both front doors behind one call (:func:`shard`, :func:`no_sync`), a
+BatchNorm model, and a tiny Hugging Face GPT-2."""
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
+import contextlib
 
-from fullshard import FullyShardedDataParallel as FSDP
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fullshard import FSDPModule, FullyShardedDataParallel as FSDP, ShardingStrategy, fully_shard
+from fullshard.core.module import UnitModule
+from fullshard.wrap import recursive_wrap
 from tests.dist import models as M
 
 RTOL, ATOL = 1.3e-6, 1e-5
 """Tolerances of fp32 parity with DDP (losses, parameters)."""
+BF16_RTOL = 1.6e-2
+"""Relative tolerance of bf16 (param dtype) losses against :func:`ddp_bf16_losses` (absolute: 1e-3)."""
 STEPS = 10
 """Optimizer steps of :func:`train`."""
+FULLY_SHARD = "fully_shard"
+"""Where a test takes a ``ShardingStrategy`` for the wrapper: ``fullshard.fully_shard`` (torch FSDP2's API)."""
+
+
+def shard(base: nn.Module, how, policy=None, **kwargs) -> nn.Module:
+    """``base`` sharded by either front door.
+
+    Args:
+        base: the plain model (changed in place by ``fully_shard``).
+        how: a ``ShardingStrategy`` for ``FullyShardedDataParallel``, or
+            :data:`FULLY_SHARD`: ``fully_shard`` on every module the auto-wrap
+            ``policy`` picks (children before parents, as users apply it
+            per block), then on ``base``.
+        policy: an auto-wrap policy (``fullshard.wrap``) or None (one unit).
+        kwargs: the wrapper's or ``fully_shard``'s keyword arguments.
+    Returns:
+        The wrapper, or ``base`` itself (now an ``FSDPModule``).
+    """
+    if how != FULLY_SHARD:
+        return FSDP(base, sharding_strategy=ShardingStrategy(how), auto_wrap_policy=policy, **kwargs)
+
+    def shard_child(child, name, skip_param_ids):
+        # A weight tied to a module outside ``child`` goes to an enclosing unit, as under auto-wrap.
+        skip = {p for p in child.parameters() if id(p) in skip_param_ids}
+        return fully_shard(child, ignored_params=skip or None, **kwargs)
+    if policy is not None:
+        recursive_wrap(base, policy, shard_child, set(), lambda m: isinstance(m, FSDPModule))
+    return fully_shard(base, **kwargs)
+
+
+def label(how) -> str:
+    """A readable name of a :func:`shard` ``how``."""
+    return how if how == FULLY_SHARD else ShardingStrategy(how).value
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module: DDP's and the wrapper's ``.module``, a ``fully_shard`` model itself."""
+    return model if isinstance(model, FSDPModule) or not hasattr(model, "module") else model.module
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` fronts a fullshard unit (either front door)."""
+    return isinstance(model, UnitModule)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """``model.no_sync()``, or for a ``fully_shard`` model its FSDP2 spelling
+    ``set_requires_gradient_sync(False)`` ... ``(True)``."""
+    if not isinstance(model, FSDPModule):
+        with model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``tensor``, all-gathered if it is a DTensor (a collective then)."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
 def train(model, kind, rank, clip=True):
@@ -42,6 +115,44 @@ def train(model, kind, rank, clip=True):
         opt.zero_grad(set_to_none=step % 2 == 0)
         losses.append(loss.item())
     return losses, norms
+
+
+def ddp_bf16_losses(base: nn.Module, rank: int, steps: int = STEPS) -> list[float]:
+    """Per-step losses of DDP under the casting of a bf16 param dtype with fp32
+    reduction, on ``base`` (a ``models.make_model("gpt")``) and rank ``rank``'s
+    batches: a bf16 model copy computes forward/backward, gradients are
+    averaged in fp32 and AdamW steps fp32 master weights that are cast back to
+    bf16 after each step. No clipping. (DDP's own ``mixed_precision`` needs
+    CUDA events, so it is spelled out.)"""
+    low = M.clone(base).to(torch.bfloat16)
+    ddp = DDP(low)
+    names = [n for n, _ in low.named_parameters()]
+    master = [p.detach().float().clone().requires_grad_(True) for p in low.parameters()]
+    opt = torch.optim.AdamW(M.param_groups(list(zip(names, master))), lr=1e-2, eps=1e-6)
+    # fp32 gradient reduction: DDP's comm hook averages an fp32 copy of each bucket.
+    ddp.register_comm_hook(None, _fp32_allreduce_hook)
+    losses = []
+    for step in range(steps):
+        x, y = M.batch("gpt", rank, step)
+        loss = M.loss_fn("gpt", ddp, x, y)
+        loss.backward()
+        with torch.no_grad():
+            for m, p in zip(master, low.parameters()):
+                m.grad = p.grad.float()
+                p.grad = None
+            opt.step()
+            opt.zero_grad()
+            for m, p in zip(master, low.parameters()):
+                p.copy_(m)
+        losses.append(loss.item())
+    return losses
+
+
+def _fp32_allreduce_hook(state, bucket):
+    buf = bucket.buffer()
+    full = buf.float().div_(dist.get_world_size())
+    fut = dist.all_reduce(full, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].to(buf.dtype))
 
 
 class BNBlock(nn.Module):

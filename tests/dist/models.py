@@ -56,6 +56,13 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
     raise ValueError(kind)
 
 
+def vector_scale(model: nn.Module) -> nn.Module:
+    """``model`` with its 0-dim ``scale`` replaced by a 1-element 1-D parameter of the same value and
+    ``requires_grad`` (``fully_shard`` refuses 0-dim parameters, as torch FSDP2 does; the results are the same)."""
+    model.scale = nn.Parameter(model.scale.detach().reshape(1).clone(), requires_grad=model.scale.requires_grad)
+    return model
+
+
 def batch(kind: str, rank: int, step: int):
     g = torch.Generator().manual_seed(1000 * rank + step)
     if kind == "gpt":

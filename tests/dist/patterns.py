@@ -1,23 +1,27 @@
 """Models and a DDP-parity driver for the usage patterns off the happy path
 (tests/dist/test_patterns.py): every pattern is run on torch DDP and on
-fullshard under FULL_SHARD, SHARD_GRAD_OP and NO_SHARD with the same seeds and
-per-rank data, and losses, gradients-or-None and final parameters are compared."""
+fullshard under FULL_SHARD, SHARD_GRAD_OP and NO_SHARD and through
+``fully_shard`` with the same seeds and per-rank data, and losses,
+gradients-or-None and final parameters are compared."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy
+from fullshard import FSDPModule, ShardingStrategy
 from fullshard.wrap import ModuleWrapPolicy
-from tests.dist.common import ATOL, RTOL
+from tests.dist.common import ATOL, FULLY_SHARD, RTOL, full, label, shard
 
 STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
+WRAPPINGS = STRATEGIES + (FULLY_SHARD,)
+"""What :func:`compare` runs by default: the wrapper under each strategy, then ``fully_shard``."""
 
 
 class Enc(nn.Module):
@@ -111,6 +115,14 @@ def full_state(model) -> tuple[dict, dict]:
         named = {n.removeprefix("module."): p for n, p in model.named_parameters()}
         return ({n: p.detach().clone() for n, p in named.items()},
                 {n: None if p.grad is None else p.grad.clone() for n, p in named.items()})
+    if isinstance(model, FSDPModule):
+        named = dict(model.named_parameters())
+        nones = [p.grad is None for p in named.values()]
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, nones)  # a gradient None on one rank only would hang full_tensor()
+        assert all(e == nones for e in every), f"gradient None differs across ranks: {every}"
+        return ({n: full(p) for n, p in named.items()},
+                {n: None if p.grad is None else full(p.grad) for n, p in named.items()})
     with model.summon_full_params(writeback=False, with_grads=True):
         named = dict(model.named_parameters())
         return ({n: p.detach().clone() for n, p in named.items()},
@@ -135,21 +147,25 @@ def run(model, step_fn: Callable, rank: int, steps: int, opt_fn=None):
     return losses, grads, full_state(model)[0]
 
 
-def compare(rank: int, step_fn: Callable, steps: int = 4, strategies=STRATEGIES, make_fn=make,
+def compare(rank: int, step_fn: Callable, steps: int = 4, strategies=WRAPPINGS, make_fn=make,
             ddp_kwargs=None, fsdp_kwargs=None, ref_step_fn=None, opt_fn=None, policy_fn=None) -> float:
     """Run ``step_fn`` on DDP (``ref_step_fn`` if given) and on fullshard under
-    each strategy; assert equal losses, equal gradients (None where DDP has
-    None) and equal final parameters. Returns the largest absolute
-    difference to DDP over losses, gradients and final parameters."""
+    each of ``strategies`` (a ``ShardingStrategy``: the wrapper, with
+    ``fsdp_kwargs``; ``FULLY_SHARD``: ``fully_shard`` on the units of the
+    policy, then the root, with defaults); assert equal losses, equal
+    gradients (None where DDP has None) and equal final parameters. Returns
+    the largest absolute difference to DDP over losses, gradients and final
+    parameters."""
+    if fsdp_kwargs and FULLY_SHARD in strategies:
+        raise ValueError("fsdp_kwargs are the wrapper's arguments: pass strategies=STRATEGIES with them")
     base = make_fn()
     ref = DDP(_clone(base), **(ddp_kwargs or {"find_unused_parameters": True}))
     ref_losses, ref_grads, ref_params = run(ref, ref_step_fn or step_fn, rank, steps, opt_fn)
     worst = 0.0
     for strategy in strategies:
-        model = FSDP(_clone(base), sharding_strategy=strategy, auto_wrap_policy=(policy_fn or policy)(),
-                     **(fsdp_kwargs or {}))
+        model = shard(_clone(base), strategy, (policy_fn or policy)(), **(fsdp_kwargs or {}))
         losses, grads, params = run(model, step_fn, rank, steps, opt_fn)
-        where = strategy.value
+        where = label(strategy)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"{where} losses: {m}")
         for step, (g, rg) in enumerate(zip(grads, ref_grads)):

@@ -9,14 +9,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy, memory_stats
 from fullshard.core import collectives as C
+from fullshard.core.module import unit_modules
 from fullshard.core.state import TrainingState, TrainingStateError
 from fullshard.wrap import ModuleWrapPolicy, enable_wrap, lambda_auto_wrap_policy, size_based_auto_wrap_policy, wrap
-from tests.dist import models as M
-from tests.dist.common import ATOL, RTOL, train
+from tests.dist import models as M, patterns as P
+from tests.dist.common import ATOL, FULLY_SHARD, RTOL, label, no_sync, shard, train
 from tests.dist.harness import run_ranks
 
 
@@ -28,13 +30,15 @@ def _step(model, kind, rank, step=0):
 
 
 def _state_bytes(model, opt):
-    """(parameter, gradient, optimizer-state) bytes held by this rank."""
-    params = list(model.parameters())
+    """(parameter, gradient, optimizer-state, parameter-storage) bytes held by this rank."""
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731  fully_shard: this rank's rows
+    params = [local(p) for p in model.parameters()]
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
     p_bytes = sum(p.numel() * p.element_size() for p in params)
-    g_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    o_bytes = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
-                  if torch.is_tensor(t) and t.dim() > 0)
+    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+    g_bytes = sum(g.numel() * g.element_size() for g in grads)
+    states = [local(t) for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    o_bytes = sum(t.numel() * t.element_size() for t in states)
     return p_bytes, g_bytes, o_bytes, sum(storages.values())
 
 
@@ -44,9 +48,13 @@ def _counts_and_memory(rank, world):
     base = M.make_model("gpt")
     # FULL_SHARD: 2 all-gathers per non-root unit (forward, backward), 1 for
     # the root (never freed between its forward and backward), 1 reduce-scatter each.
-    for strategy, gathers_per_unit in ((ShardingStrategy.FULL_SHARD, 2), (ShardingStrategy.SHARD_GRAD_OP, 1)):
-        model = FSDP(M.clone(base), sharding_strategy=strategy, auto_wrap_policy=M.unit_policy("gpt"))
-        units = model.units()
+    # fully_shard: the same with reshard_after_forward True, as SHARD_GRAD_OP with False.
+    for how, gathers_per_unit, kwargs in (
+            (ShardingStrategy.FULL_SHARD, 2, {}), (ShardingStrategy.SHARD_GRAD_OP, 1, {}),
+            (FULLY_SHARD, 2, {}), (FULLY_SHARD, 1, dict(reshard_after_forward=False))):
+        where = (label(how), kwargs)
+        model = shard(M.clone(base), how, M.unit_policy("gpt"), **kwargs)
+        units = unit_modules(model)
         assert len(units) == 3, [u.unit.name for u in units]  # root + 2 blocks
         _step(model, "gpt", rank)  # first step records the order; count the second
         for p in model.parameters():
@@ -54,7 +62,7 @@ def _counts_and_memory(rank, world):
         C.reset_counts()
         x, y = M.batch("gpt", rank, 1)
         loss = M.loss_fn("gpt", model, x, y)
-        if strategy is ShardingStrategy.FULL_SHARD:
+        if gathers_per_unit == 2:
             # After forward no full parameters remain except the root's.
             stats = memory_stats(model)
             assert stats[""]["unsharded_bytes"] > 0
@@ -65,26 +73,28 @@ def _counts_and_memory(rank, world):
         loss.backward()
         non_root = len(units) - 1
         expected_gathers = gathers_per_unit * non_root + 1
-        assert C.COUNTS["all_gather"] == expected_gathers, (strategy, dict(C.COUNTS))
-        assert C.COUNTS["reduce_scatter"] == len(units), (strategy, dict(C.COUNTS))
+        assert C.COUNTS["all_gather"] == expected_gathers, (where, dict(C.COUNTS))
+        assert C.COUNTS["reduce_scatter"] == len(units), (where, dict(C.COUNTS))
         for name, entry in memory_stats(model).items():  # after backward every unit is resharded
             assert name == "pool" or entry["unsharded_bytes"] == 0, name
-        out[strategy.value] = dict(C.COUNTS)
+        out[f"{label(how)} {kwargs}"] = dict(C.COUNTS)
         # Evaluation without grad keeps nothing gathered, root included.
         with torch.no_grad():
             model(x)
         for name, entry in memory_stats(model).items():
-            assert name == "pool" or entry["unsharded_bytes"] == 0, (strategy, name)
+            assert name == "pool" or entry["unsharded_bytes"] == 0, (where, name)
     # Model-state bytes per rank after a step: ≈ 1/N of DDP's (plus padding).
     ddp = DDP(M.clone(base))
     fsdp = FSDP(M.clone(base), auto_wrap_policy=M.unit_policy("gpt"))
+    fully = shard(M.clone(base), FULLY_SHARD, M.unit_policy("gpt"))
     sizes = {}
-    for name, model in (("ddp", ddp), ("fsdp", fsdp)):
+    for name, model in (("ddp", ddp), ("fsdp", fsdp), (FULLY_SHARD, fully)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         _step(model, "gpt", rank)
         opt.step()
         sizes[name] = _state_bytes(model, opt)
     psi = sum(p.numel() for p in base.parameters())
+    assert sizes[FULLY_SHARD] == sizes["fsdp"], sizes
     for i, what in enumerate(("params", "grads", "optimizer state")):
         ratio = sizes["fsdp"][i] / sizes["ddp"][i]
         assert ratio <= 1 / world + 0.02, (what, ratio, sizes)
@@ -119,33 +129,40 @@ class TiedTwice(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+def _local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _features(rank, world):
     base = M.make_model("gpt")
-    # Original names, no wrapper prefixes; tied embedding stays one parameter.
-    model = FSDP(M.clone(base), auto_wrap_policy=M.unit_policy("gpt"))
-    assert [n for n, _ in model.named_parameters()] == [n for n, _ in base.named_parameters()]
-    assert model.output_projection.weight is model.embed_tokens.weight
-    train(model, "gpt", rank, clip=True)
-    with model.summon_full_params():
+    for how in (ShardingStrategy.FULL_SHARD, FULLY_SHARD):
+        # Original names, no wrapper prefixes; tied embedding stays one parameter.
+        model = shard(M.clone(base), how, M.unit_policy("gpt"))
+        assert [n for n, _ in model.named_parameters()] == [n for n, _ in base.named_parameters()]
         assert model.output_projection.weight is model.embed_tokens.weight
-        assert model.embed_tokens.weight.shape == base.embed_tokens.weight.shape
+        train(model, "gpt", rank, clip=True)
+        assert model.output_projection.weight is model.embed_tokens.weight
+        if how != FULLY_SHARD:
+            with model.summon_full_params():
+                assert model.output_projection.weight is model.embed_tokens.weight
+                assert model.embed_tokens.weight.shape == base.embed_tokens.weight.shape
 
-    # Frozen parameters (also mixed inside one unit): no gradient, no change,
-    # and not part of the reduce-scatter.
-    frozen = FSDP(M.make_model("frozen"), auto_wrap_policy=M.unit_policy("frozen"))
-    before = {n: p.detach().clone() for n, p in frozen.named_parameters()}
-    C.reset_counts()
-    _step(frozen, "frozen", rank)
-    # Each rank's block: the trainable shard plus one used flag per parameter.
-    trainable_numel = sum((u.unit.layout.grad_shard_numel + len(u.unit.layout.params)) * world
-                          for u in frozen.units())
-    assert C.BYTES["reduce_scatter"] == trainable_numel * 4
-    for n, p in frozen.named_parameters():
-        assert (p.grad is None) == (not p.requires_grad), n
-    train(frozen, "frozen", rank)
-    for n, p in frozen.named_parameters():
-        if not p.requires_grad:
-            assert torch.equal(p, before[n]), n
+        # Frozen parameters (also mixed inside one unit): no gradient, no change,
+        # and not part of the reduce-scatter.
+        frozen = shard(M.vector_scale(M.make_model("frozen")), how, M.unit_policy("frozen"))
+        before = {n: _local(p).detach().clone() for n, p in frozen.named_parameters()}
+        C.reset_counts()
+        _step(frozen, "frozen", rank)
+        # Each rank's block: the trainable shard plus one used flag per parameter.
+        trainable_numel = sum((u.unit.layout.grad_shard_numel + len(u.unit.layout.params)) * world
+                              for u in unit_modules(frozen))
+        assert C.BYTES["reduce_scatter"] == trainable_numel * 4, how
+        for n, p in frozen.named_parameters():
+            assert (p.grad is None) == (not p.requires_grad), (how, n)
+        train(frozen, "frozen", rank)
+        for n, p in frozen.named_parameters():
+            if not p.requires_grad:
+                assert torch.equal(_local(p), before[n]), (how, n)
 
     # Wrap policies and manual wrapping all train like DDP.
     mlp = M.make_model("mlp")
@@ -197,23 +214,21 @@ def _features(rank, world):
     assert all("out." not in s.fqn for u in ign.units() for s in u.unit.slots)
 
     # no_sync: K micro-batches with local accumulation == reduce-scatter every
-    # micro-batch == DDP with its own no_sync.
+    # micro-batch == DDP with its own no_sync, through either front door.
     results = []
-    for mode in ("ddp", "no_sync", "reduce_scatter"):
-        model = DDP(M.clone(mlp)) if mode == "ddp" else FSDP(M.clone(mlp), auto_wrap_policy=M.unit_policy("mlp"))
+    vector_mlp = M.vector_scale(M.clone(mlp))
+    for mode in ("ddp", "no_sync", "reduce_scatter", "fully_shard no_sync", "fully_shard reduce_scatter"):
+        how = FULLY_SHARD if mode.startswith(FULLY_SHARD) else ShardingStrategy.FULL_SHARD
+        model = DDP(M.clone(vector_mlp)) if mode == "ddp" else shard(M.clone(vector_mlp), how, M.unit_policy("mlp"))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for step in range(3):
             for micro in range(2):
-                ctx = model.no_sync() if micro == 0 and mode != "reduce_scatter" else _null()
+                ctx = no_sync(model) if micro == 0 and not mode.endswith("reduce_scatter") else _null()
                 with ctx:
                     (_step_loss(model, rank, 10 * step + micro) / 2).backward()
             opt.step()
             opt.zero_grad()
-        if isinstance(model, FSDP):
-            with model.summon_full_params():
-                results.append([p.detach().clone() for p in model.parameters()])
-        else:
-            results.append([p.detach().clone() for p in model.parameters()])
+        results.append(list(P.full_state(model)[0].values()))
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)

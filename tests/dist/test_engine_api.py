@@ -15,12 +15,20 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fullshard import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy, memory_stats
+from fullshard import (
+    FullyShardedDataParallel as FSDP,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    fully_shard,
+    memory_stats,
+)
+from fullshard.core.module import unit_modules
 from fullshard.fsdp import register_fsdp_forward_method
 from fullshard.memory import memory_totals
 from fullshard.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 from tests.dist import patterns as P
-from tests.dist.common import BNBlock, BNNet
+from tests.dist.common import FULLY_SHARD, BNBlock, BNNet, label, no_sync, shard, unwrap
 from tests.dist.harness import run_ranks
 
 
@@ -71,41 +79,66 @@ def _containers_norms_methods(rank, world):
     out["dataclass_namedtuple_io"] = P.compare(rank, _plain_step, make_fn=DCNet,
                                                policy_fn=lambda: ModuleWrapPolicy({DCInner}))
     bf16 = MixedPrecision(param_dtype=torch.bfloat16)
-    torch.manual_seed(0)
-    m = FSDP(DCNet(), auto_wrap_policy=ModuleWrapPolicy({DCInner}), mixed_precision=bf16)
-    m(torch.randn(2, 7)).sum().backward()
-    assert m.inner.module.seen_dtypes == [torch.bfloat16, torch.bfloat16]
+    bf16_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for how, kwargs in ((ShardingStrategy.FULL_SHARD, dict(mixed_precision=bf16)),
+                        (FULLY_SHARD, dict(mp_policy=bf16_policy))):
+        torch.manual_seed(0)
+        m = shard(DCNet(), how, ModuleWrapPolicy({DCInner}), **kwargs)
+        m(torch.randn(2, 7)).sum().backward()
+        assert unwrap(m.inner).seen_dtypes == [torch.bfloat16, torch.bfloat16], how
 
     # 8. BatchNorm under bf16 with no extra arguments: full-precision units.
+    # fully_shard, as torch FSDP2, casts what it is told to: each norm is its own
+    # unit with an fp32 policy whose output goes back to bf16 (without it, torch's
+    # batch_norm raises "expected scalar type BFloat16 but found Float", as under torch FSDP2).
     torch.manual_seed(0)
     base = BNNet()
     ref = DDP(P._clone(base), broadcast_buffers=False)  # per-rank statistics, as ours
     ref_losses, _, ref_params = P.run(ref, _plain_step, rank, 3)
-    for strategy in P.STRATEGIES:
-        model = FSDP(P._clone(base), sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({BNBlock}),
-                     mixed_precision=bf16)
-        bn_units = [u for u in model.units() if isinstance(u.module, nn.BatchNorm1d)]
-        assert len(bn_units) == 2 and all(u.unit.compute_dtype == torch.float32 for u in bn_units)
+    for how in P.WRAPPINGS:
+        if how == FULLY_SHARD:
+            model = P._clone(base)
+            for norm in (model.bn, model.block.bn):
+                fully_shard(norm, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                 output_dtype=torch.bfloat16))
+            model = shard(model, how, ModuleWrapPolicy({BNBlock}), mp_policy=bf16_policy)
+        else:
+            model = shard(P._clone(base), how, ModuleWrapPolicy({BNBlock}), mixed_precision=bf16)
+        bn_units = [u for u in unit_modules(model) if isinstance(unwrap(u), nn.BatchNorm1d)]
+        assert len(bn_units) == 2 and all(u.unit.compute_dtype == torch.float32 for u in bn_units), how
         losses, _, params = P.run(model, _plain_step, rank, 3)
         for name, buf in model.named_buffers():
             if "running" in name:
                 assert buf.dtype == torch.float32, name
                 torch.testing.assert_close(buf, dict(ref.module.named_buffers())[name], rtol=0.05, atol=0.02)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0.05, atol=0.02)
-        out[f"batchnorm_bf16_loss_diff[{strategy.value}]"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        out[f"batchnorm_bf16_loss_diff[{label(how)}]"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
 
     # 9. A method other than forward that uses the parameters.
     torch.manual_seed(0)
     plain = P.Net()
-    model = FSDP(P._clone(plain), auto_wrap_policy=P.policy())
     P.Net.score = lambda self, h: h @ self.pre.weight.t()
-    register_fsdp_forward_method(model, "score")
+    P.Net.broken = lambda self, h: self.pre(h[:, :6])  # wrong width: raises after the all-gather
     h = torch.randn(3, 7)
-    torch.testing.assert_close(model.score(h), plain.score(h))
-    # Calling the wrapped module directly (what generate() does) gathers too.
-    torch.testing.assert_close(model.module(h), plain(h))
-    with pytest.raises(ValueError, match="no method 'nope'"):
-        register_fsdp_forward_method(model, "nope")
+    for how in (ShardingStrategy.FULL_SHARD, FULLY_SHARD):
+        model = shard(P._clone(plain), how, P.policy())
+        register_fsdp_forward_method(model, "score")
+        for grad in (True, False, False):  # repeated, without backward; no_grad as generate() runs
+            with torch.set_grad_enabled(grad):
+                torch.testing.assert_close(model.score(h), plain.score(h))
+                # Calling the wrapped module directly (what generate() does) gathers too.
+                torch.testing.assert_close(unwrap(model)(h), plain(h))
+        assert memory_totals(memory_stats(model))["unsharded_bytes"] == 0, how  # nothing left gathered
+        with pytest.raises(ValueError, match="no method 'nope'"):
+            register_fsdp_forward_method(model, "nope")
+        # A registered method that raises leaves the model idle: no_sync() and training go on.
+        register_fsdp_forward_method(model, "broken")
+        with pytest.raises(RuntimeError):
+            model.broken(h)
+        with no_sync(model):
+            pass
+        x, y = P.batch(rank, 0)
+        P.mse(model(x), y).backward()
 
     # 10. A loss the root stored on itself, with and without nested units.
     def keeps_loss(model, opt, rank, s):
@@ -151,8 +184,15 @@ def _live_tensors() -> collections.Counter:
 
 
 def _memory(rank, world):
+    out = {}
+    for how in (ShardingStrategy.FULL_SHARD, FULLY_SHARD):
+        out[label(how)] = _memory_of(rank, how)
+    return out
+
+
+def _memory_of(rank, how):
     # A deleted model is freed (no cycle through hooks keeps the shards).
-    model = FSDP(P.make(), auto_wrap_policy=P.policy())
+    model = shard(P.make(), how, P.policy())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = P.batch(rank, 0)
     P.mse(model(x), y).backward()
@@ -163,24 +203,33 @@ def _memory(rank, world):
     assert all(r() is None for r in refs), [r() is None for r in refs]
 
     # Frozen-only units are resharded right after their own backward.
-    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+    for keep in (False, True):
         base = P.make()
         base.enc.requires_grad_(False)
-        model = FSDP(base, sharding_strategy=strategy, auto_wrap_policy=P.policy())
+        if how == FULLY_SHARD:
+            model = shard(base, how, P.policy(), reshard_after_forward=not keep)
+        else:
+            model = shard(base, ShardingStrategy.SHARD_GRAD_OP if keep else how, P.policy())
         seen = []
+        # prepend: the input as the caller passed it, before fully_shard's pre-forward hook wraps it
         model.enc.register_forward_pre_hook(
             lambda m, a: a[0].register_hook(lambda g: seen.append(memory_stats(model)["enc"]["unsharded_bytes"]))
-            and None)
+            and None, prepend=True)
         P.mse(model(x), y).backward()
-        assert seen == [0], (strategy, seen)
+        assert seen == [0], (how, keep, seen)
 
     # Live tensors and gathered bytes stay flat over iterations of every pattern.
-    model = FSDP(P.make(), auto_wrap_policy=P.policy())
+    model = shard(P.make(), how, P.policy())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def iteration(i):
         x, y = P.batch(rank, i)
-        with model.no_sync():
+        if i % 5 == 2:  # a forward that raises inside the nested unit, after its all-gather
+            h = model.enc.b.register_forward_pre_hook(lambda m, a: _boom(None))
+            with pytest.raises(ValueError, match="boom"):
+                model(x)
+            h.remove()
+        with no_sync(model):
             P.mse(model(x, use_spare=True), y).backward()
         if i % 3 == 0:
             opt.zero_grad()  # discards the stash

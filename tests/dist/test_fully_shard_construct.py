@@ -208,8 +208,10 @@ def _errors_case(rank, world):
     _raises(f"{where} parameter 'gate' of unit 'Block' is already a sharded parameter of unit 'Net'",
             lambda: fully_shard(model.layers[0]))
     _raises(f"{where} fully_shard.*already sharded", lambda: fully_shard(wrapper))
-    _raises("reshard_after_forward must be None, True or False.*int.*not implemented",
-            lambda: fully_shard(FP.make(), reshard_after_forward=2))
+    _raises(f"reshard_after_forward=3 must divide the shard group size {world}",
+            lambda: fully_shard(FP.make(), reshard_after_forward=3))
+    _raises("reshard_after_forward must be None, a bool or an int, got 'yes'",
+            lambda: fully_shard(FP.make(), reshard_after_forward="yes"))
     mesh3 = init_device_mesh("cpu", (1, 1, world))
     _raises("mesh must be 1-D .* or 2-D .*got 3-D", lambda: fully_shard(FP.make(), mesh=mesh3))
     _raises("mp_policy must be a fullshard.MixedPrecisionPolicy, got MixedPrecision",

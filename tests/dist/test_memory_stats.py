@@ -12,10 +12,17 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fullshard
-from fullshard import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy, memory_stats
+from fullshard import (
+    FullyShardedDataParallel as FSDP,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    memory_stats,
+)
 from fullshard.activation_checkpointing import apply_activation_checkpointing
 from fullshard.models import TransformerBlock
 from tests.dist import models as M, patterns as P
+from tests.dist.common import FULLY_SHARD, no_sync, shard, unwrap
 from tests.dist.harness import run_ranks
 
 UNIT_KEYS = ["sharded_bytes", "unsharded_bytes", "full_grad_bytes", "stashed_grad_bytes",
@@ -57,16 +64,23 @@ def _gpt_cases(rank, world):
     names = [""] + blocks
     numels = _unit_numels(plain, names, world)
     x, y = M.batch("gpt", rank, 0)
-    for strategy, mp, ckpt in ((ShardingStrategy.SHARD_GRAD_OP, None, False),
-                               (ShardingStrategy.SHARD_GRAD_OP,
-                                MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), True),
-                               (ShardingStrategy.FULL_SHARD, None, True)):
-        where = (strategy, mp is not None, ckpt)
+    # (front door, bf16, activation checkpointing, full parameters kept after forward)
+    for how, mp, ckpt, keep in ((ShardingStrategy.SHARD_GRAD_OP, False, False, True),
+                                (ShardingStrategy.SHARD_GRAD_OP, True, True, True),
+                                (ShardingStrategy.FULL_SHARD, False, True, False),
+                                (FULLY_SHARD, False, False, False), (FULLY_SHARD, True, True, True)):
+        where = (how, mp, ckpt)
         base = M.clone(plain)
         if ckpt:  # CheckpointWrapper(FSDP(block)): the name drops both wrapper segments
             apply_activation_checkpointing(base, check_fn=lambda m: isinstance(m, TransformerBlock))
-        model = FSDP(base, sharding_strategy=strategy, auto_wrap_policy=M.unit_policy("gpt"), mixed_precision=mp)
-        compute = 2 if mp is not None else 4
+        if how == FULLY_SHARD:
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
+            kwargs = dict(reshard_after_forward=not keep, mp_policy=policy or MixedPrecisionPolicy())
+        else:
+            policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
+            kwargs = dict(mixed_precision=policy)
+        model = shard(base, how, M.unit_policy("gpt"), **kwargs)
+        compute = 2 if mp else 4
         stats = memory_stats(model)
         _check_shape(stats, names)
         for n in names:
@@ -78,7 +92,7 @@ def _gpt_cases(rank, world):
         loss = M.loss_fn("gpt", model, x, y)
         stats = memory_stats(model)
         for n in names:
-            kept = n == "" or strategy is ShardingStrategy.SHARD_GRAD_OP
+            kept = n == "" or keep
             assert stats[n]["unsharded_bytes"] == (compute * world * numels[n][0] if kept else 0), (where, n)
         assert stats["pool"]["in_use_bytes"] >= sum(stats[n]["unsharded_bytes"] for n in names), where
         assert _all_zero(stats, "full_grad_bytes", "stashed_grad_bytes", "pending_reduce_scatters"), where
@@ -86,7 +100,7 @@ def _gpt_cases(rank, world):
         # In backward, once the first block's input gradient exists: the last
         # block's reduce-scatter is in flight, the root's not yet issued.
         seen = []
-        handle = model.module.layers[0].register_forward_pre_hook(
+        handle = unwrap(model).layers[0].register_forward_pre_hook(
             lambda m, a: a[0].register_hook(lambda g: seen.append(memory_stats(model))) and None)
         loss.backward()
         assert seen == [], "the hook was registered after the forward"
@@ -102,7 +116,7 @@ def _gpt_cases(rank, world):
         assert stats["pool"]["in_use_bytes"] == 0, (where, stats["pool"])
 
         # no_sync: each unit stashes N·S elements in the reduce dtype (fp32).
-        with model.no_sync():
+        with no_sync(model):
             M.loss_fn("gpt", model, x, y).backward()
         stats = memory_stats(model)
         for n in names:
@@ -112,7 +126,7 @@ def _gpt_cases(rank, world):
         stats = memory_stats(model)
         assert _all_zero(stats, *UNIT_KEYS[1:]), (where, stats)
         # A nested unit reports under the same names, relative to itself.
-        assert list(memory_stats(model.module.layers[1])) == ["", "pool"], where
+        assert list(memory_stats(unwrap(model).layers[1])) == ["", "pool"], where
         if not ckpt:
             _check_leftover_gradient(model, blocks[-1], 4 * numels[blocks[-1]][1], x, y)
     return "ok"
@@ -121,7 +135,7 @@ def _gpt_cases(rank, world):
 def _check_leftover_gradient(model, name, nbytes, x, y):
     """A backward that raises after the last block took its full gradient
     leaves that gradient behind until the next forward clears it."""
-    last = model.module.layers[1]
+    last = unwrap(model).layers[1]
 
     def fail(*args, **kwargs):
         raise RuntimeError("injected reduce failure")

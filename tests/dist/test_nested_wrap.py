@@ -1,7 +1,8 @@
 """Auto-wrap policies that select a module and some of its descendants: the
 descendants' units nest inside the module's unit, which nests in the root
 (torch FSDP1's nesting). Parity with DDP under FULL_SHARD, SHARD_GRAD_OP and
-NO_SHARD, the unit tree, tied weights across and inside unit boundaries,
+NO_SHARD, and through ``fully_shard`` applied bottom-up to the modules the
+policy picks, the unit tree, tied weights across and inside unit boundaries,
 ignored modules, full-precision norm units under mixed precision, and the
 full state dict of a nested-wrapped GPT."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fullshard import BackwardPrefetch, FullyShardedDataParallel as FSDP, MixedPrecision
 from fullshard.wrap import ModuleWrapPolicy, always_wrap_policy, size_based_auto_wrap_policy
 from tests.dist import models as M, patterns as P
-from tests.dist.common import BNBlock, BNNet
+from tests.dist.common import FULLY_SHARD, BNBlock, BNNet
 from tests.dist.harness import run_ranks
 
 
@@ -134,7 +135,11 @@ def _policies(rank, world):
         assert nesting(model) == tree, (name, nesting(model))
         assert holders(model)["Stack"] == ["scale"] and holders(model)["blocks.0.1"] == []
         out[f"stack_{name}"] = P.compare(rank, _plain_step, steps=3, make_fn=functools.partial(_seeded, Stack),
-                                         policy_fn=policy_fn)
+                                         policy_fn=policy_fn, strategies=P.STRATEGIES)
+        # fully_shard refuses the 0-dim scale (as torch FSDP2 does): its 1-D twin.
+        out[f"stack_{name}[fully_shard]"] = P.compare(
+            rank, _plain_step, steps=3, make_fn=lambda: M.vector_scale(_seeded(Stack)), policy_fn=policy_fn,
+            strategies=(FULLY_SHARD,))
     return out
 
 
@@ -235,7 +240,8 @@ def _gpt(rank, world):
                                             policy_fn=policy_fn, opt_fn=opt_fn)
     out["gpt_block_and_linear_prefetch"] = P.compare(
         rank, _gpt_step, steps=3, make_fn=lambda: M.make_model("gpt"), policy_fn=policy_fn, opt_fn=opt_fn,
-        fsdp_kwargs=dict(backward_prefetch=BackwardPrefetch.BACKWARD_POST, forward_prefetch=True))
+        fsdp_kwargs=dict(backward_prefetch=BackwardPrefetch.BACKWARD_POST, forward_prefetch=True),
+        strategies=P.STRATEGIES)
     out["gpt_always_wrap"] = P.compare(rank, _gpt_step, steps=3, make_fn=lambda: M.make_model("gpt"),
                                        policy_fn=lambda: always_wrap_policy, opt_fn=opt_fn)
     return out

@@ -5,15 +5,13 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fullshard import CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision
 from fullshard.core import collectives as C
 from tests.dist import models as M
-from tests.dist.common import train
+from tests.dist.common import BF16_RTOL, ddp_bf16_losses, train
 from tests.dist.harness import run_ranks
 
-BF16_RTOL = 1.6e-2
 BF16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
 
 
@@ -22,47 +20,10 @@ def _full(model):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _ddp_bf16_with_fp32_master(base, rank, steps=10):
-    """DDP under the same casting as MixedPrecision(bf16, fp32): a bf16 model
-    copy computes forward/backward, gradients are averaged in fp32 and AdamW
-    steps fp32 master weights that are cast back to bf16 after each step.
-    (DDP's own ``mixed_precision`` needs CUDA events, so it is spelled out.)"""
-    low = M.clone(base).to(torch.bfloat16)
-    ddp = DDP(low)
-    names = [n for n, _ in low.named_parameters()]
-    master = [p.detach().float().clone().requires_grad_(True) for p in low.parameters()]
-    opt = torch.optim.AdamW(M.param_groups(list(zip(names, master))), lr=1e-2, eps=1e-6)
-    # fp32 gradient reduction: DDP's comm hook averages an fp32 copy of each bucket.
-    ddp.register_comm_hook(None, _fp32_allreduce_hook)
-    losses = []
-    for step in range(steps):
-        x, y = M.batch("gpt", rank, step)
-        loss = M.loss_fn("gpt", ddp, x, y)
-        loss.backward()
-        with torch.no_grad():
-            for m, p in zip(master, low.parameters()):
-                m.grad = p.grad.float()
-                p.grad = None
-            opt.step()
-            opt.zero_grad()
-            for m, p in zip(master, low.parameters()):
-                p.copy_(m)
-        losses.append(loss.item())
-    return losses
-
-
-def _fp32_allreduce_hook(state, bucket):
-    import torch.distributed as dist
-    buf = bucket.buffer()
-    full = buf.float().div_(dist.get_world_size())
-    fut = dist.all_reduce(full, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0].to(buf.dtype))
-
-
 def _bf16_and_offload(rank, world):
     base = M.make_model("gpt")
     out = {}
-    ref_losses = _ddp_bf16_with_fp32_master(base, rank)
+    ref_losses = ddp_bf16_losses(base, rank)
     ours = FSDP(M.clone(base), auto_wrap_policy=M.unit_policy("gpt"), mixed_precision=BF16)
     losses, _ = train(ours, "gpt", rank, clip=False)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=BF16_RTOL, atol=1e-3)

@@ -1,7 +1,7 @@
 """Losses computed from tensors a forward stored on a module instead of
 returning them (auxiliary heads, multi-task models), from a nested unit's
-output, from the root's, from both, under every strategy and with
-``no_sync``, against one process that computes the same global batch.
+output, from the root's, from both, under every strategy, through
+``fully_shard``, and with ``no_sync``, against one process that computes the same global batch.
 
 The reference is a single process, not DDP: DDP with
 ``find_unused_parameters=True`` searches for used parameters from the
@@ -81,8 +81,9 @@ def _reference(base: nn.Module, loss_fn, world: int, micro: int) -> list[dict]:
 
 
 def _stored_outputs(rank, world):
-    from fullshard import FSDP, ShardingStrategy
     from fullshard.wrap import ModuleWrapPolicy
+    from tests.dist import patterns as P
+    from tests.dist.common import label, no_sync, shard, unwrap
 
     worst = {}
     for lname, loss_fn in LOSSES.items():
@@ -90,32 +91,31 @@ def _stored_outputs(rank, world):
         base = Aux()
         for micro in (1, 2):
             ref = _reference(base, loss_fn, world, micro)
-            for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
-                where = f"{lname}, {strategy.value}, {micro} micro-batch(es)"
-                model = FSDP(copy.deepcopy(base), sharding_strategy=strategy,
-                             auto_wrap_policy=ModuleWrapPolicy({Block}))
+            for how in P.WRAPPINGS:
+                where = f"{lname}, {label(how)}, {micro} micro-batch(es)"
+                model = shard(copy.deepcopy(base), how, ModuleWrapPolicy({Block}))
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
                 for step in range(STEPS):
                     for k in range(micro):
-                        sync = contextlib.nullcontext() if k == micro - 1 else model.no_sync()
+                        sync = contextlib.nullcontext() if k == micro - 1 else no_sync(model)
                         with sync:
-                            loss_fn(model.module, model(_data(rank, step, k))).backward()
-                    with model.summon_full_params(writeback=False, with_grads=True):
-                        for n, p in model.named_parameters():
-                            want = ref[step][n]
-                            assert (p.grad is None) == (want is None), f"{where} step {step} {n}: grad None?"
-                            if want is not None:
-                                torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6,
-                                                           msg=lambda m: f"{where} step {step} {n}: {m}")
-                                worst[where] = max(worst.get(where, 0.0), float((p.grad - want).abs().max()))
+                            loss_fn(unwrap(model), model(_data(rank, step, k))).backward()
+                    for n, grad in P.full_state(model)[1].items():
+                        want = ref[step][n]
+                        assert (grad is None) == (want is None), f"{where} step {step} {n}: grad None?"
+                        if want is not None:
+                            torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6,
+                                                       msg=lambda m: f"{where} step {step} {n}: {m}")
+                            worst[where] = max(worst.get(where, 0.0), float((grad - want).abs().max()))
                     opt.step()
                     opt.zero_grad()
     return worst
 
 
 def test_losses_from_stored_outputs_match_one_process():
-    """Every stored-output loss, FULL_SHARD / SHARD_GRAD_OP / NO_SHARD, with and
-    without no_sync: gradients equal one process's over the global batch."""
+    """Every stored-output loss, FULL_SHARD / SHARD_GRAD_OP / NO_SHARD and
+    fully_shard, with and without no_sync: gradients equal one process's over
+    the global batch."""
     worst = run_ranks(_stored_outputs, 2)[0]
     assert max(worst.values()) < 1e-6, worst
 

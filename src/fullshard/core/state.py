@@ -123,7 +123,9 @@ class UnitRuntime:
         self.unshard_in_backward = True
         self.forward_prefetch_units: Optional[list[UnitRuntime]] = None
         self.backward_prefetch_units: Optional[list[UnitRuntime]] = None
-        self.nested_calls = 0  # calls of the unit's modules inside its own forward
+        # fully_shard: forward calls of the unit's modules in progress (above 1:
+        # called inside the unit's own forward); see fsdp2.py
+        self.forward_depth = 0
         self._grad_hook = None
         self.arm_grad_hook()
 
@@ -216,7 +218,7 @@ def start_iteration(root: RootRuntime) -> None:
     for rt in root.runtimes:
         rt.state = TrainingState.IDLE
         rt.pre_backward_done = False
-        rt.nested_calls = 0
+        rt.forward_depth = 0
         unit = rt.unit
         unit.release_full_grad(unit.take_full_grad()[0])  # a partial gradient of a backward that raised
         if broken:
