@@ -47,7 +47,9 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     eval_lm.add_args(sub.add_parser("eval-lm", help="loss and perplexity of a split under a checkpoint"))
     generate.add_args(sub.add_parser("generate", help="sample text from a checkpoint"))
     cons = sub.add_parser("consolidate", help="write a checkpoint's model as one .safetensors / .pt file")
-    cons.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a directory written by fullshard.checkpoint.save")
+    cons.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
+                      help="a directory written by fullshard.checkpoint.save, or by torch.distributed.checkpoint.save "
+                           "of {'model': model_state_dict, ...}")
     cons.add_argument("out", metavar="OUT", help="output file ending in .safetensors (streamed) or .pt")
     plan.add_args(sub.add_parser("plan", help="per-rank memory of a training configuration; what fits a budget"))
     suite.add_args(sub.add_parser("bench", help="fullshard vs torch DDP / FSDP (and DeepSpeed): speed, memory, "

@@ -440,6 +440,14 @@ class FullyShardedDataParallel(UnitModule):
         """Set the state-dict type of every unit in ``module``; returns the previous settings."""
         return state_dicts.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
 
+    def _fqn_modifiers(self) -> dict:
+        """torch.distributed.checkpoint.state_dict's hook for modules whose
+        state-dict names skip a child (none: names are cleaned already); it
+        refuses that API's optimizer calls (see
+        ``state_dict.refuse_torch_optimizer_api``)."""
+        state_dicts.refuse_torch_optimizer_api(self)
+        return {}
+
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
         """Optimizer state by original parameter name, full or sharded per the state-dict type."""

@@ -47,6 +47,8 @@ class FSDPModule(UnitModule):
     methods. ``type(model)`` becomes ``FSDP<Original>``, a subclass of both.
     """
 
+    dtensor_params = True
+
     # ------------------------------------------------------------ schedule
     def _lazy_init(self) -> None:
         rt = self._runtime
@@ -327,6 +329,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
         m._fsdp_state = shared
         m.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
         m.register_forward_hook(_post_forward_hook, with_kwargs=True, always_call=True)
+        m.register_load_state_dict_pre_hook(_before_load)
         m.register_load_state_dict_post_hook(_after_load)
     return module
 
@@ -383,6 +386,22 @@ def _post_forward(module: FSDPModule, args: tuple, kwargs: dict, output: Any) ->
 
 def _stored_ids(own: list[nn.Module]) -> set[int]:
     return {id(v) for m in own for v in m.__dict__.values() if torch.is_tensor(v)}
+
+
+def _before_load(module: FSDPModule, *args) -> None:
+    """Reshard first, as torch FSDP2 does: the load writes the shards, and
+    full parameters kept gathered (``unshard()``, ``reshard_after_backward=
+    False``, a forward without backward) are then stale; ``adopt`` needs
+    the sharded state.
+
+    Raises:
+        RuntimeError: during forward or backward.
+    """
+    rt = module._runtime
+    if rt.root is not None:
+        state.require_idle(rt.root, "load_state_dict()")
+    if rt.unit.state is not ShardedState.SHARDED:
+        rt.unit.reshard()
 
 
 def _after_load(module: FSDPModule, incompatible_keys) -> None:

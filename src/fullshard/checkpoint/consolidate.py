@@ -1,5 +1,8 @@
 """``fullshard consolidate CHECKPOINT_DIR OUT``: one plain state dict from a
-sharded checkpoint, offline (no process group).
+sharded checkpoint, offline (no process group): one of ``fullshard.checkpoint.save``
+(FullyShardedDataParallel or ``fully_shard``) or of ``dcp.save({"model": ...,
+...})`` by torch FSDP2 / ``fully_shard`` scripts (the same format: see
+save_load.py [Note: one checkpoint format]).
 
 ``.safetensors``: streamed, one tensor at a time. The header (names, dtypes,
 shapes, byte offsets) comes from the DCP metadata alone, then each tensor is
@@ -26,7 +29,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .save_load import read_extra, resolve, verify
+from .save_load import CheckpointError, read_extra, resolve, verify
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -37,7 +40,8 @@ def model_tensors(checkpoint_dir: str) -> tuple[str, list[tuple[str, torch.Size,
     """(resolved path, [(name, full shape, dtype)] of the model's tensors in saved order).
 
     Raises:
-        CheckpointError: a missing or damaged checkpoint (files named).
+        CheckpointError: a missing or damaged checkpoint (files named); one
+            with no ``model.`` tensors (the top-level keys it has are named).
     """
     path = resolve(checkpoint_dir)
     verify(path)
@@ -46,6 +50,11 @@ def model_tensors(checkpoint_dir: str) -> tuple[str, list[tuple[str, torch.Size,
     for key, meta in md.items():
         if key.startswith("model.") and hasattr(meta, "size"):
             out.append((key[len("model."):], torch.Size(meta.size), meta.properties.dtype))
+    if not out:
+        tops = sorted({key.split(".", 1)[0] for key in md})
+        raise CheckpointError(f"consolidate: checkpoint {path} holds no model tensors (no 'model.' keys; its "
+                              f"top-level keys are {tops[:10]}); save it as dcp.save({{'model': "
+                              "model_state_dict, ...}) or with fullshard.checkpoint.save")
     return path, out
 
 

@@ -95,8 +95,10 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
 
     Raises:
         ValueError: the optimizer holds a parameter the model does not own;
-            LOCAL_STATE_DICT (use ``optimizer.state_dict()``).
+            LOCAL_STATE_DICT (use ``optimizer.state_dict()``); a model made by
+            ``fully_shard`` (use ``torch.distributed.checkpoint.state_dict``).
     """
+    state_dicts.refuse_fully_shard(model, "FSDP.optim_state_dict()")
     state_dicts.check_idle(model, "optim_state_dict()")
     st = state_dicts.settings(model)
     if st.type is StateDictType.LOCAL_STATE_DICT:
@@ -172,8 +174,10 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
     Raises:
         ValueError: a different number of parameter groups, a group whose
             parameter names differ (both sides listed), or state for a
-            parameter the optimizer does not hold.
+            parameter the optimizer does not hold; a model made by
+            ``fully_shard`` (use ``torch.distributed.checkpoint.state_dict``).
     """
+    state_dicts.refuse_fully_shard(model, "FSDP.optim_state_dict_to_load()")
     state_dicts.check_idle(model, "optim_state_dict_to_load()")
     units, ents = state_dicts.entries(model)
     info = _param_info(units, ents)

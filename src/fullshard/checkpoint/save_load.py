@@ -12,6 +12,18 @@ Keys are ``model.<name>`` and ``optim.state.<name>.<key>`` /
 ``optim.param_groups.<i>.<key>`` under the plain model's names, so the same
 checkpoint loads into FSDP (any world size; DCP reshards), DDP or a plain model.
 
+[Note: one checkpoint format]
+These keys, shapes and dtypes are exactly what ``dcp.save({"model": m,
+"optim": o})`` writes for ``m, o = get_state_dict(model, optimizer)``
+(``torch.distributed.checkpoint.state_dict``) of a torch FSDP2 or
+``fully_shard`` model: parameters and per-parameter optimizer state are
+``DTensor(Shard(0))`` in both, ``step`` a plain 0-dim tensor, param groups
+name parameters. So :func:`load` also takes such a directory (it has no
+manifest, so there are no file hashes to verify), ``fully_shard`` models are
+saved and loaded here through ``get_state_dict`` / ``set_state_dict``, and a
+torch FSDP2 / ``fully_shard`` script loads this module's checkpoints with
+``dcp.load`` (tests/dist/test_fully_shard_checkpoint.py).
+
 A checkpoint spans the ranks that hold the model (see :func:`_group`): the
 world, or the process group of a model wrapped on one (two models on
 disjoint groups save independently); "rank" below is the rank in that group.
@@ -35,6 +47,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from fullshard.digest import file_sha256
 
@@ -45,6 +63,7 @@ from . import optim as optim_state, state_dict as state_dicts
 
 MANIFEST = "fullshard.json"
 FORMAT = "fullshard-dcp-v1"
+DCP_METADATA = ".metadata"
 
 
 class CheckpointError(RuntimeError):
@@ -102,12 +121,23 @@ def _is_fsdp(model: nn.Module) -> bool:
     return bool(unit_modules(model))
 
 
+def _is_fully_shard(model: nn.Module) -> bool:
+    """Every unit made by ``fully_shard``: state through torch's state-dict API (see [Note: one checkpoint format])."""
+    units = unit_modules(model)
+    return bool(units) and all(u.dtensor_params for u in units)
+
+
 def _plain(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def _states(model: nn.Module, optimizer) -> dict:
-    """The sharded (FSDP) or plain (DDP, unwrapped) state under ``model`` / ``optim`` keys."""
+    """The sharded (FSDP, fully_shard) or plain (DDP, unwrapped) state under ``model`` / ``optim`` keys."""
+    if _is_fully_shard(model):
+        if optimizer is None:
+            return {"model": get_model_state_dict(model)}
+        model_state, optim_state_ = get_state_dict(model, optimizer)
+        return {"model": model_state, "optim": optim_state_}
     if _is_fsdp(model):
         prev = state_dicts.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
         try:
@@ -253,26 +283,34 @@ def _agree(error: Optional[BaseException], final: str, tmp: str, phase: str, gro
 
 def resolve(checkpoint_dir: str) -> str:
     """The directory holding the checkpoint ``checkpoint_dir`` names: itself, or
-    ``<dir>.old`` left by a save killed while publishing.
+    ``<dir>.old`` left by a save killed while publishing; or itself when it is
+    a plain ``torch.distributed.checkpoint`` directory (``.metadata``, no
+    manifest; DCP writes ``.metadata`` last, so its save finished).
 
     Raises:
-        CheckpointError: neither holds a finished checkpoint (no manifest).
+        CheckpointError: none of these holds a finished checkpoint.
     """
     final = os.path.abspath(checkpoint_dir)
     for path in (final, final + ".old"):
         if os.path.isfile(os.path.join(path, MANIFEST)):
             return path
-    raise CheckpointError(f"[rank {collectives.rank()}] no checkpoint at {final} (no {MANIFEST}: the directory is "
-                          "missing or its save did not finish)")
+    if os.path.isfile(os.path.join(final, DCP_METADATA)):
+        return final
+    raise CheckpointError(f"[rank {collectives.rank()}] no checkpoint at {final} (neither {MANIFEST} nor "
+                          f"{DCP_METADATA}: the directory is missing or its save did not finish)")
 
 
 def verify(path: str, group=None) -> dict:
     """Check every file of the manifest (size and sha256; files split over
-    the ranks of ``group``, None = the world); returns the manifest.
+    the ranks of ``group``, None = the world); returns the manifest, or
+    ``{}`` for a plain ``torch.distributed.checkpoint`` directory (no
+    manifest, so no sizes or hashes to check; see :func:`resolve`).
 
     Raises:
         CheckpointError: naming each missing, truncated or corrupted file.
     """
+    if not os.path.isfile(os.path.join(path, MANIFEST)) and os.path.isfile(os.path.join(path, DCP_METADATA)):
+        return {}
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     rank, world = _rank(group), _world(group)
@@ -333,7 +371,9 @@ def check_model_keys(path: str, template: dict) -> None:
 
 
 def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
-    """Load a checkpoint written by :func:`save` at any world size; every rank calls it.
+    """Load a checkpoint written by :func:`save`, or by ``dcp.save`` of torch's
+    ``get_state_dict`` under ``model`` / ``optim`` keys (see [Note: one
+    checkpoint format]), at any world size; every rank calls it.
 
     Returns:
         This rank's ``extra`` (by rank in the model's group; rank 0's when the
@@ -356,7 +396,11 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
     with warnings.catch_warnings():  # one rank: DCP's "assuming ... a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=world == 1)
-    if fsdp:
+    if _is_fully_shard(model) and optimizer is None:
+        set_model_state_dict(model, state["model"])
+    elif _is_fully_shard(model):
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    elif fsdp:
         prev = state_dicts.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
         try:
             model.load_state_dict(state["model"])

@@ -24,6 +24,7 @@ shard group whose local tensor is this rank's shard view (no copy), so
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from typing import Iterator, Optional
 
@@ -76,7 +77,8 @@ def set_state_dict_type(model: nn.Module, sd_type: StateDictType, config=None, o
 
     Raises:
         ValueError: ``sd_type`` is not a StateDictType, a config of the wrong
-            kind, or ``model`` holds no FullyShardedDataParallel unit.
+            kind, ``model`` holds no FullyShardedDataParallel unit, or a
+            ``fully_shard`` unit (see :func:`refuse_fully_shard`).
     """
     if not isinstance(sd_type, StateDictType):
         raise ValueError(f"state_dict_type must be a fullshard.StateDictType, got {sd_type!r}")
@@ -89,10 +91,62 @@ def set_state_dict_type(model: nn.Module, sd_type: StateDictType, config=None, o
     units = unit_modules(model)
     if not units:
         raise ValueError("set_state_dict_type: the module holds no FullyShardedDataParallel unit")
+    refuse_fully_shard(model, "FSDP.state_dict_type()")
     prev = settings(units[0])
     for u in units:
         _SETTINGS[u] = Settings(sd_type, config, optim_config)
     return prev
+
+
+def refuse_fully_shard(model: nn.Module, what: str) -> None:
+    """The FSDP1 state-dict helpers on a model made by ``fully_shard``: its
+    ``state_dict()`` is always DTensor shards (torch FSDP2's contract, which
+    a state-dict type cannot change) and its optimizer state is DTensors, so
+    these helpers would hand back the sharded form under a name promising
+    another (torch FSDP1's helpers do nothing there at all).
+
+    Raises:
+        ValueError: ``model`` holds a ``fully_shard`` unit; names it and
+            ``torch.distributed.checkpoint.state_dict``'s equivalents.
+    """
+    for u in unit_modules(model):
+        if u.dtensor_params:
+            raise ValueError(
+                f"[rank {collectives.rank()}] {what}: unit '{u.unit.name}' was made by fully_shard, whose state "
+                "dicts follow torch FSDP2 (model.state_dict() is DTensor shards); use "
+                "torch.distributed.checkpoint.state_dict: get_state_dict / set_state_dict, get_optimizer_state_dict "
+                "/ set_optimizer_state_dict with StateDictOptions(full_state_dict=True) for full tensors")
+
+
+_DSD_MODULE = "torch.distributed.checkpoint.state_dict"
+
+
+def refuse_torch_optimizer_api(unit_module: nn.Module) -> None:
+    """Called from ``FullyShardedDataParallel._fqn_modifiers``, the hook
+    through which ``torch.distributed.checkpoint.state_dict`` enters a model
+    (its ``_verify_options`` walks the modules first). That API reads a
+    wrapper's optimizer state as ``optimizer.state_dict()`` holds it: plain
+    tensors of this rank's rows under full names, of which ``dcp.save``
+    writes one rank's (the shape of a shard) as the whole state, without an
+    error. Its model state is right (the wrapper's ``state_dict()``: full
+    tensors), so only calls that take optimizers are refused.
+
+    Raises:
+        ValueError: called under a ``torch.distributed.checkpoint.state_dict``
+            call that was given optimizers.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_verify_options" and frame.f_globals.get("__name__") == _DSD_MODULE:
+            if frame.f_locals.get("optims"):
+                raise ValueError(
+                    f"[rank {collectives.rank()}] torch.distributed.checkpoint.state_dict with an optimizer on "
+                    f"FullyShardedDataParallel (unit '{unit_module.unit.name}'): torch reads the optimizer's "
+                    "per-rank shards as whole tensors and a checkpoint of them holds one rank's rows; use "
+                    "fullshard.checkpoint.save / load, or FSDP.optim_state_dict / FSDP.optim_state_dict_to_load "
+                    "(with FSDP.state_dict_type), or build the model with fullshard.fully_shard")
+            return
+        frame = frame.f_back
 
 
 def restore(model: nn.Module, prev: Settings) -> None:

@@ -18,6 +18,11 @@ class UnitModule(nn.Module):
     before use; :attr:`unit` is its :class:`fullshard.core.unit.Unit`.
     """
 
+    dtensor_params: bool = False
+    """True for ``fully_shard`` modules: parameters are DTensors and state
+    dicts are ``nn.Module``'s (torch FSDP2's contract), so the FSDP1
+    state-dict helpers (``checkpoint/``) do not apply to them."""
+
     @property
     def unit(self):
         """The :class:`fullshard.core.unit.Unit` this module fronts."""
