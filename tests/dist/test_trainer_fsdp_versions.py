@@ -146,3 +146,36 @@ def test_no_shard_mesh_matches_the_wrappers_no_shard():
     for runs in run_ranks(_no_shard, 2, timeout_s=120):
         _assert_same("no_shard", runs)
         assert all(v.shape == runs[0]["params"][k].shape for k, v in runs[1]["params"].items())
+
+
+def _resume(rank, world, root, pairs):
+    """For each (saving, loading) version pair: train 2 updates under the first, save with
+    fullshard.checkpoint, load into a fresh trainer of the second and take one more update on
+    both: the same loss, norm and parameters."""
+    from fullshard import checkpoint
+    from fullshard.train.trainer import Trainer
+
+    out = {}
+    for versions in pairs:
+        saved, loaded = (Trainer(_cfg(fsdp_version=v), torch.device("cpu")) for v in versions)
+        for update in range(2):
+            saved.train_step(_micro_batches(rank, update, 1))
+        ckpt = os.path.join(root, f"v{versions[0]}_to_v{versions[1]}")
+        checkpoint.save(ckpt, saved.model, saved.optimizer)
+        checkpoint.load(ckpt, loaded.model, loaded.optimizer)
+        steps = [t.train_step(_micro_batches(rank, 2, 1)) for t in (saved, loaded)]
+        out[versions] = [dict(history=[(o["loss_sum"], o["gnorm"])], params=_local_params(t.model))
+                         for o, t in zip(steps, (saved, loaded))]
+    return out
+
+
+@pytest.mark.fast
+def test_optimizer_state_resumes_across_versions_at_one_and_two_ranks(tmp_path):
+    """fully_shard's AdamW state (DTensors) saves and loads through fullshard.checkpoint at one rank
+    (where a shard's shape is the parameter's) and two, from and into either version."""
+    for world in (1, 2):
+        root = tmp_path / f"world{world}"
+        root.mkdir()
+        for rank_out in run_ranks(_resume, world, str(root), [(2, 2), (1, 2), (2, 1)], timeout_s=120):
+            for versions, runs in rank_out.items():
+                _assert_same(f"{world} ranks, v{versions[0]} -> v{versions[1]}", runs)
