@@ -36,7 +36,6 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy, fully_shard

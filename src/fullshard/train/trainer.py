@@ -1,5 +1,5 @@
 """One rank's model, optimizer and steps: build + wrap, train_step, valid_step.
-Checkpoints: see ``checkpoint_utils.py``.
+Sharding (``--fsdp-version``): see ``sharding.py``. Checkpoints: see ``checkpoint_utils.py``.
 
 Loss convention: each rank's loss is its own mean token cross entropy (nats),
 so the data-parallel gradient average done by FSDP / DDP gives the mean over
@@ -28,9 +28,9 @@ from fullshard.construct import clean_name
 from fullshard.core import collectives
 from fullshard.memory import TOTAL_FIELDS, memory_stats, memory_totals
 from fullshard.models import TransformerBlock, build_model, make_param_init_fn, num_params
+from fullshard.train import sharding
 from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import build_lr_scheduler
-from fullshard.train import sharding
 from fullshard.train.progress import safe_round
 
 logger = logging.getLogger("fullshard.train")
@@ -66,8 +66,8 @@ def param_groups(model: torch.nn.Module, shapes: Dict[str, torch.Size], weight_d
     """Two AdamW groups chosen by ORIGINAL name: >=2-D weights decay; biases / norms don't.
 
     Args:
-        model: the wrapped model (FullyShardedDataParallel, whose parameters are shards, or
-            DistributedDataParallel).
+        model: the wrapped model (FullyShardedDataParallel, whose parameters are shards, a
+            ``fully_shard`` model, whose parameters are DTensors, or DistributedDataParallel).
         shapes: the unwrapped model's ``{name: full shape}``.
         weight_decay: decoupled weight decay of the first group.
     """
