@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from .core import collectives, torch_private
+from .core.params import local_of
 
 _MIN_SCALE_MESSAGE = (
     "Minimum loss scale reached ({}). Your loss is probably exploding. Try lowering the learning rate, "
@@ -158,7 +159,9 @@ class ShardedGradScaler:
                     # Unscaling a coalesced copy would leave p.grad scaled by S.
                     p.grad = p.grad.coalesce()
                 if p.grad is not None:
-                    grads.append(p.grad)
+                    # A DTensor gradient (fully_shard): its local shard, which the kernel
+                    # unscales in place; the flag below then spans the ranks.
+                    grads.append(local_of(p.grad))
         flag = _unscale_and_check(grads, 1.0 / self._scale)
         all_reduce_found_inf(flag, self._group)
         state["unscaled"] = True

@@ -142,6 +142,26 @@ def test_ratios_and_loss_checks():
     assert pairs["fullshard FULL_SHARD bf16"]["rss_ratio"] == pytest.approx(50 / 100)
 
 
+def test_fully_shard_rows_get_ratios_to_the_wrapper_and_to_torch_fsdp2():
+    """fullshard's fully_shard modes: a table of ratios to the same configuration through the
+    FullyShardedDataParallel wrapper, and rows in the torch FSDP2 table."""
+    rows = _rows()
+    fs = [_rank(0, step_s=[0.15] * 3, losses=[3.0, 2.0], rss=120), _rank(1, step_s=[0.15] * 3, losses=[3.0, 2.5])]
+    rows.insert(2, RP.merge_ranks(MODES["fully_shard"], fs, MODEL, 2, 256))
+    report = RP.build_report(_config(), rows)
+    assert [(p["mode"], p["vs"]) for p in report["vs_wrapper"]] == [("fullshard fully_shard", "fullshard FULL_SHARD")]
+    assert report["vs_wrapper"][0]["step_ratio"] == pytest.approx(150 / 300)
+    assert report["vs_wrapper"][0]["rss_ratio"] == pytest.approx(120 / 150)
+    fsdp2 = {p["mode"]: p for p in report["vs_fsdp2"]}
+    assert fsdp2["fullshard fully_shard"]["step_ratio"] == pytest.approx(150 / 400)
+    assert {r["mode"]: r for r in report["modes"]}["fully_shard"]["loss_match"]
+    text = RP.markdown(report)
+    assert "| ratio to the FullyShardedDataParallel wrapper | step time | RSS peak | params+grads+optim |" in text
+    assert "| fullshard fully_shard / fullshard FULL_SHARD | 0.50 | 0.80 | 1.000 |" in text
+    assert "| fullshard fully_shard / torch FSDP2 | 0.38 |" in text
+    assert "ratio to the FullyShardedDataParallel wrapper" not in RP.markdown(RP.build_report(_config(), _rows()))
+
+
 def test_markdown_table_errors_and_notes():
     text = RP.markdown(RP.build_report(_config(), _rows()))
     lines = text.splitlines()

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fullshard.models import ARCHS, ArchSpec
-from fullshard.train.config import TRAIN_GROUPS, TrainConfig
+from fullshard.train.config import DEFAULT_FSDP_VERSION, TRAIN_GROUPS, TrainConfig
 from fullshard.train.flags import flag_fields, option_string
 from fullshard.train.options import (
     OneLineArgumentParser,
@@ -109,16 +109,18 @@ def test_every_flag_value_reaches_the_config():
 
 
 def test_a_command_line_gives_the_config_it_gave_before():
-    """The same argv gives the same recorded arguments as before the groups (plus --task)."""
-    assert _config(ARGV).to_dict() == {**SAVED_BEFORE, "task": "language_modeling"}
+    """The same argv gives the same recorded arguments as before the groups (plus --task and the
+    resolved --fsdp-version)."""
+    assert _config(ARGV).to_dict() == {**SAVED_BEFORE, "task": "language_modeling",
+                                       "fsdp_version": DEFAULT_FSDP_VERSION}
 
 
 def test_recorded_arguments_of_todays_format_still_load():
     """`from_saved` reads a checkpoint's args of today's format, also through JSON (the header of a
     consolidated .safetensors) and from an older run that lacks later fields."""
     for saved in (SAVED_BEFORE, json.loads(json.dumps(SAVED_BEFORE))):
-        cfg = TrainConfig.from_saved(saved)
-        assert cfg.to_dict() == {**SAVED_BEFORE, "task": "language_modeling"}
+        cfg = TrainConfig.from_saved(saved)  # from before --fsdp-version: the default version
+        assert cfg.to_dict() == {**SAVED_BEFORE, "task": "language_modeling", "fsdp_version": DEFAULT_FSDP_VERSION}
         assert cfg.arch_spec() == ARCHS["transformer_lm_gpt_mini"].override(num_layers=3)
     older = {k: v for k, v in SAVED_BEFORE.items() if k not in ("hybrid_shard", "optimizer", "rdzv_endpoint")}
     cfg = TrainConfig.from_saved({**older, "a_field_of_the_future": 1}, rdzv_endpoint="localhost:0")

@@ -52,6 +52,8 @@ class Mode:
         family: ``fullshard``, ``ddp``, ``fsdp2``, ``fsdp1`` or ``deepspeed``.
         strategy: fullshard's ``ShardingStrategy`` name (fullshard modes only).
         bf16: ``param_dtype=bfloat16, reduce_dtype=float32`` mixed precision.
+        fully_shard: a fullshard mode through ``fullshard.fully_shard`` (each block, then the root;
+            DTensor parameters) instead of the ``FullyShardedDataParallel`` wrapper.
     """
 
     key: str
@@ -59,6 +61,7 @@ class Mode:
     family: str
     strategy: Optional[str] = None
     bf16: bool = False
+    fully_shard: bool = False
 
     @property
     def ours(self) -> bool:
@@ -76,6 +79,8 @@ MODES: dict[str, Mode] = {m.key: m for m in (
     Mode("grad_op", "fullshard SHARD_GRAD_OP", "fullshard", "SHARD_GRAD_OP"),
     Mode("no_shard", "fullshard NO_SHARD", "fullshard", "NO_SHARD"),
     Mode("full_bf16", "fullshard FULL_SHARD bf16", "fullshard", "FULL_SHARD", bf16=True),
+    Mode("fully_shard", "fullshard fully_shard", "fullshard", "FULL_SHARD", fully_shard=True),
+    Mode("fully_shard_bf16", "fullshard fully_shard bf16", "fullshard", "FULL_SHARD", bf16=True, fully_shard=True),
     Mode("ddp", "torch DDP", "ddp"),
     Mode("fsdp2", "torch FSDP2", "fsdp2"),
     Mode("fsdp2_bf16", "torch FSDP2 bf16", "fsdp2", bf16=True),
@@ -86,8 +91,12 @@ MODES: dict[str, Mode] = {m.key: m for m in (
 
 REFERENCE = "ddp"
 """Ratios of step time and peak RSS are to this mode."""
-VS_FSDP2 = (("full", "fsdp2"), ("full_bf16", "fsdp2_bf16"))
+VS_FSDP2 = (("full", "fsdp2"), ("full_bf16", "fsdp2_bf16"), ("fully_shard", "fsdp2"),
+            ("fully_shard_bf16", "fsdp2_bf16"))
 """(fullshard mode, torch FSDP2 mode) pairs whose ratios get their own rows."""
+VS_WRAPPER = (("fully_shard", "full"), ("fully_shard_bf16", "full_bf16"))
+"""(fullshard ``fully_shard`` mode, the same configuration through the FullyShardedDataParallel
+wrapper) pairs whose ratios get their own rows: the two front doors over one engine."""
 
 
 def analytic_volume_bytes(mode: Mode, psi: int) -> dict[str, int]:

@@ -36,8 +36,9 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
-from fullshard import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+from fullshard import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy, fully_shard
 from fullshard.bench import measure
 from fullshard.bench.modes import COLLECTIVES, MODES, Job, Mode
 from fullshard.core import collectives
@@ -235,6 +236,14 @@ def wrap(mode: Mode, model: torch.nn.Module, job: Job):
     Raises:
         ValueError: unknown mode family.
     """
+    if mode.family == "fullshard" and mode.fully_shard:
+        mesh = init_device_mesh("cpu", (job.world_size,))
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode.bf16
+                  else MixedPrecisionPolicy())
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return _Trainer(model, _adamw(model.parameters(), job)), None
     if mode.family == "fullshard":
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode.bf16 else None
         wrapped = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy[mode.strategy],
@@ -248,16 +257,15 @@ def wrap(mode: Mode, model: torch.nn.Module, job: Job):
         ddp.register_comm_hook(counter, _counting_allreduce_hook)
         return _Trainer(ddp, _adamw(ddp.parameters(), job)), counter
     if mode.family == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy, fully_shard as torch_fully_shard
 
         mesh = init_device_mesh("cpu", (job.world_size,))
-        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode.bf16
-              else MixedPrecisionPolicy())
+        mp = (TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode.bf16
+              else TorchPolicy())
         for block in model.modules():
             if isinstance(block, TransformerBlock):
-                fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+                torch_fully_shard(block, mesh=mesh, mp_policy=mp)
+        torch_fully_shard(model, mesh=mesh, mp_policy=mp)
         return _Trainer(model, _adamw(model.parameters(), job)), None
     if mode.family == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP, ShardingStrategy as TorchStrategy

@@ -21,6 +21,7 @@ from fullshard.bench.modes import (
     COLLECTIVES,
     REFERENCE,
     VS_FSDP2,
+    VS_WRAPPER,
     Mode,
     ModelSpec,
     analytic_label,
@@ -149,12 +150,17 @@ def add_comparisons(rows: list[dict]) -> None:
 
 
 def fsdp2_ratios(rows: list[dict]) -> list[dict]:
-    """For each pair of :data:`VS_FSDP2` that both ran: step-time and RSS ratios
-    of the fullshard mode to torch FSDP2 (``mode``, ``vs``, ``step_ratio``,
-    ``rss_ratio``, ``state_ratio``)."""
+    """:func:`pair_ratios` of the :data:`VS_FSDP2` pairs: fullshard modes to torch FSDP2."""
+    return pair_ratios(rows, VS_FSDP2)
+
+
+def pair_ratios(rows: list[dict], pairs) -> list[dict]:
+    """For each ``(mode, reference mode)`` key pair of ``pairs`` that both ran:
+    step-time and RSS ratios of the mode to the reference (``mode``, ``vs``,
+    ``step_ratio``, ``rss_ratio``, ``state_ratio``; labels for the names)."""
     ok = {r["mode"]: r for r in rows if "error" not in r}
     out = []
-    for ours, theirs in VS_FSDP2:
+    for ours, theirs in pairs:
         if ours in ok and theirs in ok:
             a, b = ok[ours], ok[theirs]
             out.append(dict(mode=a["label"], vs=b["label"], step_ratio=a["step_ms"] / b["step_ms"],
@@ -229,12 +235,14 @@ def markdown(report: dict) -> str:
         _md(["---"] + ["---:"] * (len(COLUMNS) - 2) + ["---"]),
     ]
     lines += [_md(table_row(r)) for r in rows]
-    pairs = report.get("vs_fsdp2") or []
-    if pairs:
-        lines += ["", _md(["ratio to torch FSDP2", "step time", "RSS peak", "params+grads+optim"]),
-                  _md(["---", "---:", "---:", "---:"])]
-        lines += [_md([f"{p['mode']} / {p['vs']}", f"{p['step_ratio']:.2f}", _f(p["rss_ratio"], ".2f"),
-                       f"{p['state_ratio']:.3f}"]) for p in pairs]
+    for key, title in (("vs_wrapper", "ratio to the FullyShardedDataParallel wrapper"),
+                       ("vs_fsdp2", "ratio to torch FSDP2")):
+        pairs = report.get(key) or []
+        if pairs:
+            lines += ["", _md([title, "step time", "RSS peak", "params+grads+optim"]),
+                      _md(["---", "---:", "---:", "---:"])]
+            lines += [_md([f"{p['mode']} / {p['vs']}", f"{p['step_ratio']:.2f}", _f(p["rss_ratio"], ".2f"),
+                           f"{p['state_ratio']:.3f}"]) for p in pairs]
     lines += [""] + [f"{n}" for n in report.get("notes", [])]
     return "\n".join(lines) + "\n"
 
@@ -290,9 +298,11 @@ def notes(report: dict) -> list[str]:
 
 # ---------------------------------------------------------------- files
 def build_report(config: dict, rows: list[dict]) -> dict:
-    """The JSON document: ``config``, ``modes`` (rows with comparisons), ``vs_fsdp2``, ``notes``."""
+    """The JSON document: ``config``, ``modes`` (rows with comparisons), ``vs_wrapper`` (fully_shard
+    modes to the wrapper's), ``vs_fsdp2``, ``notes``."""
     add_comparisons(rows)
-    report = {"config": config, "modes": rows, "vs_fsdp2": fsdp2_ratios(rows)}
+    report = {"config": config, "modes": rows, "vs_wrapper": pair_ratios(rows, VS_WRAPPER),
+              "vs_fsdp2": fsdp2_ratios(rows)}
     report["notes"] = notes(report)
     return report
 

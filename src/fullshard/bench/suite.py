@@ -8,7 +8,10 @@ one launch (fresh processes) per mode, and one report.
 Modes (``--modes``, run in this order; see :data:`fullshard.bench.modes.MODES`):
 ``full``, ``grad_op``, ``no_shard``, ``full_bf16`` (fullshard FULL_SHARD,
 SHARD_GRAD_OP, NO_SHARD, FULL_SHARD with ``MixedPrecision(param_dtype=bf16,
-reduce_dtype=fp32)``), ``ddp`` (torch DDP), ``fsdp2``, ``fsdp2_bf16`` (torch
+reduce_dtype=fp32)``), ``fully_shard``, ``fully_shard_bf16`` (fullshard's
+``fully_shard`` on each block and the root, FULL_SHARD, fp32 and
+``MixedPrecisionPolicy(bf16, fp32)``; their ratios to the wrapper's ``full`` /
+``full_bf16`` rows get a table of their own), ``ddp`` (torch DDP), ``fsdp2``, ``fsdp2_bf16`` (torch
 ``fully_shard`` on each block and the root, ``MixedPrecisionPolicy(bf16,
 fp32)``), ``fsdp1`` (torch FSDP1 FULL_SHARD) and ``deepspeed`` (DeepSpeed
 ZeRO-3 on its CPU accelerator over gloo; in the default list only when

@@ -4,7 +4,8 @@
 Format: ``{"state": {name: {key: value}}, "param_groups": [{..., "params":
 [names]}]}``. A state value is *per-row* when it is a tensor with the
 parameter's local shard shape (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's
-``momentum_buffer``); per-row values are full tensors (FULL_STATE_DICT,
+``momentum_buffer``; under ``fully_shard`` a DTensor whose local tensor has
+it, loaded back as such a DTensor); per-row values are full tensors (FULL_STATE_DICT,
 gathered one unit and one key at a time) or ``DTensor(Shard(0))`` views
 (SHARDED_STATE_DICT), as for parameters (see ``state_dict.py`` [Note:
 state-dict values]). Anything else (the scalar ``step``) is kept as is.
@@ -17,6 +18,7 @@ import torch.nn as nn
 from ..api import StateDictType
 from ..core import collectives
 from ..core.gather import gather_full
+from ..core.params import local_of
 from . import state_dict as state_dicts
 
 
@@ -41,7 +43,8 @@ def _optim_params(optim: torch.optim.Optimizer, info: dict) -> list:
 
 
 def _per_row(v, shape: torch.Size) -> bool:
-    return torch.is_tensor(v) and v.dim() > 0 and v.shape == shape
+    """A per-row value: its local rows (a DTensor's, under ``fully_shard``) have the shard's shape."""
+    return torch.is_tensor(v) and v.dim() > 0 and local_of(v).shape == shape
 
 
 def init_optim_state(optim: torch.optim.Optimizer) -> None:
@@ -135,7 +138,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
         if not full:
             state_dicts.check_shardable(unit)
         for k, dtype in sorted(keys.get(ui, {}).items()):
-            have = {si: by_slot[(ui, si)][k] for si in range(len(unit.slots))
+            have = {si: local_of(by_slot[(ui, si)][k]) for si in range(len(unit.slots))
                     if k in by_slot.get((ui, si), {})}
             if full:
                 flat = torch.zeros(unit.layout.shard_numel, dtype=dtype, device=unit.flat_shard.device)
@@ -210,7 +213,9 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
         for k, v in s.items():
             t = template.get(k)
             if ui is not None and _per_row(t, units[ui].layout.params[si].local_shape(units[ui].rank)):
-                new[k] = state_dicts.local_rows(units[ui], si, v, f"{name}/{k}").clone()
+                rows = state_dicts.local_rows(units[ui], si, v, f"{name}/{k}").clone()
+                # In the parameter's form (a DTensor under fully_shard), as the optimizer's own state.
+                new[k] = units[ui].slots[si].grad_like(rows)
             else:
                 new[k] = v.clone() if torch.is_tensor(v) else v
         state[i] = new

@@ -157,9 +157,11 @@ class Run:
         logger.info(f"max tokens per device = None and batch size per device = {self.cfg.batch_size}")
 
     def _strategy(self) -> str:
+        version = f"; fsdp-version {self.cfg.fsdp_version}"
         if self.cfg.hybrid_shard:
-            return f"HYBRID_SHARD: shard within {os.environ.get('LOCAL_WORLD_SIZE', '?')} ranks, replicate across nodes"
-        return "FULL_SHARD" if self.cfg.reshard_after_forward else "SHARD_GRAD_OP"
+            return (f"HYBRID_SHARD: shard within {os.environ.get('LOCAL_WORLD_SIZE', '?')} ranks, replicate across "
+                    f"nodes{version}")
+        return ("FULL_SHARD" if self.cfg.reshard_after_forward else "SHARD_GRAD_OP") + version
 
     def wall(self) -> float:
         return time.perf_counter() - self.start

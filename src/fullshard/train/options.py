@@ -148,6 +148,9 @@ def _check_memory_flags(p: OneLineArgumentParser, args, world_size: int) -> int:
         p.fail("--fp16 and --bf16 are mutually exclusive; pick one")
     if args.cpu_offload and args.ddp_backend != "fully_sharded":
         p.fail("--cpu-offload needs --ddp-backend fully_sharded (c10d keeps whole parameters on the device)")
+    if args.fsdp_version is not None and args.ddp_backend != "fully_sharded":
+        p.fail(f"--fsdp-version {args.fsdp_version} needs --ddp-backend fully_sharded (c10d is torch DDP, which "
+               "shards nothing); drop --fsdp-version or use --ddp-backend fully_sharded")
     if args.fp16_init_scale <= 0:
         p.fail(f"--fp16-init-scale must be > 0, got {args.fp16_init_scale}")
     if args.min_loss_scale < 0:

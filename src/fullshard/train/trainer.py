@@ -1,5 +1,5 @@
 """One rank's model, optimizer and steps: build + wrap, train_step, valid_step.
-Checkpoints: see ``checkpoint_utils.py``.
+Sharding (``--fsdp-version``): see ``sharding.py``. Checkpoints: see ``checkpoint_utils.py``.
 
 Loss convention: each rank's loss is its own mean token cross entropy (nats),
 so the data-parallel gradient average done by FSDP / DDP gives the mean over
@@ -21,17 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from fullshard import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy, faults
+from fullshard import faults
 from fullshard.activation_checkpointing import apply_activation_checkpointing
 from fullshard.amp import ShardedGradScaler
 from fullshard.construct import clean_name
 from fullshard.core import collectives
 from fullshard.memory import TOTAL_FIELDS, memory_stats, memory_totals
 from fullshard.models import TransformerBlock, build_model, make_param_init_fn, num_params
+from fullshard.train import sharding
 from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import build_lr_scheduler
 from fullshard.train.progress import safe_round
-from fullshard.wrap import ModuleWrapPolicy
 
 logger = logging.getLogger("fullshard.train")
 
@@ -66,8 +66,8 @@ def param_groups(model: torch.nn.Module, shapes: Dict[str, torch.Size], weight_d
     """Two AdamW groups chosen by ORIGINAL name: >=2-D weights decay; biases / norms don't.
 
     Args:
-        model: the wrapped model (FullyShardedDataParallel, whose parameters are shards, or
-            DistributedDataParallel).
+        model: the wrapped model (FullyShardedDataParallel, whose parameters are shards, a
+            ``fully_shard`` model, whose parameters are DTensors, or DistributedDataParallel).
         shapes: the unwrapped model's ``{name: full shape}``.
         weight_decay: decoupled weight decay of the first group.
     """
@@ -126,26 +126,15 @@ class Trainer:
             return DistributedDataParallel(model, device_ids=ids), shapes, num_params(model)
 
         # Deferred init: build on meta; each unit is materialized and
-        # initialized inside the wrapper, so no rank holds the full model.
+        # initialized by rows, so no rank holds the full model.
         model = build_model(shape, device="meta", **kwargs)
-        extra = {"param_init_fn": make_param_init_fn(model, cfg.seed, self.device)}
+        init_fn = make_param_init_fn(model, cfg.seed, self.device)
         shapes = {n: p.shape for n, p in model.named_parameters()}
         total = num_params(model)
-        # Checkpoint first, then shard: CheckpointWrapper(FSDP(block)); recomputation
-        # reuses the gather made for the block's backward (fullshard/activation_checkpointing.py).
+        # Checkpoint first, then shard: the unit's gather for backward is reused by the
+        # recomputation (fullshard/activation_checkpointing.py).
         self._checkpoint_blocks(model)
-        low = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
-        if low is not None:
-            extra["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
-        if cfg.cpu_offload:
-            extra["cpu_offload"] = CPUOffload(offload_params=True)
-        strategy = ShardingStrategy.FULL_SHARD if cfg.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
-        if cfg.hybrid_shard:  # shard within a node (LOCAL_WORLD_SIZE ranks), replicate across nodes
-            strategy = ShardingStrategy.HYBRID_SHARD
-        wrapped = FullyShardedDataParallel(model, sharding_strategy=strategy,
-                                           auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
-                                           device_id=self.device, **extra)
-        return wrapped, shapes, total
+        return sharding.shard_model(model, cfg, self.device, init_fn), shapes, total
 
     def _host_shards(self) -> bool:
         """The optimizer's shards live in host memory (CPU device or --cpu-offload)."""
@@ -179,7 +168,7 @@ class Trainer:
         if self.cfg.ddp_backend == "c10d":
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         else:
-            norm = self.model.clip_grad_norm_(max_norm)
+            norm = sharding.clip_grad_norm_(self.model, max_norm)
         return float(norm)
 
     def train_step(self, micro_batches: Sequence[Batch]) -> dict:
@@ -203,7 +192,7 @@ class Trainer:
             # no_sync: keep unsharded gradients until the last micro-batch;
             # reduce_scatter: every backward reduce-scatters into the gradient shards.
             local_accumulate = j < k - 1 and self.cfg.accumulate_mode == "no_sync"
-            with self.model.no_sync() if local_accumulate else contextlib.nullcontext():
+            with sharding.no_sync(self.model) if local_accumulate else contextlib.nullcontext():
                 loss_sum, ntokens = self._loss(batch)
                 self._sample_memory()  # gathered units (SHARD_GRAD_OP, the root)
                 if j == 0:
