@@ -4,8 +4,6 @@ both front doors behind one call (:func:`shard`, :func:`no_sync`), a
 BatchNorm model, and a tiny Hugging Face GPT-2."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -14,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fullshard import FSDPModule, FullyShardedDataParallel as FSDP, ShardingStrategy, fully_shard
 from fullshard.core.module import UnitModule
+from fullshard.train.sharding import no_sync  # noqa: F401 (either API's no_sync, for the suites)
 from fullshard.wrap import recursive_wrap
 from tests.dist import models as M
 
@@ -68,19 +67,6 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, UnitModule)
 
 
-@contextlib.contextmanager
-def no_sync(model: nn.Module):
-    """``model.no_sync()``, or for a ``fully_shard`` model its FSDP2 spelling
-    ``set_requires_gradient_sync(False)`` ... ``(True)``."""
-    if not isinstance(model, FSDPModule):
-        with model.no_sync():
-            yield
-        return
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
