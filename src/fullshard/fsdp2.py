@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import construct, dtensor_specs, wrap
-from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .core import backward_guard, casting, collectives, deferred_init, state
 from .core.module import UnitModule, unit_modules
 from .core.tree import map_tensors
@@ -318,9 +318,10 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     with torch.no_grad():
         unit = Unit(name, slots, cfg)
     construct.register_unit(unit)
-    runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward, backward_prefetch=None,
-                                forward_prefetch=False, forward_input_caster=casting.input_caster(mp_policy))
-    runtime.backward_prefetch_units = None
+    # Backward prefetches the previous unit in forward order, as torch FSDP2 does by default.
+    runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
+                                backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False,
+                                forward_input_caster=casting.input_caster(mp_policy))
     shared = _UnitState(runtime, own, mp_policy.output_dtype)
     for m in modules:
         construct.register(construct.WRAPPED, m, name)

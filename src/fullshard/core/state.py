@@ -339,7 +339,8 @@ def _prefetch_backward(rt: UnitRuntime) -> None:
     if i <= 0:
         return
     target = root.order[i - 1]
-    if target.state is TrainingState.IDLE and target.unit.state is ShardedState.SHARDED:
+    if target.state is TrainingState.IDLE and target.unit.state is ShardedState.SHARDED and \
+            target.unshard_in_backward:
         target.unit.unshard()
 
 
@@ -373,7 +374,8 @@ class PreBackwardHook:
             rt.pre_backward_done = True
             if rt.backward_prefetch_units is not None:
                 for other in rt.backward_prefetch_units:
-                    if other.state is TrainingState.IDLE and other.unit.state is ShardedState.SHARDED:
+                    if other.state is TrainingState.IDLE and other.unit.state is ShardedState.SHARDED and \
+                            other.unshard_in_backward:
                         other.unit.unshard()
             elif rt.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                 _prefetch_backward(rt)
