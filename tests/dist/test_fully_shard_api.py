@@ -16,8 +16,6 @@ from fullshard.core.unit import ShardedState
 from tests.dist import fsdp2_parity as FP
 from tests.dist.harness import run_ranks
 
-pytestmark = pytest.mark.fast
-
 
 def _units(model):
     return [*model.layers, model]
@@ -442,6 +440,7 @@ def _group_two(rank, world):
     return out
 
 
+@pytest.mark.fast
 def test_methods_two_ranks():
     diffs = run_ranks(_group_two, 2)[0]
     print(diffs)

@@ -18,7 +18,7 @@ import torch
 
 from tests.dist.harness import run_ranks
 
-pytestmark = pytest.mark.fast
+# Not in the fast tier (make test-fast): several spawned groups; make test runs it.
 
 LR, EPS, STEPS, SPLIT = 1e-2, 1e-6, 6, 3
 """AdamW learning rate and eps (1e-6: see test_llama_reference), steps per run, the step saved at."""

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from tests.dist.harness import run_ranks
 
-pytestmark = pytest.mark.fast
+# Not in the fast tier (make test-fast): several spawned groups; make test runs it.
 
 NORM_TYPES = (1.0, 2.0, float("inf"))
 STEPS = 2

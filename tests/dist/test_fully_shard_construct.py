@@ -16,7 +16,7 @@ from fullshard import fully_shard
 from tests.dist import fsdp2_parity as FP
 from tests.dist.harness import run_ranks
 
-pytestmark = pytest.mark.fast
+# Not in the fast tier (make test-fast): several spawned groups; make test runs it.
 
 
 def _train(model, opt, rank, sharded, steps=3):

@@ -12,7 +12,7 @@ import torch
 from tests.dist import models as M
 from tests.dist.harness import run_ranks
 
-pytestmark = pytest.mark.fast
+# Not in the fast tier (make test-fast): several spawned groups; make test runs it.
 
 
 def _train(rank, setting):

@@ -18,7 +18,7 @@ import torch
 from tests.dist.harness import run_ranks
 from tests.dist.llama import build_plain, token_batch
 
-pytestmark = pytest.mark.fast
+# Not in the fast tier (make test-fast): several spawned groups; make test runs it.
 
 LR, STEPS, SPLIT, MAX_NORM = 1e-2, 5, 3, 0.5
 """Learning rate; steps per run; step of the checkpoint; clipping threshold (below every step's norm)."""

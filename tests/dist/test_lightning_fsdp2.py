@@ -20,7 +20,7 @@ from tests.dist.llama import build_plain, token_batch
 
 lightning = pytest.importorskip("lightning")
 
-pytestmark = pytest.mark.fast
+# Not in the fast tier (make test-fast): several spawned groups; make test runs it.
 
 IMPLS = {"torch": "torch.distributed.fsdp", "fullshard": "fullshard"}
 """Implementation name → module whose ``fully_shard`` the LightningModule uses (add ``"fullshard"``)."""
