@@ -119,6 +119,18 @@ def snap(model, loss: Optional[torch.Tensor] = None) -> dict:
     return out
 
 
+def train(model, opt, rank: int, steps: int = 3) -> list[dict]:
+    """``steps`` plain steps (loss of batch ``step``, backward, snapshot, optimizer step, zero_grad)."""
+    out = []
+    for step in range(steps):
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        out.append(snap(model, loss))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
 def sgd(model) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
 

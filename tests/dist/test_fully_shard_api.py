@@ -213,13 +213,7 @@ def _prefetch_loop(model, opt, rank, sharded):
             layers[0].set_modules_to_forward_prefetch([nn.Linear(2, 2)])
         with pytest.raises(ValueError, match="not a fully_shard module"):
             layers[0].set_modules_to_backward_prefetch([layers[1].lin1])
-    out = []
-    for step in range(3):
-        loss = FP.loss_of(model, rank, step)
-        loss.backward()
-        out.append(FP.snap(model, loss))
-        opt.step()
-        opt.zero_grad()
+    out = FP.train(model, opt, rank)
     if sharded:
         assert seen and all(s is not ShardedState.SHARDED for s in seen), seen
     return out
@@ -309,14 +303,7 @@ def _unshard_in_backward_case(rank, world):
         if sharded:
             model.tok_embeddings.set_unshard_in_backward(False)
             counts["calls"] = _count_unshards(model.tok_embeddings.unit)
-        out = []
-        for step in range(3):
-            loss = FP.loss_of(model, rank, step)
-            loss.backward()
-            out.append(FP.snap(model, loss))
-            opt.step()
-            opt.zero_grad()
-        return out
+        return FP.train(model, opt, rank)
     res = {"embedding": FP.parity(rank, loop, shard_fn=_embedding_unit)}
     assert len(counts["calls"]) == 3, counts  # one all-gather per forward, none in backward
     # A unit whose backward reads its weights (lin1, lin2, gate): one clear
