@@ -17,7 +17,7 @@ from . import construct, wrap
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .checkpoint import module_hooks, optim as optim_state, state_dict as state_dicts
 from .construct import _PREFIX
-from .core import casting, collectives, convert, deferred_init, gather, norms, state
+from .core import casting, collectives, convert, deferred_init, gather, invariant, norms, state
 from .core.module import UnitModule, unit_modules
 from .core.unit import Unit, UnitConfig
 from .forward_methods import _hook_direct_calls, register_fsdp_forward_method  # noqa: F401 (public here too)
@@ -58,6 +58,12 @@ class FullyShardedDataParallel(UnitModule):
             never materializes a full one.
         mixed_precision: a :class:`MixedPrecision` policy (None = full precision).
         cpu_offload: a :class:`CPUOffload` policy (None = off).
+        world_size_invariant: (fullshard's) sum gradients over ranks in global
+            micro-batch order so training gives the same bits at every world
+            size: rank r's j-th micro-batch of an update must be global
+            micro-batch ``j·W + r``, the loss divided by the global count
+            (gradients are summed, not averaged), and the groups must tile
+            the world (core/invariant.py, docs/invariance.md).
 
     Raises:
         RuntimeError: no initialized process group.
@@ -76,7 +82,7 @@ class FullyShardedDataParallel(UnitModule):
                  mixed_precision: Optional[MixedPrecision] = None,
                  cpu_offload: Optional[CPUOffload] = None,
                  use_orig_params: bool = False, ignored_states=None, device_mesh=None,
-                 _unit_name: Optional[str] = None, _skip_param_ids: frozenset = frozenset(),
+                 world_size_invariant: bool = False, _unit_name: Optional[str] = None, _skip_param_ids: frozenset = frozenset(),
                  _full_precision: bool = False):
         super().__init__()
         if not collectives.is_initialized():
@@ -99,7 +105,7 @@ class FullyShardedDataParallel(UnitModule):
                       device_id=device, sync_module_states=sync_module_states,
                       ignored_modules=ignored_modules, param_init_fn=param_init_fn,
                       mixed_precision=mixed_precision, cpu_offload=cpu_offload,
-                      ignored_states=ignored_params or None)
+                      ignored_states=ignored_params or None, world_size_invariant=world_size_invariant)
 
         def unit_fn(**over):
             return lambda child, name, skip_param_ids: FullyShardedDataParallel(
@@ -126,7 +132,9 @@ class FullyShardedDataParallel(UnitModule):
                 collectives.group_size(replicate_group) if replicate_group is not None else 1),
             compute_device=device, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
             offload_params=offload.offload_params, keep_low_precision_grads=mp.keep_low_precision_grads,
-            reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD))
+            reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+            invariant_layout=invariant.check_layout(shard_group, replicate_group, where) if world_size_invariant
+            else None)
         for s in slots:
             construct.register(construct.TAKEN, s.param, name)
         with torch.no_grad():
@@ -285,7 +293,8 @@ class FullyShardedDataParallel(UnitModule):
         norm_type = float(norm_type)
         counted, replica, local = norms.grads_by_kind(root.runtimes, self.parameters())
         cfg = self._runtime.unit.cfg
-        total = norms.global_norm(counted, local, cfg.shard_group, cfg.replicate_group, norm_type)
+        total = norms.global_norm(counted, local, cfg.shard_group, cfg.replicate_group, norm_type,
+                                  exact=cfg.invariant_layout is not None)
         torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total)
         return total
 

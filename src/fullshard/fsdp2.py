@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import construct, dtensor_specs, wrap
 from .api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .core import backward_guard, casting, collectives, deferred_init, state
+from .core import backward_guard, casting, collectives, deferred_init, invariant, state
 from .core.module import UnitModule, unit_modules
 from .core.tree import map_tensors
 from .core.unit import ShardedState, Unit, UnitConfig
@@ -239,7 +239,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
                 reshard_after_forward: Optional[Union[bool, int]] = None,
                 mp_policy: MixedPrecisionPolicy = _NO_MP,
                 offload_policy: OffloadPolicy = _NO_OFFLOAD,
-                ignored_params: Optional[set[nn.Parameter]] = None):
+                ignored_params: Optional[set[nn.Parameter]] = None, world_size_invariant: bool = False):
     """Shard ``module``'s parameters not taken by an earlier call over
     ``mesh`` as one unit (torch FSDP2's ``fully_shard``; apply it to each
     block, then to the root).
@@ -265,6 +265,12 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             :class:`CPUOffloadPolicy`.
         ignored_params: parameters left as they are (neither sharded nor
             reduced).
+        world_size_invariant: (fullshard's) sum gradients over ranks in
+            global micro-batch order, so training gives the same bits at
+            every world size: rank r's j-th micro-batch of an update must be
+            global micro-batch ``j·W + r``, and the loss is divided by the
+            global count (gradients are summed, not averaged). Needs a mesh
+            over the whole world (core/invariant.py, docs/invariance.md).
 
     Returns:
         ``module`` (its class now a subclass of :class:`FSDPModule`), or the list.
@@ -312,12 +318,16 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             collectives.group_size(replicate_group) if replicate_group is not None else 1),
         compute_device=device, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         offload_params=offload, pin_memory=offload and offload_policy.pin_memory,
-        reshard_after_forward=reshard_after_forward is not False, post_forward_group=post_forward_group)
+        reshard_after_forward=reshard_after_forward is not False, post_forward_group=post_forward_group,
+        invariant_layout=invariant.check_layout(shard_group, replicate_group, where) if world_size_invariant
+        else None)
     for p in originals:
         construct.register(construct.TAKEN, p, name)
     with torch.no_grad():
         unit = Unit(name, slots, cfg)
     construct.register_unit(unit)
+    if world_size_invariant:
+        invariant.mark(s.sharded for s in unit.slots)
     # Backward prefetches the previous unit in forward order, as torch FSDP2 does by default.
     runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
                                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False,

@@ -356,6 +356,25 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, async_op: bo
     return _finish(work, async_op, lambda: _sum_blocks(recv, output))
 
 
+def all_to_all(output: torch.Tensor, send: torch.Tensor, group, async_op: bool = True, tag: str = ""):
+    """Send block ``r`` of ``send`` (``group_size`` equal 1-D blocks) to group
+    rank ``r``; block ``r`` of ``output`` is what rank ``r`` sent here.
+
+    Raises:
+        ValueError: on a size or dtype mismatch.
+        CollectiveError: timed out, lost a peer, or (debug mode) ranks disagree.
+    """
+    if output.numel() != send.numel() or output.dtype != send.dtype or output.numel() % group_size(group):
+        raise ValueError(f"all_to_all: output has {output.numel()} {output.dtype} elements and send "
+                         f"{send.numel()} {send.dtype}; both need the same dtype and group-size equal blocks")
+    if group_size(group) == 1:
+        output.copy_(send)
+        return None
+    _count("all_to_all", send)
+    return _run("all_to_all", tag, group, send, async_op,
+                lambda: dist.all_to_all_single(output, send, group=group, async_op=async_op))
+
+
 def all_reduce(tensor: torch.Tensor, group, op: str = "sum", async_op: bool = False, tag: str = ""):
     """In-place all-reduce with ``op`` in {"sum", "max", "min"}; ``tag`` as in :func:`all_gather`."""
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

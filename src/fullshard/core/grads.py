@@ -148,6 +148,10 @@ class GradStash:
         self.unit_ref = weakref.ref(unit)
         self.grad = full_grad.to(unit.reduce_dtype)
         self.used = list(used)
+        # world_size_invariant: later micro-batches kept apart as [grad, used]
+        # (their fold order interleaves other ranks' micro-batches); None: summed.
+        self.later: Optional[list[list]] = [] if unit.cfg.invariant_layout is not None else None
+        self.first_used = list(used)
         # index -> (weakref to the .grad seen, its version); None once that
         # gradient was dropped.
         self.watch: dict[int, Optional[tuple[weakref.ref, int]]] = {}
@@ -181,8 +185,21 @@ class GradStash:
 
     def add(self, full_grad: torch.Tensor, used: list[bool]) -> None:
         self.discard_zeroed()
-        self.grad.add_(full_grad)
+        if self.later is not None:
+            self.later.append([full_grad.to(self.grad.dtype), list(used)])
+        else:
+            self.grad.add_(full_grad)
         self.used = [a or b for a, b in zip(self.used, used)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every stashed gradient tensor (one, or one per micro-batch)."""
+        return [self.grad] + [g for g, _ in self.later or ()]
+
+    def micro_batches(self) -> list[tuple[torch.Tensor, list[bool]]]:
+        """world_size_invariant: each stashed micro-batch's (gradient, used
+        flags), in order, after discarding what the user zeroed."""
+        self.discard_zeroed()
+        return [(self.grad, self.first_used)] + [(g, u) for g, u in self.later]
 
     def sentinel_freed(self, index: int) -> None:
         """A sentinel gradient was dropped (``zero_grad(set_to_none=True)``):
@@ -207,8 +224,11 @@ class GradStash:
             if self.used[i]:
                 p = lay.params[i]
                 start = lay.world * p.shard_offset
-                self.grad[start:start + lay.world * p.shard_numel].zero_()
-                self.used[i] = False
+                for t in self.tensors():
+                    t[start:start + lay.world * p.shard_numel].zero_()
+                self.used[i] = self.first_used[i] = False
+                for part in self.later or ():
+                    part[1][i] = False
             self._watch(unit, i)
         return not any(self.used)
 
@@ -221,4 +241,4 @@ class GradStash:
         return self.grad, [a or b for a, b in zip(self.used, used)]
 
     def nbytes(self) -> int:
-        return self.grad.numel() * self.grad.element_size()
+        return sum(t.numel() * t.element_size() for t in self.tensors())

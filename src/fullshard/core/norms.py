@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import collectives
+from . import collectives, invariant
 from .params import local_of
 
 
@@ -46,8 +46,25 @@ def _norm_part(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
 
 
+def _powered(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """|g|**p of every element as one float64 vector (exact for p = 2 and
+    fp32 / bf16 / fp16 gradients: the square of a 24-bit mantissa fits in 53)."""
+    parts = [local_of(g).detach().reshape(-1).to("cpu", torch.float64).abs() for g in grads if g.numel()]
+    if not parts:
+        return torch.zeros(0, dtype=torch.float64)
+    cat = torch.cat(parts)
+    return cat.square() if norm_type == 2.0 else cat.pow(norm_type)
+
+
+def _exact_norm(grads: list[torch.Tensor], norm_type: float, groups: list) -> float:
+    """The p-th power of the ``norm_type`` norm of ``grads`` summed over
+    ``groups`` with :func:`~fullshard.core.invariant.exact_sum` (the same
+    bits however the elements are split over ranks)."""
+    return invariant.exact_sum(_powered(grads, norm_type), groups)
+
+
 def global_norm(counted: list[torch.Tensor], local: list[torch.Tensor], shard_group, replicate_group,
-                norm_type: float) -> torch.Tensor:
+                norm_type: float, exact: bool = False) -> torch.Tensor:
     """Total ``norm_type`` norm of all gradients of a model whose root unit is
     on ``shard_group`` / ``replicate_group``: the ``counted`` shard
     contributions (each gradient element held by exactly one rank; see
@@ -55,10 +72,18 @@ def global_norm(counted: list[torch.Tensor], local: list[torch.Tensor], shard_gr
     replicate group then shard group; unmanaged gradients are replicated and
     added once.
 
+    ``exact`` (``world_size_invariant`` units, p < inf): the p-th powers are
+    summed exactly (core/invariant.py :func:`exact_sum`), so the norm does
+    not depend on how the elements are split over ranks.
+
     Returns:
         0-dim fp32 tensor on the host, identical on every rank of the groups.
     """
     is_inf = norm_type == float("inf")
+    if exact and not is_inf:
+        groups = collectives.multi_rank_groups(shard_group, replicate_group)
+        value = _exact_norm(counted, norm_type, groups) + _exact_norm(local, norm_type, [])
+        return torch.tensor(value ** (1.0 / norm_type), dtype=torch.float32)
     part = _norm_part(counted, norm_type)
     for group in collectives.multi_rank_groups(shard_group, replicate_group):
         collectives.all_reduce(part, group, "max" if is_inf else "sum", tag="gradient norm")
@@ -86,12 +111,14 @@ def _shard_groups(t) -> list:
     return groups
 
 
-def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+def total_norm(grads: list[torch.Tensor], norm_type: float, exact: bool = False) -> torch.Tensor:
     """The ``norm_type`` norm of ``grads`` as if every DTensor were gathered:
     each DTensor's local contribution is summed (max for inf) over the mesh
     dimensions it is sharded on, plain tensors count once (replicated), and
     empty local shards contribute nothing. Gradients on different meshes
     (tensor parallelism on some modules only) and plain ones may be mixed.
+
+    ``exact``: as in :func:`global_norm`.
 
     Returns:
         0-dim fp32 plain tensor on the host, equal on every rank.
@@ -101,6 +128,9 @@ def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     for g in grads:
         key = tuple(_shard_groups(g)) if isinstance(g, DTensor) else ()
         by_groups.setdefault(key, []).append(local_of(g))
+    if exact and not is_inf:
+        value = sum(_exact_norm(locals_, norm_type, list(groups)) for groups, locals_ in by_groups.items())
+        return torch.tensor(value ** (1.0 / norm_type), dtype=torch.float32)
     total = torch.zeros((), dtype=torch.float32)
     for groups, locals_ in by_groups.items():  # insertion order: the same on every rank
         part = _norm_part([t for t in locals_ if t.numel()], norm_type)
@@ -116,7 +146,9 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     global norm as a plain tensor: every rank gets the same value (torch's
     returns a DTensor, ``Partial`` for the inf norm, whose ``.item()`` is
     the rank's local maximum), gradients on several meshes and plain
-    (replicated) ones may be mixed, and empty shards are skipped. Each
+    (replicated) ones may be mixed, and empty shards are skipped; with
+    parameters of ``world_size_invariant`` units the sum is exact
+    (:func:`global_norm`). Each
     gradient is multiplied in place by ``min(1, max_norm / (norm + 1e-6))``,
     torch's coefficient.
 
@@ -129,8 +161,10 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     Raises:
         ValueError: a ``Partial`` DTensor gradient.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = total_norm(grads, float(norm_type))
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
+    exact = any(invariant.is_marked(p) for p in parameters)
+    norm = total_norm(grads, float(norm_type), exact=exact)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
         local = local_of(g)

@@ -81,6 +81,9 @@ class UnitConfig:
             each keeps 1/k of the full parameters (:meth:`Unit.reshard_partial`)
             and backward all-gathers within it (the hpZ scheme of ZeRO++,
             Wang et al. 2023, §3.2). None: reshard fully.
+        invariant_layout: ``world_size_invariant=True``: (shard-group rank,
+            replicate-group rank) of every world rank (core/invariant.py);
+            None: gradients are reduce-scattered and averaged.
     """
 
     shard_group: object
@@ -94,6 +97,7 @@ class UnitConfig:
     keep_low_precision_grads: bool = False
     pin_memory: bool = True
     post_forward_group: object = None
+    invariant_layout: Optional[tuple] = None
 
 
 class UnitStateError(RuntimeError):

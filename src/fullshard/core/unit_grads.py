@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, flat, grads, reduce
+from . import collectives, flat, grads, invariant, reduce
 from .buffers import POOL
 
 
@@ -91,8 +91,8 @@ class UnitGrads:
     def stash_holds(self, full_grad: torch.Tensor) -> bool:
         """Whether the ``no_sync`` stash keeps ``full_grad``'s memory (it
         adopts the first micro-batch's gradient when no cast is needed)."""
-        return self._stash is not None and \
-            self._stash.grad.untyped_storage().data_ptr() == full_grad.untyped_storage().data_ptr()
+        return self._stash is not None and any(
+            t.untyped_storage().data_ptr() == full_grad.untyped_storage().data_ptr() for t in self._stash.tensors())
 
     def pop_stashed(self, full_grad: Optional[torch.Tensor],
                     used: list[bool]) -> tuple[Optional[torch.Tensor], list[bool]]:
@@ -101,7 +101,29 @@ class UnitGrads:
         stash, self._stash = self._stash, None
         if stash is None:
             return full_grad, used
+        if stash.later is not None:
+            self._fold_stashed(stash)
+            return full_grad, used
         return stash.pop(full_grad, used)
+
+    def _fold_stashed(self, stash: grads.GradStash) -> None:
+        """world_size_invariant: fold each stashed micro-batch in order (one
+        all-to-all each); every rank must hold as many.
+
+        Raises:
+            RuntimeError: ranks stashed different numbers of micro-batches
+                for this unit (a backward reached it on some ranks only).
+        """
+        parts = stash.micro_batches()
+        counts = torch.tensor([len(parts), -len(parts)], dtype=torch.int64)
+        collectives.all_reduce(counts, collectives.world_group(), "max", tag=f"unit '{self.name}' no_sync count")
+        if counts[0] != -counts[1]:
+            raise RuntimeError(
+                f"[rank {collectives.rank()}] unit '{self.name}': under world_size_invariant=True every rank's "
+                f"no_sync backwards must reach the unit equally often (ranks stashed {-int(counts[1])} to "
+                f"{int(counts[0])} micro-batches); reach it on every rank or do not use no_sync")
+        for grad, used in parts:
+            invariant.start_fold(self, grad, used).finish()
 
     def check_stash(self) -> None:
         """Drop the parts of the stash whose gradients the user zeroed."""
@@ -122,7 +144,7 @@ class UnitGrads:
 
     def stashed_grad_bytes(self) -> int:
         """Bytes of the ``no_sync`` stash's storage (0 without a stash)."""
-        return 0 if self._stash is None else self._stash.grad.untyped_storage().nbytes()
+        return 0 if self._stash is None else sum(t.untyped_storage().nbytes() for t in self._stash.tensors())
 
     def reduce_grads(self, full_grad: Optional[torch.Tensor], used: list[bool]) -> reduce.PendingReduce:
         """Reduce-scatter ``full_grad`` (param-major, ``N·S`` elements; None =
@@ -133,4 +155,6 @@ class UnitGrads:
         ``used[i]``: whether this rank's backward gave layout parameter i a
         gradient; a parameter no rank used keeps ``grad None`` (see core/reduce.py).
         """
+        if self.cfg.invariant_layout is not None:
+            return invariant.start_fold(self, full_grad, used)
         return reduce.start_reduce(self, full_grad, used)

@@ -216,7 +216,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     params = list(model.parameters())
     counted, replica, local = norms.grads_by_kind(root.runtimes, params)
     cfg = model._runtime.unit.cfg
-    total = norms.global_norm(counted, local, cfg.shard_group, cfg.replicate_group, 2.0)
+    total = norms.global_norm(counted, local, cfg.shard_group, cfg.replicate_group, 2.0,
+                              exact=cfg.invariant_layout is not None)
     # torch.nn.utils.clip_grads_with_norm_'s coefficient, applied to the plain local shards.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in counted + replica + local:

@@ -1,0 +1,272 @@
+"""World-size-invariant gradient reduction (``world_size_invariant=True``).
+
+[Note: world-size invariance]
+A reduce-scatter sums the ranks' gradients in an order that depends on the
+number of ranks (a ring, or our all-to-all plus a sum of N blocks), and
+gradient accumulation adds each rank's micro-batches locally first; both
+make the summed gradient, and so the trained model, depend on the world
+size in the last bits. Here the order is fixed by the data instead:
+
+* In an update, rank ``r``'s ``j``-th micro-batch is global micro-batch
+  ``j·W + r`` (W = world size); the caller schedules its data so.
+* Each backward's gradient is sent, unreduced, to the ranks that keep each
+  part of it (one all-to-all over the world). The receiver adds the W
+  pieces, in world-rank order, one at a time onto its gradient: over an
+  update the gradient is the left fold ``((g_0 + g_1) + g_2) + ...`` over
+  global micro-batch indices, whichever rank computed each and whatever W.
+* With replicas (HYBRID_SHARD, NO_SHARD) each replica folds ``1/R`` of the
+  shard and the replicas all-gather the folded parts, so every element is
+  still folded by one rank in the same order.
+* Gradients are summed, not averaged (the caller divides its loss by the
+  global count); ``set_gradient_divide_factor(f)`` divides each micro-batch
+  by ``f`` before the fold.
+
+The bytes sent per backward equal a reduce-scatter's, plus an all-gather
+of the shard with replicas (an all-reduce's second half). ``no_sync``
+keeps each micro-batch's unsharded gradient apart (one full gradient per
+micro-batch) and folds them in order at the synchronizing backward. The
+gradient norm uses :func:`exact_sum` (see core/norms.py), whose result does
+not depend on how elements are split over ranks.
+
+Source of the order-independent summation: Demmel & Nguyen, "Parallel
+Reproducible Summation", IEEE Trans. Computers 64(7), 2015, §3 (pre-rounding
+each value to a grid fixed by a global maximum, so the additions are exact).
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Optional
+
+import torch
+
+from . import collectives, flat, grads
+from .buffers import POOL
+
+# Bits of each integer limb of exact_sum: n values of up to 2**LIMB_BITS each
+# sum exactly in int64 while n < 2**(63 - LIMB_BITS).
+LIMB_BITS = 31
+LIMBS = 3
+_LAYOUTS: dict = {}
+# id -> weakref of the sharded parameters of world_size_invariant units
+# (``clip_grad_norm_`` sums their norm exactly); tensors compare by value, so
+# no WeakSet.
+_PARAMS: dict[int, weakref.ref] = {}
+
+
+def mark(params) -> None:
+    """Record ``params`` as sharded parameters of a world_size_invariant unit."""
+    for p in params:
+        _PARAMS[id(p)] = weakref.ref(p, lambda _, key=id(p): _PARAMS.pop(key, None))
+
+
+def is_marked(param) -> bool:
+    """Whether ``param`` belongs to a world_size_invariant unit."""
+    ref = _PARAMS.get(id(param))
+    return ref is not None and ref() is param
+
+
+def check_layout(shard_group, replicate_group, where: str) -> tuple:
+    """The (shard-group rank, replicate-group rank) of every world rank, for
+    a unit sharded over ``shard_group`` and replicated over
+    ``replicate_group`` (None: no replicas). One ``all_gather_object`` over
+    the world per pair of groups; every rank must call it (construction is).
+
+    Raises:
+        ValueError: the groups do not tile the world (a unit on a sub-group,
+            tensor parallelism's extra mesh dimensions): the fold needs every
+            rank's micro-batch.
+    """
+    rep_size = collectives.group_size(replicate_group) if replicate_group is not None else 1
+    if collectives.group_size(shard_group) * rep_size != collectives.world_size():
+        raise ValueError(
+            f"{where}: world_size_invariant=True needs the unit's ranks to be the whole world (shard group "
+            f"{collectives.group_size(shard_group)} x replicas {rep_size} != world size "
+            f"{collectives.world_size()}); shard over the world, or HYBRID_SHARD / NO_SHARD groups that tile it")
+    key = (id(shard_group), id(replicate_group))
+    if key not in _LAYOUTS:
+        mine = (collectives.group_rank(shard_group),
+                collectives.group_rank(replicate_group) if replicate_group is not None else 0)
+        _LAYOUTS[key] = tuple(collectives.all_gather_object(mine, None, tag="world_size_invariant layout"))
+    return _LAYOUTS[key]
+
+
+def start_fold(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "PendingFold":
+    """Send this backward's unsharded gradient ``full_grad`` (param-major,
+    ``N·S`` elements; None = zeros) and its used flags to the ranks that
+    fold each part (see [Note: world-size invariance]); the fold happens at
+    :meth:`PendingFold.finish`.
+
+    Raises:
+        RuntimeError: ``set_requires_all_reduce(False)`` on a replicated
+            unit (replicas' partial sums cannot keep the fold order).
+    """
+    cfg = unit.cfg
+    rep = cfg.replicate_group
+    if rep is not None and not unit.requires_all_reduce:
+        raise RuntimeError(f"[rank {collectives.rank()}] unit '{unit.name}': set_requires_all_reduce(False) "
+                           "cannot be used with world_size_invariant=True (the replicas' sum is part of the fixed "
+                           "order); leave it True")
+    lay = unit.layout
+    n_grad, n_flags = lay.grad_shard_numel, len(lay.params)
+    block = n_grad + n_flags
+    reduce_in = POOL.take(unit.world * block, unit.reduce_dtype, cfg.compute_device)
+    if full_grad is None:
+        reduce_in.zero_()
+    else:
+        flat.copy_in(reduce_in, full_grad, lay, block_numel=block)
+    flags = reduce_in.view(unit.world, block)[:, n_grad:]
+    flags.copy_(torch.tensor(used, dtype=unit.reduce_dtype).expand_as(flags))
+    if unit.grad_divide_factor not in (None, 1):
+        reduce_in.div_(unit.grad_divide_factor)
+    layout = cfg.invariant_layout
+    world = len(layout)
+    reps = world // unit.world
+    part = -(-block // reps)  # elements each replica folds
+    if reps == 1 and all(s == y for y, (s, _) in enumerate(layout)):
+        send = reduce_in
+    else:
+        send = POOL.take(world * part, unit.reduce_dtype, cfg.compute_device)
+        padded = torch.zeros(unit.world, reps * part, dtype=reduce_in.dtype, device=reduce_in.device)
+        padded[:, :block] = reduce_in.view(unit.world, block)
+        pieces = padded.view(unit.world, reps, part)
+        # World rank y receives sub-part q(y) of block s(y).
+        idx_s = torch.tensor([s for s, _ in layout], device=reduce_in.device)
+        idx_q = torch.tensor([q for _, q in layout], device=reduce_in.device)
+        send.view(world, part).copy_(pieces[idx_s, idx_q])
+        POOL.give(reduce_in)
+    recv = POOL.take(world * part, unit.reduce_dtype, cfg.compute_device)
+    work = collectives.all_to_all(recv, send, collectives.world_group(), async_op=True,
+                                  tag=f"unit '{unit.name}' (world_size_invariant)")
+    return PendingFold(unit, work, send, recv, block, part, reps)
+
+
+class PendingFold:
+    """An in-flight all-to-all of :func:`start_fold`; same interface as
+    :class:`~fullshard.core.reduce.PendingReduce`."""
+
+    def __init__(self, unit, work, send, recv, block: int, part: int, reps: int):
+        self.unit, self.work, self.send, self.recv = unit, work, send, recv
+        self.block, self.part, self.reps = block, part, reps
+
+    def _wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        POOL.give(self.send)
+        self.send = None
+
+    def finish(self) -> None:
+        """Fold the received pieces in world-rank order onto the gradient
+        shard and write it to the parameters' ``.grad``."""
+        self._wait()
+        unit = self.unit
+        n_grad = unit.layout.grad_shard_numel
+        acc_dtype = unit.flat_shard.dtype
+        device = self.recv.device
+        acc = torch.zeros(self.reps * self.part, dtype=acc_dtype, device=device)
+        acc[:n_grad] = _current_grad(unit).to(device)
+        rep = unit.cfg.replicate_group
+        q = collectives.group_rank(rep) if rep is not None else 0
+        mine = acc[q * self.part:(q + 1) * self.part]
+        for piece in self.recv.view(-1, self.part):  # world-rank order = global micro-batch order
+            mine.add_(piece)
+        POOL.give(self.recv)
+        self.recv = None
+        if self.reps > 1:
+            gathered = torch.empty_like(acc)
+            collectives.all_gather(gathered, mine.clone(), rep, async_op=False,
+                                   tag=f"unit '{unit.name}' (world_size_invariant replicas)")
+            acc = gathered
+        _write_grad(unit, acc[:self.block])
+
+    def abandon(self) -> None:
+        """Wait for the collective (its buffers must outlive it) and drop the result."""
+        self._wait()
+        POOL.give(self.recv)
+        self.recv = None
+
+
+def _current_grad(unit) -> torch.Tensor:
+    """The unit's gradient shard as one flat tensor in the master dtype
+    (zeros where ``.grad`` is None)."""
+    lay = unit.layout
+    out = torch.zeros(lay.grad_shard_numel, dtype=unit.flat_shard.dtype, device=unit.flat_shard.device)
+    for slot, view in zip(unit.slots, flat.grad_shard_views(out, lay, unit.rank)):
+        if view is not None:
+            g = slot.grad()
+            if g is not None:
+                view.copy_(g.reshape(view.shape))
+    return out
+
+
+def _write_grad(unit, folded: torch.Tensor) -> None:
+    """Install the folded block (gradient shard, then the used counts) as the
+    sharded parameters' ``.grad``; a parameter with no gradient that no rank
+    used keeps ``grad None``, and a ``no_sync`` sentinel no rank filled goes."""
+    lay = unit.layout
+    n_grad = lay.grad_shard_numel
+    used = (folded[n_grad:] > 0).tolist()
+    values = folded[:n_grad].to(unit.flat_shard.device, unit.grad_dtype)
+    sentinels, unit.sentinels = unit.sentinels, {}
+    for i, (slot, view) in enumerate(zip(unit.slots, flat.grad_shard_views(values, lay, unit.rank))):
+        if view is None:
+            continue
+        cur = slot.grad()
+        ref = sentinels.get(i)
+        if not used[i]:
+            if ref is not None and cur is not None and slot.sharded.grad is ref():
+                slot.sharded.grad = None  # a zero we installed, never a gradient
+            continue
+        if cur is not None and cur.dtype == view.dtype:
+            cur.copy_(view.reshape(cur.shape))  # keeps the .grad object (the optimizer may hold it)
+        else:
+            grads.set_grad(slot, view.clone())
+
+
+def exact_sum(values: torch.Tensor, groups: list) -> float:
+    """Sum of the non-negative ``values`` held by every rank of ``groups``,
+    independent of how the elements are split over ranks and of the order
+    of additions (Demmel & Nguyen 2015, §3: each value is cut at fixed
+    binary places relative to the global maximum and the pieces are summed
+    as integers, which is exact and associative).
+
+    Each value is truncated below ``2**-(LIMBS·LIMB_BITS)`` (2**-93) of the
+    global maximum M, so the result is within ``n · 2**-93 · M`` of the
+    exact sum, then rounded once to float64.
+
+    Args:
+        values: 1-D float64 tensor of non-negative finite values, any length
+            (also 0) on each rank; at most ``2**32`` elements over all ranks.
+        groups: process groups whose ranks' values are summed (each element
+            counted by one rank), reduced in this order.
+    Returns:
+        The sum as a Python float, the same on every rank; inf or nan when
+        any value is.
+    """
+    # [largest value, 1 if any value is nan]: a MAX reduction may drop a nan.
+    top = torch.zeros(2, dtype=torch.float64)
+    if values.numel():
+        top[0] = values.max().to(torch.float64).cpu()
+        top[1] = float(bool(torch.isnan(values).any()))
+    for group in groups:
+        collectives.all_reduce(top, group, "max", tag="gradient norm (maximum)")
+    peak, has_nan = top.tolist()
+    if has_nan:
+        return math.nan
+    if peak == 0.0 or not math.isfinite(peak):
+        return peak
+    exponent = math.frexp(peak)[1]  # peak < 2**exponent
+    rest = torch.ldexp(values.to(torch.float64), torch.tensor(-exponent, dtype=torch.float64)) \
+        if values.numel() else values.to(torch.float64)
+    limbs = torch.zeros(LIMBS, dtype=torch.int64)
+    for k in range(LIMBS):
+        rest = rest * float(2 ** LIMB_BITS)  # exact: a power of two
+        digit = torch.floor(rest)
+        rest = rest - digit  # exact: the fraction below the cut
+        limbs[k] = digit.to(torch.int64).sum().cpu() if digit.numel() else 0
+    for group in groups:
+        collectives.all_reduce(limbs, group, "sum", tag="gradient norm (exact sum)")
+    total = 0
+    for value in limbs.tolist():
+        total = (total << LIMB_BITS) + value
+    return math.ldexp(float(total), exponent - LIMBS * LIMB_BITS)  # int -> float rounds once
