@@ -82,8 +82,8 @@ class FullyShardedDataParallel(UnitModule):
                  mixed_precision: Optional[MixedPrecision] = None,
                  cpu_offload: Optional[CPUOffload] = None,
                  use_orig_params: bool = False, ignored_states=None, device_mesh=None,
-                 world_size_invariant: bool = False, _unit_name: Optional[str] = None, _skip_param_ids: frozenset = frozenset(),
-                 _full_precision: bool = False):
+                 world_size_invariant: bool = False, _unit_name: Optional[str] = None,
+                 _skip_param_ids: frozenset = frozenset(), _full_precision: bool = False):
         super().__init__()
         if not collectives.is_initialized():
             raise RuntimeError(

@@ -13,8 +13,14 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import fullshard
-from fullshard import (CPUOffload, FSDPModule, FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy,
-                       fully_shard)
+from fullshard import (
+    CPUOffload,
+    FSDPModule,
+    FullyShardedDataParallel as FSDP,
+    MixedPrecision,
+    ShardingStrategy,
+    fully_shard,
+)
 from fullshard.construct import clean_name
 from fullshard.core import collectives, invariant
 from fullshard.models import TransformerBlock, build_model

@@ -34,6 +34,7 @@ each value to a grid fixed by a global maximum, so the additions are exact).
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Optional
@@ -57,7 +58,12 @@ _PARAMS: dict[int, weakref.ref] = {}
 def mark(params) -> None:
     """Record ``params`` as sharded parameters of a world_size_invariant unit."""
     for p in params:
-        _PARAMS[id(p)] = weakref.ref(p, lambda _, key=id(p): _PARAMS.pop(key, None))
+        key = id(p)
+        _PARAMS[key] = weakref.ref(p, functools.partial(_forget, key))
+
+
+def _forget(key: int, _ref) -> None:
+    _PARAMS.pop(key, None)
 
 
 def is_marked(param) -> bool:
