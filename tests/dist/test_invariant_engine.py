@@ -167,3 +167,30 @@ def test_exact_sum_does_not_depend_on_the_split():
     assert all(s[0] == one[0] for s in three)
     assert abs(one[0] - one[1]) <= 1e-12 * one[1]
     assert all(np.isnan(s[2]) for s in three)  # a nan on one rank is not lost by the MAX reduction
+
+
+def _bad_uses(rank, world):
+    errors = []
+    own = [collectives.new_group([0]), collectives.new_group([1])][rank]
+    try:
+        FSDP(_model(), process_group=own, world_size_invariant=True)
+    except ValueError as e:
+        errors.append(str(e))
+    mesh = init_device_mesh("cpu", (2, 1))
+    model = fully_shard(_model(), mesh=mesh, world_size_invariant=True)
+    model.set_requires_all_reduce(False)
+    try:
+        model(DATA[0, rank][:, :-1]).sum().backward()
+    except RuntimeError as e:
+        errors.append(str(e))
+    return errors
+
+
+@pytest.mark.fast
+def test_layouts_it_cannot_order_are_refused_with_one_line():
+    for rank, errors in enumerate(run_ranks(_bad_uses, 2, timeout_s=120)):
+        assert len(errors) == 2, errors
+        assert "world_size_invariant=True needs the unit's ranks to be the whole world (shard group 1 x " \
+               "replicas 1 != world size 2)" in errors[0]
+        assert errors[1].startswith(f"[rank {rank}] unit ") and \
+            "set_requires_all_reduce(False) cannot be used with world_size_invariant=True" in errors[1]

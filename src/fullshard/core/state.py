@@ -403,7 +403,7 @@ class PostBackwardHook:
                 unit.release_full_grad(grad, keep=unit.stash_holds(grad))
                 root.stash_window = True
             else:
-                root.pending.append(unit.reduce_grads(*unit.pop_stashed(grad, used)))
+                root.pending.append(unit.reduce_grads(*unit.pop_stashed(grad, used, agreed=root.stash_window)))
                 unit.release_full_grad(grad)  # reduce_grads copied it into the reduce-scatter input
                 while len(root.pending) > MAX_INFLIGHT_REDUCES:
                     root.pending.pop(0).finish()
@@ -450,7 +450,7 @@ def _reduce_leftover_stashes(root: RootRuntime) -> None:
     for rt, flag in zip(root.runtimes, flags.tolist()):
         if flag:
             unit = rt.unit
-            unit.reduce_grads(*unit.pop_stashed(None, [False] * len(unit.layout.params))).finish()
+            unit.reduce_grads(*unit.pop_stashed(None, [False] * len(unit.layout.params), agreed=True)).finish()
 
 
 def end_of_backward(root: RootRuntime) -> None:

@@ -94,19 +94,23 @@ class UnitGrads:
         return self._stash is not None and any(
             t.untyped_storage().data_ptr() == full_grad.untyped_storage().data_ptr() for t in self._stash.tensors())
 
-    def pop_stashed(self, full_grad: Optional[torch.Tensor],
-                    used: list[bool]) -> tuple[Optional[torch.Tensor], list[bool]]:
+    def pop_stashed(self, full_grad: Optional[torch.Tensor], used: list[bool],
+                    agreed: bool = False) -> tuple[Optional[torch.Tensor], list[bool]]:
         """``full_grad`` plus whatever :meth:`stash_grad` kept, and the union
-        of the used flags; the stash is emptied."""
+        of the used flags; the stash is emptied. Under world_size_invariant
+        the stashed micro-batches are folded here instead, one by one, and
+        ``full_grad`` is returned as it is; ``agreed``: every rank calls this
+        for the unit now (a no_sync window is closing), so the ranks' stash
+        counts are compared even where this rank has none."""
         stash, self._stash = self._stash, None
-        if stash is None:
-            return full_grad, used
-        if stash.later is not None:
+        if self.cfg.invariant_layout is not None and (stash is not None or agreed):
             self._fold_stashed(stash)
+            return full_grad, used
+        if stash is None:
             return full_grad, used
         return stash.pop(full_grad, used)
 
-    def _fold_stashed(self, stash: grads.GradStash) -> None:
+    def _fold_stashed(self, stash: Optional[grads.GradStash]) -> None:
         """world_size_invariant: fold each stashed micro-batch in order (one
         all-to-all each); every rank must hold as many.
 
@@ -114,7 +118,7 @@ class UnitGrads:
             RuntimeError: ranks stashed different numbers of micro-batches
                 for this unit (a backward reached it on some ranks only).
         """
-        parts = stash.micro_batches()
+        parts = stash.micro_batches() if stash is not None else []
         counts = torch.tensor([len(parts), -len(parts)], dtype=torch.int64)
         collectives.all_reduce(counts, collectives.world_group(), "max", tag=f"unit '{self.name}' no_sync count")
         if counts[0] != -counts[1]:
