@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+import pytest
 import torch
 
 from fullshard.models import ARCHS
@@ -124,3 +125,28 @@ def test_world_size_invariant_training_is_bitwise_the_same_at_1_2_3_4_ranks():
     fp32 = [name for name in CASES if name != "bf16"]
     assert len({(repr(one[n]["history"]), one[n]["params"]) for n in fp32}) == 1, {n: one[n] for n in fp32}
     assert results[4][0]["hybrid"] == one["full_no_sync"]  # HYBRID_SHARD 2 x 2
+
+
+def _start_at(rank, world):
+    """What train_main does once the ranks know their world size (which under an elastic launch may
+    differ from the launcher's): update_freq derived again, or one line naming the rank."""
+    from fullshard.train.config import GlobalBatchError
+    from fullshard.train.loop import _at_world_size
+
+    launched = _cfg(batch_size=2, global_batch_size=8, update_freq=1)  # derived at 4 ranks
+    started = _at_world_size(launched, world)
+    try:
+        _at_world_size(_cfg(batch_size=2, global_batch_size=6, update_freq=1), world)
+        message = None
+    except GlobalBatchError as e:
+        message = str(e)
+    return started.update_freq, message
+
+
+@pytest.mark.fast
+def test_ranks_derive_update_freq_at_the_world_size_they_start_with():
+    for rank, (update_freq, message) in enumerate(run_ranks(_start_at, 2, timeout_s=120)):
+        assert update_freq == 2
+        assert message == (f"[rank {rank}] cannot start at world size 2: --global-batch-size 6 is not divisible by "
+                           "--batch-size 2 x 2 ranks = 4; use a multiple of 4, or a --batch-size and number of ranks "
+                           "whose product divides 6")
