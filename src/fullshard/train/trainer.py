@@ -206,6 +206,9 @@ class Trainer:
         if invariant:
             per_update = self.cfg.update_freq * self.world_size
             invariance.check_schedule(micro_batch_ids or [], self.rank, self.world_size, per_update)
+            if k != len(micro_batch_ids):
+                raise ValueError(f"[rank {self.rank}] --world-size-invariant: {k} micro-batches for "
+                                 f"{len(micro_batch_ids)} micro-batch ids; pass one id per micro-batch")
         local, rows = torch.zeros(3, dtype=torch.float64), []
         for j, batch in enumerate(micro_batches):
             # no_sync: keep unsharded gradients until the last micro-batch;
@@ -220,8 +223,8 @@ class Trainer:
                     faults.in_update(self.num_updates + 1)
                 loss_sum = faults.poison_loss(loss_sum, self.num_updates + 1)
                 # Invariant: the global token count, the same division at every world size.
-                mean = loss_sum / (ntokens * per_update) if invariant else loss_sum / (ntokens * k)
-                self.scaler.scale(mean).backward()
+                share = loss_sum / (ntokens * per_update) if invariant else loss_sum / (ntokens * k)
+                self.scaler.scale(share).backward()
                 self._sample_memory()  # no_sync stashes; anything a backward left behind
             row = [loss_sum.item(), ntokens, batch[0].size(0)]
             if invariant:
