@@ -119,6 +119,17 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
      f"--decoder-attention-heads 3 must divide the width 64 of --arch {ARCH}"),
     (["{data}", "--decoder-embed-dim", "99"],
      f"the 2 attention heads of --arch {ARCH} must divide --decoder-embed-dim 99"),
+    # --global-batch-size (--batch-size 4 by default here) and --world-size-invariant
+    (["{data}", "--global-batch-size", "6"], "--global-batch-size 6 is not divisible by --batch-size 4 x 1 ranks = 4"),
+    (["{data}", "--global-batch-size", "8", "--nproc-per-node", "3"], "--batch-size 4 x 3 ranks = 12"),
+    (["{data}", "--global-batch-size", "0"], "--global-batch-size must be >= 1, got 0"),
+    (["{data}", "--global-batch-size", "-8"], "--global-batch-size must be >= 1, got -8"),
+    (["{data}", "--global-batch-size", "8", "--update-freq", "1"], "--update-freq 1 conflicts with --global-batch-size 8"),
+    (["{data}", "--global-batch-size", "eight"], "argument --global-batch-size: invalid int value: 'eight'"),
+    (["{data}", "--world-size-invariant", "--ddp-backend", "c10d"],
+     "--world-size-invariant needs --ddp-backend fully_sharded"),
+    (["{data}", "--world-size-invariant", "--global-batch-size", "400000"], "fewer than one global batch of 400000"),
+    (["{data}", "--threads-per-rank", "0"], "--threads-per-rank must be >= 1, got 0"),
     # resuming needs the shape the checkpoint was trained with: tensors, and heads (which no tensor shows)
     (["{data}", "--save-dir", "{save_mini}", "--decoder-layers", "3"], "is of another model"),
     (["{data}", "--save-dir", "{save_mini}", "--decoder-attention-heads", "4"],
@@ -189,6 +200,21 @@ def test_seed_commands_are_accepted_and_fp16_warns_once(tmp_path, capsys, monkey
     options.parse_train_args(argv)
     err = capsys.readouterr().err
     assert err.count("--bf16 is much faster here") == 1 and len(err.splitlines()) == 1, err
+
+
+def test_global_batch_size_derives_update_freq(corpus_dir, tmp_path, monkeypatch):
+    """--global-batch-size with an --update-freq that agrees is accepted; the config records both."""
+    from fullshard.train import options
+
+    monkeypatch.chdir(tmp_path)
+    base = [str(corpus_dir), "--arch", ARCH, "--tokens-per-sample", "64", "--batch-size", "2", "--nproc-per-node", "2"]
+    for extra, invariant in (([], False), (["--update-freq", "3"], False), (["--world-size-invariant"], True)):
+        cfg = options.parse_train_args(base + ["--global-batch-size", "12"] + extra)
+        assert (cfg.global_batch_size, cfg.update_freq, cfg.world_size_invariant) == (12, 3, invariant)
+    cfg = options.parse_train_args(base + ["--update-freq", "2", "--world-size-invariant"])
+    assert (cfg.global_batch_size, cfg.update_freq) == (8, 2)  # recorded: restarts keep the global batch
+    cfg = options.parse_train_args(base)
+    assert (cfg.global_batch_size, cfg.update_freq) == (None, 1)
 
 
 def test_valid_split_smaller_than_one_batch_is_evaluated(cli, corpus_dir, tmp_path):

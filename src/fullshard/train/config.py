@@ -46,6 +46,35 @@ step time in fp32 and 1.08x in bf16 (CPU seconds per step 1.04x, 1.03x): AdamW's
 ops on DTensor parameters cost about 8 ms more per step; forward and backward cost the same."""
 
 
+class GlobalBatchError(ValueError):
+    """A global batch that the micro-batch size and world size cannot make; the message is one line."""
+
+
+def derive_update_freq(global_batch_size: int, batch_size: int, world_size: int) -> int:
+    """Micro-batches per rank per update, ``global_batch_size / (batch_size * world_size)``.
+
+    Args:
+        global_batch_size: sequences per update over all ranks (``--global-batch-size``).
+        batch_size: sequences per rank per micro-batch (``--batch-size``).
+        world_size: ranks.
+
+    Raises:
+        GlobalBatchError: a size < 1, or ``batch_size * world_size`` not dividing
+            ``global_batch_size``; one line saying what to change.
+    """
+    if global_batch_size < 1:
+        raise GlobalBatchError(f"--global-batch-size must be >= 1, got {global_batch_size}")
+    if batch_size < 1 or world_size < 1:
+        raise GlobalBatchError(f"--batch-size and the world size must be >= 1, got {batch_size} and {world_size}")
+    per_step = batch_size * world_size
+    if global_batch_size % per_step:
+        raise GlobalBatchError(
+            f"--global-batch-size {global_batch_size} is not divisible by --batch-size {batch_size} x {world_size} "
+            f"ranks = {per_step}; use a multiple of {per_step}, or a --batch-size and number of ranks whose "
+            f"product divides {global_batch_size}")
+    return global_batch_size // per_step
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelOptions:
     """The GPT: a named architecture, fairseq's ``--decoder-*`` overrides of its shape, dropout."""
@@ -87,6 +116,16 @@ class DistributedOptions:
         "gradient shards (less memory). c10d: whether DDP all-reduces every micro-batch (default: %(default)s)",
         choices=("no_sync", "reduce_scatter"))
     hybrid_shard: bool = flag(False, "fully_sharded: HYBRID_SHARD, shard within a node and replicate across nodes")
+    # [Note: world-size invariance] in trainer.py. Off by default until its cost is measured.
+    world_size_invariant: bool = flag(
+        False, "fully_sharded: bitwise the same losses, gradient norms and parameters at every world size "
+        "(for a fixed --global-batch-size, --batch-size and --threads-per-rank): each micro-batch has a global "
+        "index that fixes its data and dropout, gradients and logged sums are added in that order",
+        negatable=True)
+    # None: cores / ranks on this machine; under --world-size-invariant on a CPU, 1.
+    threads_per_rank: Optional[int] = flag(
+        None, "intra-op CPU threads of each rank (default: the cores divided among this machine's ranks; "
+        "1 under --world-size-invariant on a CPU, where sums depend on the thread count)", type=int, metavar="N")
     # Hugging Face Accelerate's flag name. None: DEFAULT_FSDP_VERSION (TrainConfig stores the
     # resolved version). Both versions give the same losses and checkpoints (train/sharding.py).
     fsdp_version: Optional[int] = flag(
@@ -138,7 +177,15 @@ class DatasetOptions:
     data_dir: str = flag(help="directory written by `fullshard preprocess`", positional=True, metavar="DATA_DIR")
     tokens_per_sample: int = flag(1024, "tokens per sample (default: %(default)s)")
     batch_size: int = flag(8, "sequences per rank per micro-batch (default: %(default)s)")
-    update_freq: int = flag(1, "micro-batches accumulated per update (default: 1)")
+    # None when not given (so a conflict with --global-batch-size can be told): `validate` stores
+    # 1, or the value derived from global_batch_size (each rank derives it again at its world size).
+    update_freq: Optional[int] = flag(None, "micro-batches accumulated per update (default: 1, or "
+                                      "--global-batch-size / (--batch-size x ranks))", type=int)
+    # Megatron's and torchtitan's name; update_freq = global_batch_size / (batch_size * world size).
+    global_batch_size: Optional[int] = flag(
+        None, "sequences per update over all ranks; --update-freq is derived from it at the world size the "
+        "ranks start with, which must divide it (default: --batch-size x --update-freq x ranks)", type=int,
+        metavar="G")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +266,21 @@ class TrainConfig(ModelOptions, DistributedOptions, PrecisionOptions, DatasetOpt
     def __post_init__(self) -> None:
         if self.fsdp_version is None:  # not given, or a checkpoint's args from before the flag
             object.__setattr__(self, "fsdp_version", DEFAULT_FSDP_VERSION)
+        if self.update_freq is None and self.global_batch_size is None:
+            object.__setattr__(self, "update_freq", 1)
+
+    def at_world_size(self, world_size: int) -> "TrainConfig":
+        """This config for ranks that started at ``world_size``: with ``global_batch_size``, its
+        ``update_freq`` derived again (the launcher's world size may differ from the one the ranks
+        rendezvoused at, e.g. after an elastic restart); else itself.
+
+        Raises:
+            GlobalBatchError: ``world_size`` does not divide the global batch (one line).
+        """
+        if self.global_batch_size is None:
+            return self
+        k = derive_update_freq(self.global_batch_size, self.batch_size, world_size)
+        return self if k == self.update_freq else dataclasses.replace(self, update_freq=k)
 
     def arch_spec(self) -> ArchSpec:
         """The model's shape: ``arch`` with the decoder_* overrides.

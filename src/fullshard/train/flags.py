@@ -42,24 +42,32 @@ class Flag:
     metavar: Optional[str] = None
     positional: bool = False
     """A positional argument (its metavar names it), registered on the parser, not in the group."""
+    negatable: bool = False
+    """A bool given as ``--name`` / ``--no-name`` (argparse's ``BooleanOptionalAction``)."""
 
 
 def flag(default: Any = dataclasses.MISSING, help: Optional[str] = None, *, option: Optional[str] = None,
          aliases: Sequence[str] = (), type: Optional[Callable[[str], Any]] = None,
-         choices: Optional[Sequence] = None, metavar: Optional[str] = None, positional: bool = False):
+         choices: Optional[Sequence] = None, metavar: Optional[str] = None, positional: bool = False,
+         negatable: bool = False):
     """A dataclass field that is also a command-line flag (see the module docstring).
 
     A bool field is a switch: ``store_true`` with default False; with default True the
     ``option`` must name the switch that turns it off (``store_false``, e.g.
-    ``--no-reshard-after-forward``). A field without a default is a required argument.
+    ``--no-reshard-after-forward``); with ``negatable`` both ``--name`` and ``--no-name`` exist
+    (``BooleanOptionalAction``), whatever the default. A field without a default is a required
+    argument.
 
     Raises:
-        ValueError: a bool defaulting to True without an ``option`` (nothing could turn it off).
+        ValueError: a bool defaulting to True without an ``option`` or ``negatable`` (nothing could
+            turn it off), or ``negatable`` on a field that is no bool.
     """
-    if default is True and option is None:
+    if default is True and option is None and not negatable:
         raise ValueError("a bool flag defaulting to True needs the option that turns it off")
+    if negatable and not isinstance(default, bool):
+        raise ValueError("only a bool flag can be negatable")
     spec = Flag(help, option, tuple(aliases), type, tuple(choices) if choices is not None else None, metavar,
-                positional)
+                positional, negatable)
     return dataclasses.field(default=default, metadata={_KEY: spec})
 
 
@@ -130,7 +138,9 @@ def _add(target, field: dataclasses.Field, extra: Mapping[str, Any]) -> None:
     if spec.positional:
         target.add_argument(field.name, metavar=spec.metavar, **kwargs)
         return
-    if isinstance(field.default, bool):
+    if spec.negatable:
+        kwargs.update(action=argparse.BooleanOptionalAction, default=default)
+    elif isinstance(field.default, bool):
         kwargs["action"] = "store_false" if field.default else "store_true"
     else:
         kind = spec.type or (type(field.default) if isinstance(field.default, (int, float)) else None)

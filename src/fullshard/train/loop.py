@@ -9,16 +9,16 @@ import os
 import random
 import sys
 import time
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fullshard.core import collectives
-from fullshard.data import ShardedBatchSampler, TokenBlockDataset
-from fullshard.train import checkpoint_utils
-from fullshard.train.config import TrainConfig
+from fullshard.data import GlobalBatchSampler, ShardedBatchSampler, TokenBlockDataset
+from fullshard.train import checkpoint_utils, invariance
+from fullshard.train.config import GlobalBatchError, TrainConfig
 from fullshard.train.launcher import threads_per_rank
 from fullshard.train.progress import UpdateMeters, progress_bar, valid_stats
 from fullshard.train.trainer import Trainer
@@ -49,18 +49,30 @@ def setup_logging(rank: int, log_file) -> None:
     root.setLevel(logging.INFO)
 
 
+def intra_op_threads(cfg: TrainConfig, device: torch.device, local_world_size: int) -> int:
+    """--threads-per-rank, else 1 under --world-size-invariant on a CPU (sums depend on the thread
+    count), else the machine's cores divided among its ranks."""
+    if cfg.threads_per_rank is not None:
+        return cfg.threads_per_rank
+    if cfg.world_size_invariant and device.type == "cpu":
+        return 1
+    return threads_per_rank(local_world_size)
+
+
 def setup_rank(cfg: TrainConfig) -> torch.device:
     """Init the process group (env://), pick the device, threads and seeds."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
+        if cfg.world_size_invariant:
+            invariance.make_deterministic(device)  # before any CUDA work
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    torch.set_num_threads(threads_per_rank(local_world))
+    torch.set_num_threads(intra_op_threads(cfg, device, local_world))
     if not dist.is_initialized():
         collectives.init_process_group(backend, timeout_s=cfg.collective_timeout_s)
     else:
@@ -84,15 +96,26 @@ def collate(dataset, indices) -> tuple:
     return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
 
 
-def epoch_updates(cfg: TrainConfig, dataset, epoch: int) -> List[List[list]]:
-    """This rank's micro-batch index lists for `epoch`, grouped `update_freq` per update.
+MicroBatch = Tuple[Optional[invariance.MicroBatchId], list]
+"""(its (epoch, global index) under --world-size-invariant, else None; its dataset indices)."""
+
+
+def epoch_updates(cfg: TrainConfig, dataset, epoch: int) -> List[List[MicroBatch]]:
+    """This rank's micro-batches of `epoch`, grouped `update_freq` per update.
 
     A final short group (fewer than K micro-batches) is still one update, as in
-    fairseq's GroupedIterator.
+    fairseq's GroupedIterator. Under --world-size-invariant the micro-batches come
+    from `GlobalBatchSampler` with their global indices, and an incomplete last
+    update is dropped instead (every update has --global-batch-size sequences).
     """
-    sampler = ShardedBatchSampler(len(dataset), cfg.batch_size, dist.get_rank(), dist.get_world_size(),
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg.world_size_invariant:
+        sampler = GlobalBatchSampler(len(dataset), cfg.batch_size, cfg.global_batch_size, rank, world,
+                                     seed=cfg.seed, epoch=epoch)
+        return [[((epoch, m), list(idx)) for m, idx in update] for update in sampler]
+    sampler = ShardedBatchSampler(len(dataset), cfg.batch_size, rank, world,
                                   seed=cfg.seed, epoch=epoch, shuffle=True, drop_last=True)
-    batches = [list(b) for b in sampler]
+    batches = [(None, list(b)) for b in sampler]
     k = cfg.update_freq
     return [batches[i:i + k] for i in range(0, len(batches), k)]
 
@@ -155,6 +178,16 @@ class Run:
                     f"{len(self.valid_data):,} from valid")
         logger.info(f"training on {dist.get_world_size()} devices ({kind})")
         logger.info(f"max tokens per device = None and batch size per device = {self.cfg.batch_size}")
+        if self.device.type == "cpu":
+            logger.info(f"intra-op threads per rank: {torch.get_num_threads()}"
+                        + (" (--threads-per-rank)" if cfg.threads_per_rank is not None else ""))
+        if cfg.world_size_invariant:
+            logger.info(f"world-size invariant: global batch {cfg.global_batch_size} = {cfg.batch_size} sequences x "
+                        f"{cfg.update_freq} micro-batches x {dist.get_world_size()} ranks; an incomplete last "
+                        "update of an epoch is dropped")
+        elif cfg.global_batch_size is not None:
+            logger.info(f"global batch {cfg.global_batch_size} = {cfg.batch_size} sequences x {cfg.update_freq} "
+                        f"micro-batches x {dist.get_world_size()} ranks")
 
     def _strategy(self) -> str:
         version = f"; fsdp-version {self.cfg.fsdp_version}"
@@ -188,7 +221,8 @@ class Run:
         for i, group in enumerate(groups):
             if i < offset:
                 continue
-            out = self.trainer.train_step([collate(self.train_data, idx) for idx in group])
+            ids = [mid for mid, _ in group] if cfg.world_size_invariant else None
+            out = self.trainer.train_step([collate(self.train_data, idx) for _, idx in group], ids)
             bar.update(i)
             n = self.trainer.num_updates
             # An fp16 overflow skipped the update (fairseq: no stats, no update counted).
@@ -241,7 +275,7 @@ def _known_errors() -> tuple:
     # about 0.7 s of every `fullshard` command).
     from fullshard.checkpoint import CheckpointError
 
-    return (collectives.CollectiveError, CheckpointError, FloatingPointError)
+    return (collectives.CollectiveError, CheckpointError, FloatingPointError, GlobalBatchError)
 
 
 @record
@@ -259,6 +293,8 @@ def train_main(cfg: TrainConfig) -> None:
                     "from the last checkpoint")
     try:
         device = setup_rank(cfg)
+        # The world size is known only now (an elastic restart may have changed it).
+        cfg = _at_world_size(cfg, dist.get_world_size())
         Run(cfg, device).run()
     except _known_errors() as e:
         if cfg.debug:
@@ -267,6 +303,18 @@ def train_main(cfg: TrainConfig) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _at_world_size(cfg: TrainConfig, world_size: int) -> TrainConfig:
+    """``cfg.at_world_size(world_size)``; its error names this rank.
+
+    Raises:
+        GlobalBatchError: ``world_size`` does not divide --global-batch-size / --batch-size.
+    """
+    try:
+        return cfg.at_world_size(world_size)
+    except GlobalBatchError as e:
+        raise GlobalBatchError(f"[rank {dist.get_rank()}] cannot start at world size {world_size}: {e}") from None
 
 
 def _exit_one_line(e: BaseException) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from fullshard.data import DataError, TokenBlockDataset, read_meta
 from fullshard.models import ARCHS, ArchSpec, build_model
-from fullshard.train.config import TRAIN_GROUPS, ModelOptions, TrainConfig
+from fullshard.train.config import TRAIN_GROUPS, GlobalBatchError, ModelOptions, TrainConfig, derive_update_freq
 from fullshard.train.flags import add_options, option_string, values_of
 
 
@@ -116,8 +116,9 @@ def _resolve_log_format(fmt: Optional[str]) -> str:
 
 
 def _check_positive(p: OneLineArgumentParser, args) -> None:
-    for name in ("tokens_per_sample", "batch_size", "update_freq", "nproc_per_node", "log_interval"):
-        if getattr(args, name) < 1:
+    for name in ("tokens_per_sample", "batch_size", "update_freq", "nproc_per_node", "log_interval",
+                 "threads_per_rank"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.fail(f"{option(name)} must be >= 1, got {getattr(args, name)}")
     for name in ("warmup_updates", "total_num_update", "max_update", "max_epoch", "max_restarts",
                  "validate_interval_updates", "save_interval_updates", "weight_decay", "clip_norm",
@@ -142,7 +143,42 @@ def _check_schedule(p: OneLineArgumentParser, args) -> None:
             p.fail(f"--total-num-update ({total}) must exceed --warmup-updates ({args.warmup_updates})")
 
 
-def _check_memory_flags(p: OneLineArgumentParser, args, world_size: int) -> int:
+def resolve_batch(args, world_size: int) -> tuple[int, Optional[int]]:
+    """``(update_freq, global_batch_size)`` of parsed arguments at ``world_size`` ranks.
+
+    With --global-batch-size, update_freq is derived from it; an explicit --update-freq must equal
+    the derived value. Without it, update_freq is --update-freq (default 1) and the global batch is
+    recorded only under --world-size-invariant (``batch_size * update_freq * world_size``), so ranks
+    restarted at another world size keep it.
+
+    Raises:
+        GlobalBatchError: one line: the global batch is not divisible, < 1, or conflicts with
+            --update-freq.
+    """
+    if args.global_batch_size is None:
+        k = 1 if args.update_freq is None else args.update_freq
+        return k, (args.batch_size * k * world_size if args.world_size_invariant else None)
+    k = derive_update_freq(args.global_batch_size, args.batch_size, world_size)
+    if args.update_freq is not None and args.update_freq != k:
+        raise GlobalBatchError(
+            f"--update-freq {args.update_freq} conflicts with --global-batch-size {args.global_batch_size}, which "
+            f"gives {args.global_batch_size} / (--batch-size {args.batch_size} x {world_size} ranks) = {k} "
+            "micro-batches per update; drop --update-freq (it is derived from --global-batch-size)")
+    return k, args.global_batch_size
+
+
+def _check_invariance(p: OneLineArgumentParser, args, world_size: int) -> int:
+    """Check --global-batch-size / --update-freq / --world-size-invariant; returns the update freq."""
+    if args.world_size_invariant and args.ddp_backend != "fully_sharded":
+        p.fail("--world-size-invariant needs --ddp-backend fully_sharded (torch DDP's all-reduce order depends "
+               "on the world size); use --ddp-backend fully_sharded or drop --world-size-invariant")
+    try:
+        return resolve_batch(args, world_size)[0]
+    except GlobalBatchError as e:
+        p.fail(str(e))
+
+
+def _check_memory_flags(p: OneLineArgumentParser, args, world_size: int, update_freq: int) -> int:
     """Check the mixed-precision / offload / checkpointing flags; returns the loss-scale window."""
     if args.fp16 and args.bf16:
         p.fail("--fp16 and --bf16 are mutually exclusive; pick one")
@@ -157,7 +193,7 @@ def _check_memory_flags(p: OneLineArgumentParser, args, world_size: int) -> int:
         p.fail(f"--min-loss-scale must be >= 0, got {args.min_loss_scale}")
     if args.fp16_scale_window is None:
         # fairseq's rule (trainer.py): the window shrinks as more gradients are summed per update.
-        return max(1, int(2**14 / world_size / args.update_freq))
+        return max(1, int(2**14 / world_size / update_freq))
     if args.fp16_scale_window < 1:
         p.fail(f"--fp16-scale-window must be >= 1, got {args.fp16_scale_window}")
     return args.fp16_scale_window
@@ -178,7 +214,8 @@ def check_data(p: OneLineArgumentParser, data_dir: str) -> dict:
     return meta
 
 
-def _check_split_sizes(p: OneLineArgumentParser, args, meta: dict, world_size: int) -> None:
+def _check_split_sizes(p: OneLineArgumentParser, args, meta: dict, world_size: int,
+                       global_batch: Optional[int]) -> None:
     for split in ("train", "valid"):
         have = _split_tokens(meta, split)
         if have is None:
@@ -196,9 +233,13 @@ def _check_split_sizes(p: OneLineArgumentParser, args, meta: dict, world_size: i
                    f"{args.tokens_per_sample} + 1) = {need:,}); lower --batch-size, --tokens-per-sample or "
                    f"--nproc-per-node, or preprocess more text")
         try:  # checks the split file against meta.json
-            TokenBlockDataset(args.data_dir, split, args.tokens_per_sample)
+            blocks = len(TokenBlockDataset(args.data_dir, split, args.tokens_per_sample))
         except (DataError, ValueError) as e:
             p.fail(str(e))
+        if split == "train" and global_batch is not None and args.world_size_invariant and blocks < global_batch:
+            p.fail(f"the 'train' split of {args.data_dir!r} has {blocks:,} samples of --tokens-per-sample "
+                   f"{args.tokens_per_sample}, fewer than one global batch of {global_batch} (--world-size-invariant "
+                   "takes whole global batches only); lower --global-batch-size or preprocess more text")
 
 
 def _split_tokens(meta: dict, split: str) -> Optional[int]:
@@ -295,14 +336,15 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     _check_schedule(p, args)
     rdzv_endpoint = _check_nodes(p, args)
     world_size = launched_world_size(args.nproc_per_node, args.nnodes)
-    scale_window = _check_memory_flags(p, args, world_size)
+    update_freq = _check_invariance(p, args, world_size)
+    scale_window = _check_memory_flags(p, args, world_size, update_freq)
     meta = check_data(p, args.data_dir)
     try:
         shape = resolve_arch(args.arch, vars(args))
     except ValueError as e:
         p.fail(str(e))
     check_tokens_per_sample(p, args, shape)
-    _check_split_sizes(p, args, meta, world_size)
+    _check_split_sizes(p, args, meta, world_size, resolve_batch(args, world_size)[1])
     if args.log_file and os.path.isdir(args.log_file):
         p.fail(f"--log-file {args.log_file!r} is a directory; give a file path")
     log_dir = os.path.dirname(os.path.abspath(args.log_file)) if args.log_file else None
@@ -332,10 +374,14 @@ def config_from_args(args, *, shape: ArchSpec, vocab_size: int, world_size: int,
         world_size: ranks of the run.
         scale_window: resolved fp16 loss-scale window, updates.
         rdzv_endpoint: resolved rendezvous ``host:port`` (multi-node runs).
+
+    Raises:
+        GlobalBatchError: see `resolve_batch` (`validate` reports it first).
     """
+    update_freq, global_batch_size = resolve_batch(args, world_size)
     return TrainConfig(**{
         **values_of(TrainConfig, args), **arch_fields(shape), "max_positions": shape.max_positions,
-        "vocab_size": vocab_size,
+        "vocab_size": vocab_size, "update_freq": update_freq, "global_batch_size": global_batch_size,
         "adam_betas": tuple(args.adam_betas), "log_format": _resolve_log_format(args.log_format),
         "nproc_per_node": world_size if under_torchrun() else args.nproc_per_node,
         "fp16_scale_window": scale_window, "rdzv_endpoint": rdzv_endpoint,

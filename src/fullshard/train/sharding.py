@@ -27,6 +27,8 @@ deferred init           ``param_init_fn`` materializes each         built on met
 no_sync micro-batches   ``model.no_sync()``                         ``set_requires_gradient_sync(False)``
 --clip-norm             ``model.clip_grad_norm_``                   :func:`clip_grad_norm_` (the same norm: the
                                                                     engine's, summed in the same order)
+--world-size-invariant  ``world_size_invariant=True`` (propagated   ``world_size_invariant=True`` on every call
+                        to the auto-wrapped units)
 checkpoints             ``fullshard.checkpoint`` (by original name, DTensor ``Shard(0)`` values): one format
 ======================  ==========================================  ===============================================
 """
@@ -93,8 +95,14 @@ def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_f
     raise ValueError(f"[rank {collectives.rank()}] --fsdp-version {cfg.fsdp_version!r}: use 1 or 2")
 
 
+def invariance_kwargs(cfg: TrainConfig) -> dict:
+    """``{"world_size_invariant": True}`` under --world-size-invariant, else nothing (the engine's
+    default: gradients averaged, the path that matches DDP)."""
+    return {"world_size_invariant": True} if cfg.world_size_invariant else {}
+
+
 def _fsdp1(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn) -> nn.Module:
-    extra = {}
+    extra = invariance_kwargs(cfg)
     low = low_precision(cfg)
     if low is not None:
         extra["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
@@ -134,7 +142,8 @@ def _fully_shard(model: nn.Module, cfg: TrainConfig, device: torch.device, init_
     kwargs = dict(mesh=device_mesh(strategy, device.type),
                   reshard_after_forward=strategy is not ShardingStrategy.SHARD_GRAD_OP,
                   mp_policy=MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None),
-                  offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
+                  offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
+                  **invariance_kwargs(cfg))
     originals = dict(model.named_parameters())  # meta parameters, a tied one once
     for block in model.layers:  # a CheckpointWrapper(block) under --checkpoint-activations
         fully_shard(block, **kwargs)

@@ -7,6 +7,10 @@ all ranks' tokens (every rank sees the same number of tokens). With
 ``update_freq`` K each micro-batch's mean is divided by K, which makes the
 accumulated gradient equal to that of one K-times larger batch. For logging,
 [loss_sum, ntokens, nsentences] are summed over micro-batches and ranks.
+
+Under ``--world-size-invariant`` each micro-batch's loss is divided by the update's global token
+count instead, the engine sums gradients over ranks, and the logged sums are added in global
+micro-batch order: see [Note: world-size invariance] in ``invariance.py``.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +32,7 @@ from fullshard.construct import clean_name
 from fullshard.core import collectives
 from fullshard.memory import TOTAL_FIELDS, memory_stats, memory_totals
 from fullshard.models import TransformerBlock, build_model, make_param_init_fn, num_params
-from fullshard.train import sharding
+from fullshard.train import invariance, sharding
 from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import build_lr_scheduler
 from fullshard.train.progress import safe_round
@@ -119,6 +123,8 @@ class Trainer:
         shape = cfg.arch_spec()  # --arch with the --decoder-* overrides
         kwargs = dict(vocab_size=cfg.vocab_size, max_positions=cfg.max_positions, dropout=cfg.dropout)
         if cfg.ddp_backend == "c10d":
+            if cfg.world_size_invariant:
+                raise ValueError(f"[rank {self.rank}] --world-size-invariant needs --ddp-backend fully_sharded")
             model = build_model(shape, device=self.device, seed=cfg.seed, **kwargs)
             shapes = {n: p.shape for n, p in model.named_parameters()}
             self._checkpoint_blocks(model)
@@ -171,8 +177,15 @@ class Trainer:
             norm = sharding.clip_grad_norm_(self.model, max_norm)
         return float(norm)
 
-    def train_step(self, micro_batches: Sequence[Batch]) -> dict:
+    def train_step(self, micro_batches: Sequence[Batch],
+                   micro_batch_ids: Optional[Sequence[invariance.MicroBatchId]] = None) -> dict:
         """One optimizer update over K micro-batches; returns global stats of the update.
+
+        Args:
+            micro_batches: this rank's K (input (B, T), target (B, T)) int64 micro-batches.
+            micro_batch_ids: --world-size-invariant only (ignored otherwise): each micro-batch's
+                (epoch, global micro-batch index), as `fullshard.data.GlobalBatchSampler` yields
+                them; K must be ``cfg.update_freq``.
 
         With --fp16 the loss is multiplied by the loss scale before backward and
         the gradient shards divided by it before clipping. When any rank finds
@@ -183,27 +196,48 @@ class Trainer:
         Raises:
             FloatingPointError: the loss scale fell to --min-loss-scale, or (fp32 / bf16)
                 the loss is NaN or inf: names the update and the last finite loss.
+            ValueError: --world-size-invariant with ``micro_batch_ids`` missing or not this
+                rank's schedule (`invariance.check_schedule`).
         """
         start = time.perf_counter()
         self.model.train()
         k = len(micro_batches)
-        local = torch.zeros(3, dtype=torch.float64)
+        invariant = self.cfg.world_size_invariant
+        if invariant:
+            per_update = self.cfg.update_freq * self.world_size
+            invariance.check_schedule(micro_batch_ids or [], self.rank, self.world_size, per_update)
+            if k != len(micro_batch_ids):
+                raise ValueError(f"[rank {self.rank}] --world-size-invariant: {k} micro-batches for "
+                                 f"{len(micro_batch_ids)} micro-batch ids; pass one id per micro-batch")
+        local, rows = torch.zeros(3, dtype=torch.float64), []
         for j, batch in enumerate(micro_batches):
             # no_sync: keep unsharded gradients until the last micro-batch;
             # reduce_scatter: every backward reduce-scatters into the gradient shards.
             local_accumulate = j < k - 1 and self.cfg.accumulate_mode == "no_sync"
             with sharding.no_sync(self.model) if local_accumulate else contextlib.nullcontext():
+                if invariant:
+                    invariance.seed_micro_batch(self.cfg.seed, micro_batch_ids[j])
                 loss_sum, ntokens = self._loss(batch)
                 self._sample_memory()  # gathered units (SHARD_GRAD_OP, the root)
                 if j == 0:
                     faults.in_update(self.num_updates + 1)
                 loss_sum = faults.poison_loss(loss_sum, self.num_updates + 1)
-                self.scaler.scale(loss_sum / (ntokens * k)).backward()
+                # Invariant: the global token count, the same division at every world size.
+                share = loss_sum / (ntokens * per_update) if invariant else loss_sum / (ntokens * k)
+                self.scaler.scale(share).backward()
                 self._sample_memory()  # no_sync stashes; anything a backward left behind
-            local += torch.tensor([loss_sum.item(), ntokens, batch[0].size(0)], dtype=torch.float64)
-        total = local.to(self.device)
-        collectives.all_reduce(total, collectives.world_group(), "sum", tag="training loss")
-        loss_sum, ntokens, nsentences = total.tolist()
+            row = [loss_sum.item(), ntokens, batch[0].size(0)]
+            if invariant:
+                rows.append(row)
+            else:
+                local += torch.tensor(row, dtype=torch.float64)
+        if invariant:
+            gathered = invariance.gather_rows(torch.tensor(rows, dtype=torch.float64), self.device)
+            loss_sum, ntokens, nsentences = invariance.sum_interleaved(gathered)
+        else:
+            total = local.to(self.device)
+            collectives.all_reduce(total, collectives.world_group(), "sum", tag="training loss")
+            loss_sum, ntokens, nsentences = total.tolist()
         self._check_finite(loss_sum / max(ntokens, 1) / math.log(2))
         self.scaler.unscale_(self.optimizer)
         gnorm = self._clip()
@@ -239,15 +273,24 @@ class Trainer:
 
         Every rank runs the same number of forwards (FSDP's all-gathers need all
         ranks); sequences with counted=False (wrap-around padding) add nothing.
+        --world-size-invariant: the per-sequence sums are gathered and added in global sequence
+        order, which takes batch b of rank r as global batch b * world + r (`loop.valid_batches`).
         """
         self.model.eval()
-        local = torch.zeros(3, dtype=torch.float64)
+        local, rows = torch.zeros(3, dtype=torch.float64), []
         for inputs, targets, counted in batches:
             logits = self._logits(inputs.to(self.device))
             per_token = F.cross_entropy(logits.transpose(1, 2).float(), targets.to(self.device), reduction="none")
             per_seq = per_token.sum(dim=1).cpu().double()
             mask = counted.double()
-            local += torch.stack([(per_seq * mask).sum(), mask.sum() * targets.size(1), mask.sum()])
+            if self.cfg.world_size_invariant:
+                rows.append(torch.stack([per_seq * mask, mask * targets.size(1), mask], dim=1))
+            else:
+                local += torch.stack([(per_seq * mask).sum(), mask.sum() * targets.size(1), mask.sum()])
+        if self.cfg.world_size_invariant and batches:
+            gathered = invariance.gather_rows(torch.cat(rows), self.device)
+            loss_sum, ntokens, nsentences = invariance.sum_interleaved(gathered, block=batches[0][0].size(0))
+            return dict(loss_sum=loss_sum, ntokens=int(ntokens), nsentences=int(nsentences), steps=len(batches))
         total = local.to(self.device)
         collectives.all_reduce(total, collectives.world_group(), "sum", tag="validation loss")
         loss_sum, ntokens, nsentences = total.tolist()
