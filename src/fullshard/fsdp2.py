@@ -327,7 +327,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
         unit = Unit(name, slots, cfg)
     construct.register_unit(unit)
     if world_size_invariant:
-        invariant.mark(s.sharded for s in unit.slots)
+        invariant.mark(unit)
     # Backward prefetches the previous unit in forward order, as torch FSDP2 does by default.
     runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
                                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False,

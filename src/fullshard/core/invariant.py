@@ -34,7 +34,6 @@ each value to a grid fixed by a global maximum, so the additions are exact).
 """
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from typing import Optional
@@ -49,27 +48,32 @@ from .buffers import POOL
 LIMB_BITS = 31
 LIMBS = 3
 _LAYOUTS: dict = {}
-# id -> weakref of the sharded parameters of world_size_invariant units
-# (``clip_grad_norm_`` sums their norm exactly); tensors compare by value, so
-# no WeakSet.
-_PARAMS: dict[int, weakref.ref] = {}
+# id(sharded parameter) -> weakref of its world_size_invariant unit
+# (``clip_grad_norm_`` sums their norm exactly). The unit, not the
+# parameter, is held weakly: ``nn.Module._apply`` refuses to swap a tensor
+# that has weak references.
+_UNITS: dict[int, weakref.ref] = {}
 
 
-def mark(params) -> None:
-    """Record ``params`` as sharded parameters of a world_size_invariant unit."""
-    for p in params:
-        key = id(p)
-        _PARAMS[key] = weakref.ref(p, functools.partial(_forget, key))
+def mark(unit) -> None:
+    """Record ``unit`` (world_size_invariant) as the owner of its sharded parameters."""
+    keys = [id(slot.sharded) for slot in unit.slots]
 
+    def forget(ref, keys=keys):
+        for key in keys:
+            if _UNITS.get(key) is ref:
+                del _UNITS[key]
 
-def _forget(key: int, _ref) -> None:
-    _PARAMS.pop(key, None)
+    ref = weakref.ref(unit, forget)
+    for key in keys:
+        _UNITS[key] = ref
 
 
 def is_marked(param) -> bool:
-    """Whether ``param`` belongs to a world_size_invariant unit."""
-    ref = _PARAMS.get(id(param))
-    return ref is not None and ref() is param
+    """Whether ``param`` is a sharded parameter of a live world_size_invariant unit."""
+    ref = _UNITS.get(id(param))
+    unit = ref() if ref is not None else None
+    return unit is not None and any(s.sharded is param for s in unit.slots)
 
 
 def check_layout(shard_group, replicate_group, where: str) -> tuple:
