@@ -91,7 +91,8 @@ def test_every_global_micro_batch_is_computed_once_and_the_same_at_every_world_s
             for u, update in enumerate(sampler):
                 assert len(update) == steps
                 for j, (m, indices) in enumerate(update):
-                    assert m == global_micro_batch(u, j, rank, world, n_per_update) == u * n_per_update + j * world + rank
+                    expected = u * n_per_update + j * world + rank
+                    assert m == global_micro_batch(u, j, rank, world, n_per_update) == expected
                     assert m not in seen and len(indices) == batch_size
                     seen[m] = (tuple(indices), u)
         assert sorted(seen) == list(range(updates * n_per_update))  # each exactly once
