@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fullshard.models import ARCHS, ArchSpec
-from fullshard.train.config import DEFAULT_FSDP_VERSION, TRAIN_GROUPS, TrainConfig
+from fullshard.train.config import DEFAULT_FSDP_VERSION, TRAIN_GROUPS, TrainConfig, node_range
 from fullshard.train.flags import flag_fields, option_string
 from fullshard.train.options import (
     OneLineArgumentParser,
@@ -38,6 +38,8 @@ SAVED_BEFORE = {
     'finetune_from_model': None, 'collective_timeout_s': 300.0, 'debug_collectives': False, 'debug': False,
     'on_save_error': 'stop', 'max_restarts': 0, 'nnodes': 1, 'node_rank': 0, 'rdzv_endpoint': 'localhost:0',
     'rdzv_timeout_s': 900.0, 'optimizer': 'adam', 'hybrid_shard': False}
+ELASTIC_DEFAULTS = {"rdzv_last_call_s": 30, "rdzv_keep_alive_s": 5, "save_on_sigterm": False}
+"""Flags added after SAVED_BEFORE was captured, at their defaults (--nnodes became text then)."""
 ARGV = ["data-bin/wiki", "--arch", "transformer_lm_gpt_mini", "--fp16", "--lr", "0.001", "--adam-betas", "(0.9,0.98)",
         "--decoder-layers", "3", "--log-format", "json"]
 
@@ -90,6 +92,9 @@ def test_every_flag_value_reaches_the_config():
         elif f.name == "adam_betas":
             argv += [option, "(0.5,0.75)"]
             want[f.name] = (0.5, 0.75)
+        elif f.name == "nnodes":
+            argv += [option, "2:7"]
+            want[f.name] = "2:7"
         elif spec.type is int or isinstance(f.default, int):
             argv += [option, "7"]
             want[f.name] = 7
@@ -112,7 +117,7 @@ def test_a_command_line_gives_the_config_it_gave_before():
     """The same argv gives the same recorded arguments as before the groups (plus --task and the
     resolved --fsdp-version)."""
     assert _config(ARGV).to_dict() == {**SAVED_BEFORE, "task": "language_modeling",
-                                       "fsdp_version": DEFAULT_FSDP_VERSION}
+                                       "fsdp_version": DEFAULT_FSDP_VERSION, **ELASTIC_DEFAULTS, "nnodes": "1"}
 
 
 def test_recorded_arguments_of_todays_format_still_load():
@@ -120,7 +125,9 @@ def test_recorded_arguments_of_todays_format_still_load():
     consolidated .safetensors) and from an older run that lacks later fields."""
     for saved in (SAVED_BEFORE, json.loads(json.dumps(SAVED_BEFORE))):
         cfg = TrainConfig.from_saved(saved)  # from before --fsdp-version: the default version
-        assert cfg.to_dict() == {**SAVED_BEFORE, "task": "language_modeling", "fsdp_version": DEFAULT_FSDP_VERSION}
+        assert cfg.to_dict() == {**SAVED_BEFORE, "task": "language_modeling", "fsdp_version": DEFAULT_FSDP_VERSION,
+                                 **ELASTIC_DEFAULTS}
+        assert node_range(cfg.nnodes) == (1, 1)  # recorded as an int before MIN:MAX
         assert cfg.arch_spec() == ARCHS["transformer_lm_gpt_mini"].override(num_layers=3)
     older = {k: v for k, v in SAVED_BEFORE.items() if k not in ("hybrid_shard", "optimizer", "rdzv_endpoint")}
     cfg = TrainConfig.from_saved({**older, "a_field_of_the_future": 1}, rdzv_endpoint="localhost:0")

@@ -18,7 +18,7 @@ import torch
 
 from fullshard.data import DataError, TokenBlockDataset, read_meta
 from fullshard.models import ARCHS, ArchSpec, build_model
-from fullshard.train.config import TRAIN_GROUPS, ModelOptions, TrainConfig
+from fullshard.train.config import TRAIN_GROUPS, ModelOptions, TrainConfig, node_range
 from fullshard.train.flags import add_options, option_string, values_of
 
 
@@ -129,6 +129,8 @@ def _check_positive(p: OneLineArgumentParser, args) -> None:
     for name in ("collective_timeout_s", "rdzv_timeout_s"):
         if not getattr(args, name) > 0:
             p.fail(f"{option(name)} must be > 0 seconds, got {getattr(args, name)}")
+    if args.save_on_sigterm and args.no_save:
+        p.fail("--save-on-sigterm and --no-save are exclusive: drop --no-save to save on SIGTERM")
     if not 0.0 <= args.dropout < 1.0:
         p.fail(f"--dropout must be in [0, 1), got {args.dropout}")
 
@@ -260,23 +262,56 @@ def _warn_fp16_on_cpu(args) -> None:
 
 
 def _check_nodes(p: OneLineArgumentParser, args) -> str:
-    """Check --nnodes / --node-rank / --rdzv-endpoint / --hybrid-shard; returns the endpoint."""
-    if args.nnodes < 1:
+    """Check --nnodes / --node-rank / --rdzv-* / --hybrid-shard; returns the endpoint."""
+    min_nodes, max_nodes = node_range(args.nnodes)
+    if min_nodes < 1:
         p.fail(f"--nnodes must be >= 1, got {args.nnodes}")
-    if not 0 <= args.node_rank < args.nnodes:
-        p.fail(f"--node-rank must be in [0, --nnodes {args.nnodes}), got {args.node_rank}")
+    if min_nodes > max_nodes:
+        p.fail(f"--nnodes {args.nnodes}: MIN must not exceed MAX; give MIN:MAX, e.g. {max_nodes}:{min_nodes}")
+    if not 0 <= args.node_rank < max_nodes:
+        p.fail(f"--node-rank must be in [0, {max_nodes}) for --nnodes {args.nnodes}, got {args.node_rank}")
     endpoint = args.rdzv_endpoint or "localhost:0"
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit() or not 0 <= int(port) < 65536:
         p.fail(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT (e.g. 10.0.0.1:29400)")
-    if args.nnodes > 1 and int(port) == 0:
+    if max_nodes > 1 and int(port) == 0:
         p.fail(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node "
-               "(HOST: node 0's address, PORT: a free port there)")
+               "(HOST: node 0's address, PORT: a free port there; node 0 hosts the rendezvous and must stay up)")
+    for name in ("rdzv_last_call_s", "rdzv_keep_alive_s"):
+        if getattr(args, name) < 1:
+            p.fail(f"{option(name)} must be >= 1 second, got {getattr(args, name)}")
     if args.hybrid_shard and args.ddp_backend != "fully_sharded":
         p.fail("--hybrid-shard needs --ddp-backend fully_sharded")
     if args.hybrid_shard and not args.reshard_after_forward:
         p.fail("--hybrid-shard and --no-reshard-after-forward are exclusive; pick one sharding strategy")
     return endpoint
+
+
+def elastic_world_sizes(nproc_per_node: int, nnodes) -> list:
+    """The world sizes an ``--nnodes`` range can run at: ``nproc_per_node * n`` for each node count ``n``
+    in it (one entry for a plain N; under torchrun, its WORLD_SIZE)."""
+    if under_torchrun():
+        return [int(os.environ["WORLD_SIZE"])]
+    min_nodes, max_nodes = node_range(nnodes)
+    return [nproc_per_node * n for n in range(min_nodes, max_nodes + 1)]
+
+
+def _check_elastic_batch(p: OneLineArgumentParser, args) -> None:
+    """An elastic range keeps the update the same at every world size only through --global-batch-size,
+    which each of its world sizes must divide (in micro-batches of --batch-size)."""
+    min_nodes, max_nodes = node_range(args.nnodes)
+    if min_nodes == max_nodes:
+        return
+    global_batch = getattr(args, "global_batch_size", None)  # --global-batch-size: the trainer's flag
+    if global_batch is None:
+        p.fail(f"--nnodes {args.nnodes} needs --global-batch-size: an elastic job restarts at another world "
+               "size, and with a fixed --update-freq its update would change size with it")
+    for world in elastic_world_sizes(args.nproc_per_node, args.nnodes):
+        if global_batch % (args.batch_size * world):
+            p.fail(f"--global-batch-size {global_batch} is not a multiple of --batch-size {args.batch_size} x "
+                   f"{world} ranks (--nnodes {args.nnodes} x --nproc-per-node {args.nproc_per_node} can run at "
+                   f"{', '.join(map(str, elastic_world_sizes(args.nproc_per_node, args.nnodes)))} ranks); "
+                   "pick a global batch size every one of them divides")
 
 
 def check_tokens_per_sample(p: OneLineArgumentParser, args, shape: ArchSpec) -> int:
@@ -294,7 +329,9 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     _check_positive(p, args)
     _check_schedule(p, args)
     rdzv_endpoint = _check_nodes(p, args)
-    world_size = launched_world_size(args.nproc_per_node, args.nnodes)
+    _check_elastic_batch(p, args)
+    # An elastic range is checked at its largest world size (the most data per update).
+    world_size = max(elastic_world_sizes(args.nproc_per_node, args.nnodes))
     scale_window = _check_memory_flags(p, args, world_size)
     meta = check_data(p, args.data_dir)
     try:
