@@ -28,6 +28,19 @@
 
 Each start resumes from checkpoint_last at the new world size. Node 0 hosts the
 rendezvous store: the job ends when node 0 does.
+
+An elastic range sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. With the store
+shared (torch 2.13's default) a node cannot join a running job: the running
+rank-0 agent keeps its first round's bootstrap info
+(``DynamicRendezvousHandler.next_rendezvous``: it builds ``RendezvousStoreInfo``
+only when it has none or newly became rank 0), so it never writes MASTER_ADDR /
+MASTER_PORT under the new round's store prefix; the newcomer blocks in
+``RendezvousStoreInfo.build``'s ``store.get("MASTER_ADDR")`` and the rank-0 agent
+in ``_assign_worker_ranks``'s ``multi_get`` of the newcomer's role info, both
+until the store's read timeout (60 s), and the job fails. Opted out, rank 0
+writes them every round and the ranks' process group gets a fresh store on a
+free port each round, so ranks restarted by a membership change (which keeps
+TORCHELASTIC_RESTART_COUNT) cannot read the previous round's keys either.
 """
 from __future__ import annotations
 
@@ -139,6 +152,12 @@ def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max
     rdzv = rdzv or Rendezvous()
     min_nodes, max_nodes = nnodes
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
+    if min_nodes < max_nodes:
+        # [Note: elastic jobs] a fresh store for the ranks at every round, not the rank-0 agent's:
+        # with it shared (torch's default), a node joining a running job hangs until the store's
+        # read timeout (see the module docstring), and ranks restarted by a membership change
+        # (same TORCHELASTIC_RESTART_COUNT) would read the previous round's keys.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     run_id = os.environ.get("FULLSHARD_RUN_ID", "fullshard") if max_nodes > 1 else str(uuid.uuid4())
     log_dir = tempfile.mkdtemp(prefix="fullshard_elastic_")  # see logs_specs below
     config = LaunchConfig(

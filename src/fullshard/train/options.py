@@ -129,8 +129,6 @@ def _check_positive(p: OneLineArgumentParser, args) -> None:
     for name in ("collective_timeout_s", "rdzv_timeout_s"):
         if not getattr(args, name) > 0:
             p.fail(f"{option(name)} must be > 0 seconds, got {getattr(args, name)}")
-    if args.save_on_sigterm and args.no_save:
-        p.fail("--save-on-sigterm and --no-save are exclusive: drop --no-save to save on SIGTERM")
     if not 0.0 <= args.dropout < 1.0:
         p.fail(f"--dropout must be in [0, 1), got {args.dropout}")
 
@@ -345,6 +343,8 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     log_dir = os.path.dirname(os.path.abspath(args.log_file)) if args.log_file else None
     if log_dir and os.path.exists(log_dir) and not os.path.isdir(log_dir):
         p.fail(f"the directory of --log-file {args.log_file!r} is a file; give a path in a directory")
+    if args.save_on_sigterm and args.no_save:
+        p.fail("--save-on-sigterm and --no-save are exclusive: drop --no-save to save on SIGTERM")
     if not args.no_save and os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
         p.fail(f"--save-dir {args.save_dir!r} exists and is not a directory")
     if args.finetune_from_model and not os.path.exists(args.finetune_from_model):
