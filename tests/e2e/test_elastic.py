@@ -1,8 +1,9 @@
 """Elastic `fullshard train`: ``--nnodes MIN:MAX`` on torch elastic's c10d rendezvous (two launchers
 of 2 ranks on 127.0.0.1) shrinks when a launcher is SIGKILLed and grows when one joins, each time
 resuming from checkpoint_last at the new world size, and ends with the parameters of an
-uninterrupted run bit for bit (under --world-size-invariant); --save-on-sigterm saves at an update
-boundary and the run resumes exactly; an elastic range is checked up front (one line, exit 2)."""
+uninterrupted run bit for bit (under --world-size-invariant); a launcher preempted by SIGTERM
+under --save-on-sigterm loses no work; --save-on-sigterm saves at an update boundary and a single
+launcher's run resumes exactly; an elastic range is checked up front (one line, exit 2)."""
 from __future__ import annotations
 
 import json
@@ -114,7 +115,7 @@ def _wait_for(launchers, condition, timeout: float, what: str) -> None:
             for launcher in launchers:
                 launcher.signal_group(signal.SIGKILL)
             tails = [(launcher.stdout()[-3000:], "".join(launcher.err)[-3000:]) for launcher in launchers]
-            pytest.fail(f"no {what} within {timeout} s: {tails}")
+            pytest.fail(f"did not see {what} within {timeout} s: {tails}")
         time.sleep(0.05)
 
 
@@ -184,6 +185,38 @@ def test_shrink_when_a_launcher_dies(corpus_dir, tmp_path, straight):
     _assert_same_params(params, straight[4][0], "shrunk run vs straight 4-rank run")
     _assert_same_params(params, straight[2][0], "shrunk run vs straight 2-rank run")
     print(f"shrink: {killed - start:.1f} s to the kill, {time.monotonic() - killed:.1f} s from the kill to the end")
+
+
+def test_preempted_launcher_saves_and_the_others_go_on(corpus_dir, tmp_path, straight):
+    """As the shrink, with --save-on-sigterm and SIGTERM (a preemption notice) to node 1's process
+    group: all 4 ranks stop after the same update and save; node 1 exits 143; node 0's ranks, which
+    got no SIGTERM, exit 1 naming it, restart at world size 2 from that very update (no work lost)
+    and finish with the straight runs' parameters."""
+    endpoint, save = f"127.0.0.1:{_free_port()}", tmp_path / "ck"
+    nodes = [Launcher(str(corpus_dir), *INVARIANT, *ELASTIC, "--node-rank", str(n), "--rdzv-endpoint", endpoint,
+                      "--save-dir", str(save), "--save-on-sigterm") for n in (0, 1)]
+    _wait_for(nodes, _updated_at(4, 3), 120, "update 3 at world size 4")
+    nodes[1].signal_group(signal.SIGTERM)
+    sent = time.monotonic()
+    assert nodes[0].finish(timeout=180) == 0, (nodes[0].stdout()[-3000:], "".join(nodes[0].err)[-3000:])
+    assert nodes[1].finish(timeout=30) == 128 + signal.SIGTERM
+    assert "".join(nodes[1].err).strip().splitlines()[-1] == (
+        "fullshard train: stopped by SIGTERM after the ranks saved checkpoint_last; the same command resumes from "
+        "the last checkpoint")
+    log = nodes[0].stdout() + nodes[1].stdout()
+    _print_key_lines(log)
+    saved = re.findall(r"SIGTERM: saved checkpoint at update (\d+)", log)
+    assert len(saved) == 1 and 3 <= int(saved[0]) < 12, log[-4000:]
+    assert re.search(rf"\[rank \d\] stopped after update {saved[0]} because another rank got SIGTERM",
+                     "".join(nodes[0].err)), "".join(nodes[0].err)[-3000:]
+    assert _CHANGED.findall(log) == [("4", "2", saved[0], saved[0], str(save / "checkpoint_last"), "1", "2")]
+    assert "restart 1 of at most 2" in log
+    assert _records(log) == straight[2][1]
+    params, extra = checkpoint_params(corpus_dir, save / "checkpoint_last")
+    assert extra["world_size"] == 2 and extra["train_state"]["num_updates"] == 12
+    _assert_same_params(params, straight[4][0], "preempted run vs straight 4-rank run")
+    _assert_same_params(params, straight[2][0], "preempted run vs straight 2-rank run")
+    print(f"preempt: {time.monotonic() - sent:.1f} s from the SIGTERM to the end")
 
 
 def test_grow_when_a_launcher_joins(corpus_dir, tmp_path, straight):

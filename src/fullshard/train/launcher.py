@@ -24,7 +24,7 @@
   its ranks (no restart counted): SIGTERM, then SIGKILL 30 s later
   (``LocalElasticAgent._stop_workers`` -> ``_shutdown`` with its default
   timeout), and a new round with the newcomer. With --save-on-sigterm the ranks
-  save checkpoint_last in those 30 s (`fullshard.train.loop`).
+  save checkpoint_last in those 30 s (`fullshard.train.sigterm`).
 
 Each start resumes from checkpoint_last at the new world size. Node 0 hosts the
 rendezvous store: the job ends when node 0 does.
