@@ -9,7 +9,8 @@
   one rank; `entry(cfg)` runs here directly and initializes the process group
   from the environment.
 
-[Note: elastic jobs] ``--nnodes MIN:MAX`` passes the range to torch elastic
+[Note: elastic jobs]
+``--nnodes MIN:MAX`` passes the range to torch elastic
 (torch/distributed/elastic/agent/server/api.py, ``SimpleElasticAgent._invoke_run``):
 
 * A node dies: its peers' collectives fail at once (gloo sees the connections
