@@ -12,7 +12,8 @@
     fullshard plot run_a.log run_b.log -o curve.png
 
 Exit codes: 0 success, 1 a rank failed while training or evaluating (bench: a
-fullshard mode failed), 2 bad input.
+fullshard mode failed), 2 bad input, 128 + N stopped by signal N (143: SIGTERM,
+after saving checkpoint_last with ``train --save-on-sigterm``).
 
 The top floor: it imports ``train/`` and ``bench/`` (which never import each
 other's commands back: ``train/`` never imports ``bench/``); nothing imports it.
@@ -23,16 +24,18 @@ from __future__ import annotations
 # dependency or for start-up speed (here: consolidate's torch.distributed.checkpoint, about 0.7 s).
 import argparse
 import os
+import signal
 import sys
 from typing import Optional, Sequence
 
 from fullshard.bench import suite
 from fullshard.data import preprocess_cli
 from fullshard.train import eval_lm, generate, plan
-from fullshard.train.launcher import LaunchError, RankFailed, launch
+from fullshard.train.launcher import Interrupted, LaunchError, RankFailed, launch
 from fullshard.train.loop import train_main
 from fullshard.train.options import OneLineArgumentParser, add_train_args, validate
 from fullshard.train.plot import LogError, plot
+from fullshard.train.sigterm import StoppedBySigterm
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -62,12 +65,23 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
 
 
 def _launch(command: str, job, entry) -> int:
-    """Run ``entry(job)`` on every rank; a failed rank or launch is one stderr line and exit code 1."""
+    """Run ``entry(job)`` on every rank; a failed rank or launch is one stderr line and exit code 1;
+    a stop by a signal (the launcher's, or the ranks' SIGTERM under --save-on-sigterm) one line and
+    128 + the signal's number."""
     try:
-        launch(job, entry)
+        results = launch(job, entry)
     except (RankFailed, LaunchError) as e:
         sys.stderr.write(f"fullshard {command}: error: {e}\n")
         return 1
+    except Interrupted as e:
+        saved = " after the ranks saved checkpoint_last" if command == "train" and job.save_on_sigterm else ""
+        sys.stderr.write(f"fullshard {command}: {e}{saved}; the same command resumes from the last checkpoint\n")
+        return 128 + e.signal
+    stops = [r for r in results if isinstance(r, StoppedBySigterm)]
+    if stops:
+        sys.stderr.write(f"fullshard {command}: stopped by SIGTERM after saving checkpoint_last at update "
+                         f"{stops[0].update}; the same command resumes from it\n")
+        return 128 + signal.SIGTERM
     return 0
 
 

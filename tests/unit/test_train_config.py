@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fullshard.models import ARCHS, ArchSpec
-from fullshard.train.config import DEFAULT_FSDP_VERSION, TRAIN_GROUPS, TrainConfig
+from fullshard.train.config import DEFAULT_FSDP_VERSION, TRAIN_GROUPS, TrainConfig, node_range
 from fullshard.train.flags import flag_fields, option_string
 from fullshard.train.options import (
     OneLineArgumentParser,
@@ -40,6 +40,8 @@ SAVED_BEFORE = {
     'rdzv_timeout_s': 900.0, 'optimizer': 'adam', 'hybrid_shard': False}
 # Fields added since, at their defaults (a run without them behaves as before).
 NEW_FIELDS = {"global_batch_size": None, "world_size_invariant": False, "threads_per_rank": None}
+ELASTIC_DEFAULTS = {"rdzv_last_call_s": 30, "rdzv_keep_alive_s": 5, "save_on_sigterm": False}
+"""Flags added after SAVED_BEFORE was captured, at their defaults (--nnodes became text then)."""
 ARGV = ["data-bin/wiki", "--arch", "transformer_lm_gpt_mini", "--fp16", "--lr", "0.001", "--adam-betas", "(0.9,0.98)",
         "--decoder-layers", "3", "--log-format", "json"]
 
@@ -95,6 +97,9 @@ def test_every_flag_value_reaches_the_config():
         elif f.name == "global_batch_size":  # 7 x 7 x 2 ranks: agrees with --update-freq 7 --batch-size 7
             argv += [option, "98"]
             want[f.name] = 98
+        elif f.name == "nnodes":
+            argv += [option, "2:7"]
+            want[f.name] = "2:7"
         elif spec.type is int or isinstance(f.default, int):
             argv += [option, "7"]
             want[f.name] = 7
@@ -117,7 +122,8 @@ def test_a_command_line_gives_the_config_it_gave_before():
     """The same argv gives the same recorded arguments as before the groups (plus --task and the
     resolved --fsdp-version)."""
     assert _config(ARGV).to_dict() == {**SAVED_BEFORE, "task": "language_modeling",
-                                       "fsdp_version": DEFAULT_FSDP_VERSION, **NEW_FIELDS}
+                                       "fsdp_version": DEFAULT_FSDP_VERSION, **NEW_FIELDS, **ELASTIC_DEFAULTS,
+                                       "nnodes": "1"}
 
 
 def test_recorded_arguments_of_todays_format_still_load():
@@ -126,7 +132,8 @@ def test_recorded_arguments_of_todays_format_still_load():
     for saved in (SAVED_BEFORE, json.loads(json.dumps(SAVED_BEFORE))):
         cfg = TrainConfig.from_saved(saved)  # from before --fsdp-version: the default version
         assert cfg.to_dict() == {**SAVED_BEFORE, "task": "language_modeling", "fsdp_version": DEFAULT_FSDP_VERSION,
-                                 **NEW_FIELDS}
+                                 **NEW_FIELDS, **ELASTIC_DEFAULTS}
+        assert node_range(cfg.nnodes) == (1, 1)  # recorded as an int before MIN:MAX
         assert cfg.arch_spec() == ARCHS["transformer_lm_gpt_mini"].override(num_layers=3)
     older = {k: v for k, v in SAVED_BEFORE.items() if k not in ("hybrid_shard", "optimizer", "rdzv_endpoint")}
     cfg = TrainConfig.from_saved({**older, "a_field_of_the_future": 1}, rdzv_endpoint="localhost:0")

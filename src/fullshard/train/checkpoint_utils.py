@@ -150,12 +150,18 @@ def load(run) -> tuple[int, int]:
         vars(run.inner).update(extra["meters"])
     set_rng_state(extra["rng"])
     epoch, offset = 1, 0
+    world = collectives.world_size()
     if not cfg.reset_dataloader:
         epoch, offset = ts["epoch"], ts["offset"]
-        if extra["world_size"] != collectives.world_size():
-            offset = ts["samples"] // (cfg.batch_size * cfg.update_freq * collectives.world_size())
+        if extra["world_size"] != world:
+            offset = ts["samples"] // (cfg.batch_size * cfg.update_freq * world)
     logger.info(f"loaded checkpoint {path} (epoch {epoch} offset {offset} @ {trainer.num_updates} updates, "
                 f"saved by {extra['world_size']} ranks) ({time.perf_counter() - start:.2f} seconds)")
+    if extra["world_size"] != world:  # e.g. an elastic job (--nnodes MIN:MAX) lost or gained a node
+        saved_freq = (extra.get("args") or {}).get("update_freq", "?")
+        logger.info(f"world size changed from {extra['world_size']} to {world}: resuming at update "
+                    f"{trainer.num_updates} (epoch {epoch}, update {offset} of it) from {path}; "
+                    f"update-freq {saved_freq} -> {cfg.update_freq}")
     return epoch, offset
 
 

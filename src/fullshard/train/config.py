@@ -23,6 +23,38 @@ from fullshard.train.flags import flag
 from fullshard.train.lr_scheduler import SCHEDULERS
 
 
+def node_range(nnodes) -> Tuple[int, int]:
+    """``--nnodes`` as ``(min_nodes, max_nodes)``: ``"2"`` (or 2, as older checkpoints record it)
+    -> ``(2, 2)``, ``"1:4"`` -> ``(1, 4)``; no range check (`options.validate` does it).
+
+    Raises:
+        ValueError: not ``N`` or ``MIN:MAX`` of integers.
+    """
+    if isinstance(nnodes, int):
+        return nnodes, nnodes
+    parts = str(nnodes).split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (None, None)
+    except ValueError:
+        low = None
+    if low is None:
+        raise ValueError(f"expected N or MIN:MAX (e.g. 2 or 1:4), got {nnodes!r}")
+    return low, high
+
+
+def parse_nnodes(text: str) -> str:
+    """``--nnodes`` text in its canonical form: ``"2"`` and ``"2:2"`` -> ``"2"``, ``"1:4"`` -> ``"1:4"``.
+
+    Raises:
+        argparse.ArgumentTypeError: not ``N`` or ``MIN:MAX`` of integers (argparse prints one line).
+    """
+    try:
+        low, high = node_range(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return str(low) if low == high else f"{low}:{high}"
+
+
 def parse_betas(text: str) -> Tuple[float, float]:
     """``--adam-betas '(0.9,0.98)'`` -> ``(0.9, 0.98)``.
 
@@ -140,13 +172,25 @@ class DistributedOptions:
                                    "(also FULLSHARD_DEBUG=1)")
     max_restarts: int = flag(0, "after a rank dies, restart all ranks up to this many times; each resumes from "
                              "checkpoint_last (default: 0)")
-    nnodes: int = flag(1, "launchers (nodes) taking part (default: 1)")
+    # `validate` stores "N" or "MIN:MAX" with MIN < MAX; `node_range` reads it (also an older int).
+    nnodes: str = flag("1", "launchers (nodes) taking part: N, or MIN:MAX (torchrun's syntax) for an elastic job "
+                       "that runs on any number of nodes in the range: when a node dies the others restart "
+                       "(--max-restarts) without it, when one joins all restart with it, each time resuming "
+                       "from checkpoint_last (needs --global-batch-size; node 0 hosts the rendezvous and must "
+                       "stay up) (default: 1)", type=parse_nnodes, metavar="N|MIN:MAX")
     node_rank: int = flag(0, "this node's number; node 0 hosts the rendezvous")
     # `validate` stores the resolved address: "localhost:0" (a free port) on one node.
     rdzv_endpoint: Optional[str] = flag(None, "c10d rendezvous address, the same on every node (needed with "
-                                        "--nnodes > 1)", metavar="HOST:PORT")
+                                        "--nnodes > 1 or MIN:MAX)", metavar="HOST:PORT")
     rdzv_timeout_s: float = flag(900.0, "wait this long for every node to join (default: %(default)s)",
                                  option="--rdzv-timeout", metavar="SECONDS")
+    # torch's c10d rendezvous settings last_call_timeout and keep_alive_interval (whole seconds).
+    rdzv_last_call_s: int = flag(30, "--nnodes MIN:MAX: once MIN nodes are in a rendezvous, wait this long for "
+                                 "more before starting (default: %(default)s)", option="--rdzv-last-call",
+                                 metavar="SECONDS")
+    rdzv_keep_alive_s: int = flag(5, "several nodes: each launcher's heartbeat interval; a launcher silent for 3 "
+                                  "intervals counts as dead and an elastic job goes on without it "
+                                  "(default: %(default)s)", option="--rdzv-keep-alive", metavar="SECONDS")
     # `validate` sets it with offload_activations too.
     checkpoint_activations: bool = flag(False, "recompute each transformer block's activations in backward")
     offload_activations: bool = flag(False, "keep checkpointed activations in host memory (implies "
@@ -240,6 +284,11 @@ class LoggingCheckpointOptions:
     reset_dataloader: bool = flag(False, "resume at epoch 1, first batch")
     reset_lr_scheduler: bool = flag(False, "do not restore the lr scheduler")
     reset_meters: bool = flag(False, "do not restore the train meters")
+    # The agent of torch elastic SIGTERMs the ranks at a membership change too, and SIGKILLs them
+    # 30 s later; the save must end before that (a cut-off save leaves the previous checkpoint).
+    save_on_sigterm: bool = flag(False, "on SIGTERM (a preemption notice; torch elastic's restart when a node "
+                                 "joins) every rank finishes its update, checkpoint_last is saved and training "
+                                 "stops (exit code 143)")
     on_save_error: str = flag("stop", "after a failed checkpoint save (e.g. disk full): stop, or continue training "
                               "(the previous checkpoint stays) (default: %(default)s)", choices=("stop", "continue"))
     debug: bool = flag(False, "print tracebacks instead of one-line errors")

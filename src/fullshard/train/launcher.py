@@ -1,25 +1,62 @@
 """Start the training ranks: torch's elastic launcher in-process, or join an existing torchrun.
 
-* Not under torchrun: `elastic_launch` with a standalone c10d rendezvous on
-  ``localhost:0`` (a free port) spawns ``nproc_per_node`` ranks, each running
-  `entry(cfg)`. A rank's exception makes `launch` raise `RankFailed` with the
-  rank and the child's error message.
+* Not under torchrun: `elastic_launch` with a c10d rendezvous spawns
+  ``nproc_per_node`` ranks, each running `entry(cfg)`: standalone on
+  ``localhost:0`` (a free port) for one node, at ``--rdzv-endpoint`` (hosted by
+  node 0) for several. A rank's exception makes `launch` raise `RankFailed` with
+  the rank and the child's error message.
 * Under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set): this process is
   one rank; `entry(cfg)` runs here directly and initializes the process group
   from the environment.
+
+[Note: elastic jobs]
+``--nnodes MIN:MAX`` passes the range to torch elastic
+(torch/distributed/elastic/agent/server/api.py, ``SimpleElasticAgent._invoke_run``):
+
+* A node dies: its peers' collectives fail at once (gloo sees the connections
+  close) or after --collective-timeout, the ranks exit 1 with one line, and each
+  surviving agent restarts its ranks while --max-restarts allows (this counts as
+  a restart). The restart is a new rendezvous round; the dead launcher is
+  dropped from it once its heartbeat is 3 x --rdzv-keep-alive old
+  (dynamic_rendezvous.py ``_sanitize``), then the round completes
+  --rdzv-last-call seconds after MIN nodes are in (at once with MAX).
+* A node joins: it waits in the rendezvous's wait list; every running agent
+  polls ``num_nodes_waiting()`` each monitor interval (0.1 s here) and restarts
+  its ranks (no restart counted): SIGTERM, then SIGKILL 30 s later
+  (``LocalElasticAgent._stop_workers`` -> ``_shutdown`` with its default
+  timeout), and a new round with the newcomer. With --save-on-sigterm the ranks
+  save checkpoint_last in those 30 s (`fullshard.train.sigterm`).
+
+Each start resumes from checkpoint_last at the new world size. Node 0 hosts the
+rendezvous store: the job ends when node 0 does.
+
+An elastic range sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. With the store
+shared (torch 2.13's default) a node cannot join a running job: the running
+rank-0 agent keeps its first round's bootstrap info
+(``DynamicRendezvousHandler.next_rendezvous``: it builds ``RendezvousStoreInfo``
+only when it has none or newly became rank 0), so it never writes MASTER_ADDR /
+MASTER_PORT under the new round's store prefix; the newcomer blocks in
+``RendezvousStoreInfo.build``'s ``store.get("MASTER_ADDR")`` and the rank-0 agent
+in ``_assign_worker_ranks``'s ``multi_get`` of the newcomer's role info, both
+until the store's read timeout (60 s), and the job fails. Opted out, rank 0
+writes them every round and the ranks' process group gets a fresh store on a
+free port each round, so ranks restarted by a membership change (which keeps
+TORCHELASTIC_RESTART_COUNT) cannot read the previous round's keys either.
 """
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
 import uuid
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
 
-from fullshard.train.config import TrainConfig
+from fullshard.train.config import TrainConfig, node_range
 from fullshard.train.options import under_torchrun
 
 
@@ -40,76 +77,124 @@ def threads_per_rank(local_world_size: int) -> int:
     return max(1, cpu_cores() // max(local_world_size, 1))
 
 
-def launch(cfg: TrainConfig, entry: Callable[[TrainConfig], object]) -> None:
+def launch(cfg: TrainConfig, entry: Callable[[TrainConfig], object]) -> list:
     """Run `entry(cfg)` on every rank (see module docstring); ``cfg`` is any
     picklable object with the launch fields of a TrainConfig (``nproc_per_node``,
-    ``max_restarts``, ``nnodes``, ``node_rank``, ``rdzv_endpoint``,
-    ``rdzv_timeout_s``): a TrainConfig, or eval-lm's EvalJob.
+    ``max_restarts``, ``nnodes``, ``node_rank``, ``rdzv_*``): a TrainConfig, or
+    eval-lm's EvalJob. Returns what `entry` returned on this node's ranks (by
+    local rank; under torchrun, this rank's alone).
 
     Raises:
         RankFailed: a rank raised or died.
         LaunchError: the rendezvous could not be reached or hosted.
+        Interrupted: this process got SIGTERM, SIGINT or SIGHUP (the ranks were stopped).
     """
     if under_torchrun():
-        entry(cfg)
-        return
-    launch_local(entry, cfg, cfg.nproc_per_node, max_restarts=cfg.max_restarts, nnodes=cfg.nnodes,
-                 node_rank=cfg.node_rank, rdzv_endpoint=cfg.rdzv_endpoint, rdzv_timeout_s=cfg.rdzv_timeout_s)
+        return [entry(cfg)]
+    rdzv = Rendezvous(cfg.rdzv_endpoint, cfg.node_rank, cfg.rdzv_timeout_s, cfg.rdzv_last_call_s,
+                      cfg.rdzv_keep_alive_s)
+    return launch_local(entry, cfg, cfg.nproc_per_node, max_restarts=cfg.max_restarts, nnodes=node_range(cfg.nnodes),
+                        rdzv=rdzv)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and how the launchers of a multi-node job meet (torch elastic's c10d rendezvous).
+
+    The timings are torch's c10d rendezvous settings: ``last_call_s`` its ``last_call_timeout`` (torch's
+    default 30 s), ``keep_alive_s`` its ``keep_alive_interval`` (default 5 s; a launcher whose heartbeat
+    is missing for ``keep_alive_max_attempt`` = 3 intervals is dropped from the next round),
+    ``timeout_s`` its ``join_timeout``.
+    """
+
+    endpoint: str = "localhost:0"
+    """``host:port``, the same on every node; node 0 hosts the store there."""
+    node_rank: int = 0
+    timeout_s: float = 900.0
+    """How long to wait for all nodes (and the store's connection)."""
+    last_call_s: int = 30
+    """Once MIN nodes of an elastic range are in, how long to wait for more before starting."""
+    keep_alive_s: int = 5
+    """Heartbeat interval of each launcher."""
+
+    def configs(self, max_nodes: int) -> dict:
+        """torch's ``rdzv_configs`` (empty on one node: a standalone store, torch's defaults)."""
+        if max_nodes == 1:
+            return {}
+        timeout = max(1, int(self.timeout_s))
+        return {"is_host": self.node_rank == 0, "join_timeout": timeout, "read_timeout": min(timeout, 60),
+                "last_call_timeout": self.last_call_s, "keep_alive_interval": self.keep_alive_s}
 
 
 def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max_restarts: int = 0,
-                 nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str = "localhost:0",
-                 rdzv_timeout_s: float = 900.0) -> list:
+                 nnodes: Tuple[int, int] = (1, 1), rdzv: Optional[Rendezvous] = None) -> list:
     """Run `entry(arg)` on `nproc` ranks of this machine with torch's elastic
     launcher (a c10d rendezvous: standalone on a free port for one node, at
-    ``rdzv_endpoint`` hosted by node 0 for several); their return values by
+    ``rdzv.endpoint`` hosted by node 0 for several); their return values by
     local rank (empty on nodes other than 0's ranks' results).
 
     Args:
-        max_restarts: restarts of every local rank after one fails (torch elastic's).
-        nnodes, node_rank: launchers taking part and this one's number (0 hosts the store).
-        rdzv_endpoint: ``host:port`` of the rendezvous, the same on every node.
-        rdzv_timeout_s: how long to wait for all nodes (and the store's connection).
+        max_restarts: restarts of every local rank after one fails (torch elastic's). A node
+            joining an elastic job restarts the ranks too but counts as no restart.
+        nnodes: ``(min, max)`` launchers taking part; min < max is an elastic job (torch elastic
+            restarts the ranks at each membership change; ``entry`` resumes from its checkpoint).
+        rdzv: where and how the launchers meet (default: one node, a free local port).
     Raises:
         RankFailed: a rank raised or died ("rank R was lost: ..." / "rank R failed: <its error>").
         LaunchError: the rendezvous could not be hosted or reached (names host:port).
+        Interrupted: this process got a termination signal; the ranks got it too (torch's agent
+            passes it on and SIGKILLs them after its shutdown timeout, 30 s by default).
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    rdzv = rdzv or Rendezvous()
+    min_nodes, max_nodes = nnodes
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
-    rdzv_configs = {}
-    if nnodes > 1:
-        timeout = max(1, int(rdzv_timeout_s))
-        rdzv_configs = {"is_host": node_rank == 0, "join_timeout": timeout,
-                        "read_timeout": min(timeout, 60)}
-    run_id = os.environ.get("FULLSHARD_RUN_ID", "fullshard") if nnodes > 1 else str(uuid.uuid4())
+    if min_nodes < max_nodes:
+        # [Note: elastic jobs] a fresh store for the ranks at every round, not the rank-0 agent's:
+        # with it shared (torch's default), a node joining a running job hangs until the store's
+        # read timeout (see the module docstring), and ranks restarted by a membership change
+        # (same TORCHELASTIC_RESTART_COUNT) would read the previous round's keys.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    run_id = os.environ.get("FULLSHARD_RUN_ID", "fullshard") if max_nodes > 1 else str(uuid.uuid4())
     log_dir = tempfile.mkdtemp(prefix="fullshard_elastic_")  # see logs_specs below
     config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id,
-        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint, rdzv_configs=rdzv_configs,
+        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, run_id=run_id,
+        rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint, rdzv_configs=rdzv.configs(max_nodes),
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
-        local_addr=rdzv_endpoint.rpartition(":")[0] if nnodes > 1 else None,
+        local_addr=rdzv.endpoint.rpartition(":")[0] if max_nodes > 1 else None,
         # torch's agent writes each rank's error file under a log directory; left to itself it
         # makes a new torchelastic_* directory in the temp dir per launch and never removes it.
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     _quiet_elastic_logs()
     try:
-        if nnodes > 1 and node_rank != 0:
-            _wait_reachable(rdzv_endpoint, node_rank, rdzv_timeout_s)
+        if max_nodes > 1 and rdzv.node_rank != 0:
+            _wait_reachable(rdzv.endpoint, rdzv.node_rank, rdzv.timeout_s)
         try:
             out = elastic_launch(config, entry)(arg)
         except ChildFailedError as e:
             raise RankFailed(_describe_failure(e)) from None  # reads the error files: before the rmtree
+        except SignalException as e:
+            raise Interrupted(e.sigval) from None
         except Exception as e:  # rendezvous / store errors: one line naming the address
             if _is_network_error(e):
-                raise LaunchError(_describe_network_error(e, rdzv_endpoint, node_rank)) from None
+                raise LaunchError(_describe_network_error(e, rdzv.endpoint, rdzv.node_rank)) from None
             raise
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
     return [out[r] for r in sorted(out)]
+
+
+class Interrupted(RuntimeError):
+    """The launcher got a termination signal (``signal``); torch's agent passed it on to the ranks."""
+
+    def __init__(self, sig: signal.Signals):
+        super().__init__(f"stopped by {sig.name}")
+        self.signal = sig
 
 
 class LaunchError(RuntimeError):
@@ -143,7 +228,11 @@ def _quiet_elastic_logs() -> None:
     """torch elastic's agent logs every worker it stops; our one-line report replaces that
     (FULLSHARD_DEBUG=1 keeps its logs)."""
     if os.environ.get("FULLSHARD_DEBUG", "0") in ("", "0"):
-        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
+        # torch's get_logger sets each module's logger's own level (LOGLEVEL or WARNING), so the
+        # parents' level alone would not hide e.g. "Received 15 death signal, shutting down workers".
+        names = [name for name in logging.root.manager.loggerDict if name.startswith(prefixes)]
+        for name in {*prefixes, *names}:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 

@@ -21,6 +21,7 @@ from fullshard.train import checkpoint_utils, invariance
 from fullshard.train.config import GlobalBatchError, TrainConfig
 from fullshard.train.launcher import threads_per_rank
 from fullshard.train.progress import UpdateMeters, progress_bar, valid_stats
+from fullshard.train.sigterm import PeerSigterm, SigtermWatch, StoppedBySigterm
 from fullshard.train.trainer import Trainer
 
 LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
@@ -141,9 +142,11 @@ def valid_batches(cfg: TrainConfig, dataset) -> List[tuple]:
 class Run:
     """State of one training run on one rank (epochs, meters, stop conditions)."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device):
+    def __init__(self, cfg: TrainConfig, device: torch.device, sigterm: Optional[SigtermWatch] = None):
         self.cfg = cfg
         self.device = device
+        self.sigterm = sigterm  # --save-on-sigterm
+        self.stopped_by_sigterm = False
         self.rank = dist.get_rank()
         self.trainer = Trainer(cfg, device)
         self.train_data = TokenBlockDataset(cfg.data_dir, "train", cfg.tokens_per_sample)
@@ -235,6 +238,10 @@ class Run:
                     stats.update(self.trainer.memory_record())  # --log-memory (all ranks: one all-reduce)
                     bar.log(stats, tag="train_inner")
                     inner.reset()
+            if self.sigterm is not None and self.sigterm.any_rank(self.device):
+                self.stopped_by_sigterm = True  # `run` saves; no validation (the agent kills in 30 s)
+                self.position = (epoch, i + 1, i == len(groups) - 1)
+                break
             stop = self.should_stop()
             end_of_epoch = i == len(groups) - 1
             if stop:
@@ -254,7 +261,7 @@ class Run:
         stats = whole.stats(self.trainer.num_updates, self.trainer.get_lr(), self.device, self.wall(),
                             self.trainer.scaler.get_scale())
         progress_bar(cfg.log_format, epoch, len(groups), cfg.log_interval).print(stats, tag="train")
-        return stop
+        return stop or self.stopped_by_sigterm
 
     def run(self) -> None:
         self.log_header()
@@ -266,7 +273,11 @@ class Run:
             epoch, offset = epoch + 1, 0
         if not self.cfg.no_save:
             checkpoint_utils.save(self, *self.position)
-        logger.info("done training in {:.1f} seconds".format(self.wall()))
+        n = self.trainer.num_updates
+        if not self.stopped_by_sigterm:
+            logger.info("done training in {:.1f} seconds".format(self.wall()))
+        else:  # --save-on-sigterm excludes --no-save
+            logger.info(f"SIGTERM: saved checkpoint at update {n}")
 
 
 def _known_errors() -> tuple:
@@ -275,27 +286,37 @@ def _known_errors() -> tuple:
     # about 0.7 s of every `fullshard` command).
     from fullshard.checkpoint import CheckpointError
 
-    return (collectives.CollectiveError, CheckpointError, FloatingPointError, GlobalBatchError)
+    return (collectives.CollectiveError, CheckpointError, FloatingPointError, GlobalBatchError, PeerSigterm)
 
 
 @record
-def train_main(cfg: TrainConfig) -> None:
+def train_main(cfg: TrainConfig) -> Optional[StoppedBySigterm]:
     """Entry point of one rank (run by the elastic launcher or directly under torchrun).
 
     A known failure (collective timeout or lost peer, failed save, NaN loss)
     prints one line on stderr and exits 1 (the launcher then stops the other
     ranks); ``--debug`` raises it with its traceback instead.
+
+    Returns:
+        None after training to the end; with --save-on-sigterm, `StoppedBySigterm` when this rank
+        got SIGTERM and training stopped early (see `fullshard.train.sigterm`).
     """
+    # First: from here on a SIGTERM waits for the end of an update instead of killing the rank.
+    sigterm = SigtermWatch() if cfg.save_on_sigterm else None
     setup_logging(int(os.environ.get("RANK", "0")), cfg.log_file)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
         logger.info(f"restart {restart} of at most {cfg.max_restarts}: every rank restarted, resuming "
                     "from the last checkpoint")
+    stopped = None
     try:
         device = setup_rank(cfg)
         # The world size is known only now (an elastic restart may have changed it).
         cfg = _at_world_size(cfg, dist.get_world_size())
-        Run(cfg, device).run()
+        run = Run(cfg, device, sigterm)
+        run.run()
+        if run.stopped_by_sigterm:
+            stopped = sigterm.finish(run.trainer.num_updates)
     except _known_errors() as e:
         if cfg.debug:
             raise
@@ -303,6 +324,9 @@ def train_main(cfg: TrainConfig) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if stopped is not None:
+        sigterm.leave_soon()
+    return stopped
 
 
 def _at_world_size(cfg: TrainConfig, world_size: int) -> TrainConfig:

@@ -18,7 +18,14 @@ import torch
 
 from fullshard.data import DataError, TokenBlockDataset, read_meta
 from fullshard.models import ARCHS, ArchSpec, build_model
-from fullshard.train.config import TRAIN_GROUPS, GlobalBatchError, ModelOptions, TrainConfig, derive_update_freq
+from fullshard.train.config import (
+    TRAIN_GROUPS,
+    GlobalBatchError,
+    ModelOptions,
+    TrainConfig,
+    derive_update_freq,
+    node_range,
+)
 from fullshard.train.flags import add_options, option_string, values_of
 
 
@@ -301,23 +308,56 @@ def _warn_fp16_on_cpu(args) -> None:
 
 
 def _check_nodes(p: OneLineArgumentParser, args) -> str:
-    """Check --nnodes / --node-rank / --rdzv-endpoint / --hybrid-shard; returns the endpoint."""
-    if args.nnodes < 1:
+    """Check --nnodes / --node-rank / --rdzv-* / --hybrid-shard; returns the endpoint."""
+    min_nodes, max_nodes = node_range(args.nnodes)
+    if min_nodes < 1:
         p.fail(f"--nnodes must be >= 1, got {args.nnodes}")
-    if not 0 <= args.node_rank < args.nnodes:
-        p.fail(f"--node-rank must be in [0, --nnodes {args.nnodes}), got {args.node_rank}")
+    if min_nodes > max_nodes:
+        p.fail(f"--nnodes {args.nnodes}: MIN must not exceed MAX; give MIN:MAX, e.g. {max_nodes}:{min_nodes}")
+    if not 0 <= args.node_rank < max_nodes:
+        p.fail(f"--node-rank must be in [0, {max_nodes}) for --nnodes {args.nnodes}, got {args.node_rank}")
     endpoint = args.rdzv_endpoint or "localhost:0"
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit() or not 0 <= int(port) < 65536:
         p.fail(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT (e.g. 10.0.0.1:29400)")
-    if args.nnodes > 1 and int(port) == 0:
+    if max_nodes > 1 and int(port) == 0:
         p.fail(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node "
-               "(HOST: node 0's address, PORT: a free port there)")
+               "(HOST: node 0's address, PORT: a free port there; node 0 hosts the rendezvous and must stay up)")
+    for name in ("rdzv_last_call_s", "rdzv_keep_alive_s"):
+        if getattr(args, name) < 1:
+            p.fail(f"{option(name)} must be >= 1 second, got {getattr(args, name)}")
     if args.hybrid_shard and args.ddp_backend != "fully_sharded":
         p.fail("--hybrid-shard needs --ddp-backend fully_sharded")
     if args.hybrid_shard and not args.reshard_after_forward:
         p.fail("--hybrid-shard and --no-reshard-after-forward are exclusive; pick one sharding strategy")
     return endpoint
+
+
+def elastic_world_sizes(nproc_per_node: int, nnodes) -> list:
+    """The world sizes an ``--nnodes`` range can run at: ``nproc_per_node * n`` for each node count ``n``
+    in it (one entry for a plain N; under torchrun, its WORLD_SIZE)."""
+    if under_torchrun():
+        return [int(os.environ["WORLD_SIZE"])]
+    min_nodes, max_nodes = node_range(nnodes)
+    return [nproc_per_node * n for n in range(min_nodes, max_nodes + 1)]
+
+
+def _check_elastic_batch(p: OneLineArgumentParser, args) -> None:
+    """An elastic range keeps the update the same at every world size only through --global-batch-size,
+    which each of its world sizes must divide (in micro-batches of --batch-size)."""
+    min_nodes, max_nodes = node_range(args.nnodes)
+    if min_nodes == max_nodes:
+        return
+    if args.global_batch_size is None:
+        p.fail(f"--nnodes {args.nnodes} needs --global-batch-size: an elastic job restarts at another world "
+               "size, and with a fixed --update-freq its update would change size with it")
+    sizes = elastic_world_sizes(args.nproc_per_node, args.nnodes)
+    for world in sizes:
+        try:
+            derive_update_freq(args.global_batch_size, args.batch_size, world)
+        except GlobalBatchError as e:
+            p.fail(f"{e} (--nnodes {args.nnodes} x --nproc-per-node {args.nproc_per_node} can run at "
+                   f"{', '.join(map(str, sizes))} ranks)")
 
 
 def check_tokens_per_sample(p: OneLineArgumentParser, args, shape: ArchSpec) -> int:
@@ -335,7 +375,9 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     _check_positive(p, args)
     _check_schedule(p, args)
     rdzv_endpoint = _check_nodes(p, args)
-    world_size = launched_world_size(args.nproc_per_node, args.nnodes)
+    _check_elastic_batch(p, args)
+    # An elastic range is checked at its largest world size (the most data per update).
+    world_size = max(elastic_world_sizes(args.nproc_per_node, args.nnodes))
     update_freq = _check_invariance(p, args, world_size)
     scale_window = _check_memory_flags(p, args, world_size, update_freq)
     meta = check_data(p, args.data_dir)
@@ -350,6 +392,8 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     log_dir = os.path.dirname(os.path.abspath(args.log_file)) if args.log_file else None
     if log_dir and os.path.exists(log_dir) and not os.path.isdir(log_dir):
         p.fail(f"the directory of --log-file {args.log_file!r} is a file; give a path in a directory")
+    if args.save_on_sigterm and args.no_save:
+        p.fail("--save-on-sigterm and --no-save are exclusive: drop --no-save to save on SIGTERM")
     if not args.no_save and os.path.exists(args.save_dir) and not os.path.isdir(args.save_dir):
         p.fail(f"--save-dir {args.save_dir!r} exists and is not a directory")
     if args.finetune_from_model and not os.path.exists(args.finetune_from_model):
