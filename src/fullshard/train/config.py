@@ -148,7 +148,7 @@ class DistributedOptions:
         "gradient shards (less memory). c10d: whether DDP all-reduces every micro-batch (default: %(default)s)",
         choices=("no_sync", "reduce_scatter"))
     hybrid_shard: bool = flag(False, "fully_sharded: HYBRID_SHARD, shard within a node and replicate across nodes")
-    # [Note: world-size invariance] in trainer.py. Off by default until its cost is measured.
+    # [Note: world-size-invariant training] in trainer.py. Off by default until its cost is measured.
     world_size_invariant: bool = flag(
         False, "fully_sharded: bitwise the same losses, gradient norms and parameters at every world size "
         "(for a fixed --global-batch-size, --batch-size and --threads-per-rank): each micro-batch has a global "

@@ -1,7 +1,7 @@
 """The trainer's side of ``--world-size-invariant``: micro-batch keyed randomness, the update's
 schedule check, and logged sums added in global micro-batch order.
 
-[Note: world-size invariance]
+[Note: world-size-invariant training]
 With ``--world-size-invariant`` and a fixed ``--global-batch-size`` G, ``--batch-size`` B and
 ``--threads-per-rank``, a run gives bitwise the same per-update losses, gradient norms and
 parameters at every world size W dividing G / B. What each piece does:

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -313,20 +314,31 @@ def train_main(cfg: TrainConfig) -> Optional[StoppedBySigterm]:
         device = setup_rank(cfg)
         # The world size is known only now (an elastic restart may have changed it).
         cfg = _at_world_size(cfg, dist.get_world_size())
-        run = Run(cfg, device, sigterm)
-        run.run()
-        if run.stopped_by_sigterm:
-            stopped = sigterm.finish(run.trainer.num_updates)
+        stopped_at = _run(cfg, device, sigterm)
+        if stopped_at is not None:
+            stopped = sigterm.finish(stopped_at)
     except _known_errors() as e:
         if cfg.debug:
             raise
         _exit_one_line(e)
     finally:
         if dist.is_initialized():
+            # The model (a DDP Reducer holds the process group) must go while the group is
+            # alive: a gloo group destroyed by the Reducer's dealloc joins its worker thread
+            # while holding the GIL that thread needs (a hang at exit).
+            gc.collect()
             dist.destroy_process_group()
     if stopped is not None:
         sigterm.leave_soon()
     return stopped
+
+
+def _run(cfg: TrainConfig, device: torch.device, sigterm: Optional[SigtermWatch]) -> Optional[int]:
+    """Train; returns the update a SIGTERM stopped training at, else None. The Run (model,
+    optimizer) is freed on return, before the process group is destroyed."""
+    run = Run(cfg, device, sigterm)
+    run.run()
+    return run.trainer.num_updates if run.stopped_by_sigterm else None
 
 
 def _at_world_size(cfg: TrainConfig, world_size: int) -> TrainConfig:

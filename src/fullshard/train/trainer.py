@@ -10,7 +10,7 @@ accumulated gradient equal to that of one K-times larger batch. For logging,
 
 Under ``--world-size-invariant`` each micro-batch's loss is divided by the update's global token
 count instead, the engine sums gradients over ranks, and the logged sums are added in global
-micro-batch order: see [Note: world-size invariance] in ``invariance.py``.
+micro-batch order: see [Note: world-size-invariant training] in ``invariance.py``.
 """
 from __future__ import annotations
 
