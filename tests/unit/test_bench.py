@@ -1,5 +1,6 @@
 """Fast single-process checks of the benchmarks' measurements, tables and files (no ranks launched)."""
 import argparse
+import dataclasses
 import json
 import mmap
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from fullshard.bench import measure, report as RP, suite
-from fullshard.bench.modes import MODES, ModelSpec, analytic_volume_bytes
+from fullshard.bench.modes import MODES, ModelSpec, analytic_label, analytic_volume_bytes
 
 
 def test_storage_bytes_counts_shared_storage_once():
@@ -59,16 +60,32 @@ def test_model_spec_psi_matches_the_built_model():
         assert spec.psi() == num_params(GPT(spec.gpt_config()))
 
 
+def _vol(all_gather=0, reduce_scatter=0, all_reduce=0, all_to_all=0):
+    return dict(all_gather=all_gather, reduce_scatter=reduce_scatter, all_reduce=all_reduce, all_to_all=all_to_all)
+
+
 def test_analytic_volume_follows_zero_section_7():
     # ZeRO §7: DDP all-reduce 2Ψ, ZeRO-3 3Ψ (2Ψ all-gather + Ψ reduce-scatter); fp32 = 4 bytes.
-    vol = lambda key: analytic_volume_bytes(MODES[key], PSI)  # noqa: E731
-    assert vol("ddp") == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 8000}
+    vol = lambda key, k=1: analytic_volume_bytes(MODES[key], PSI, k)  # noqa: E731
+    assert vol("ddp") == _vol(all_reduce=8000)
     assert vol("no_shard") == vol("ddp")
-    assert vol("grad_op") == {"all_gather": 4000, "reduce_scatter": 4000, "all_reduce": 0}
-    assert vol("full") == {"all_gather": 8000, "reduce_scatter": 4000, "all_reduce": 0}
+    assert vol("grad_op") == _vol(all_gather=4000, reduce_scatter=4000)
+    assert vol("full") == _vol(all_gather=8000, reduce_scatter=4000)
     assert vol("fsdp2") == vol("fsdp1") == vol("deepspeed") == vol("full")
     # bf16 all-gathers move 2 bytes per element, the fp32 reduce-scatter 4.
-    assert vol("full_bf16") == vol("fsdp2_bf16") == {"all_gather": 4000, "reduce_scatter": 4000, "all_reduce": 0}
+    assert vol("full_bf16") == vol("fsdp2_bf16") == _vol(all_gather=4000, reduce_scatter=4000)
+    # world_size_invariant: one all-to-all of the reduce-scatter's input per backward instead.
+    assert vol("full_invariant") == vol("fully_shard_invariant") == _vol(all_gather=8000, all_to_all=4000)
+    assert vol("full_bf16_invariant") == _vol(all_gather=4000, all_to_all=4000)
+    # K micro-batches per step: K x the all-gathers; the default reduces once, the invariant path K times.
+    assert vol("full", 3) == _vol(all_gather=24000, reduce_scatter=4000)
+    assert vol("grad_op", 3) == _vol(all_gather=12000, reduce_scatter=4000)
+    assert vol("ddp", 3) == vol("ddp")
+    assert vol("full_invariant", 3) == _vol(all_gather=24000, all_to_all=12000)
+    labels = [analytic_label(MODES[k]) for k in ("full", "grad_op", "full_bf16", "full_invariant")]
+    assert labels == ["3Ψ·4 B", "2Ψ·4 B", "2Ψ·2 B + Ψ·4 B", "3Ψ·4 B"]
+    assert analytic_label(MODES["full_invariant"], 3) == "6Ψ·4 B + 3Ψ·4 B"
+    assert analytic_label(MODES["full_bf16"], 2) == "4Ψ·2 B + Ψ·4 B"
 
 
 def test_expected_volume_gathers_the_root_once_and_deepspeed_the_tied_weight_per_use():
@@ -78,14 +95,15 @@ def test_expected_volume_gathers_the_root_once_and_deepspeed_the_tied_weight_per
     assert RP.expected_volume_bytes(MODES["deepspeed"], MODEL)["all_gather"] == 2 * (psi + tied) * 4
     for key in ("grad_op", "no_shard", "ddp"):
         assert RP.expected_volume_bytes(MODES[key], MODEL) == analytic_volume_bytes(MODES[key], psi)
+    invariant = RP.expected_volume_bytes(MODES["full_invariant"], MODEL, update_freq=2)
+    assert invariant == _vol(all_gather=2 * (2 * psi - root) * 4, all_to_all=2 * psi * 4)
 
 
-def _rank(rank, step_s, losses, rss=100, ag=0, rs=0, ar=0, state=(10, 10, 20)):
+def _rank(rank, step_s, losses, rss=100, ag=0, rs=0, ar=0, a2a=0, state=(10, 10, 20)):
     return dict(rank=rank, threads=1, psi=PSI, step_s=step_s, losses=losses, user_s=1.0, sys_s=0.5,
                 rss_base_bytes=1000, rss_peak_bytes=1000 + rss, rss_method="VmHWM", notes=[],
                 param_bytes=state[0], grad_bytes=state[1], optim_bytes=state[2],
-                volume_bytes={"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar},
-                calls={"all_gather": 2, "reduce_scatter": 2, "all_reduce": 0}, volume_source="counters")
+                volume_bytes=_vol(ag, rs, ar, a2a), calls=_vol(2, 2, 0, 0), volume_source="counters")
 
 
 def _rows():
@@ -121,7 +139,7 @@ def test_merge_takes_max_of_rank_medians_and_peaks_and_per_step_volume():
     assert full["step_ms_per_rank"] == pytest.approx([100.0, 300.0])
     assert full["tokens_per_s"] == pytest.approx(256 / 0.3)
     assert full["rss_peak_growth_bytes"] == 150
-    assert full["volume_bytes_per_step"] == {"all_gather": 8000, "reduce_scatter": 4000, "all_reduce": 0}
+    assert full["volume_bytes_per_step"] == _vol(all_gather=8000, reduce_scatter=4000)
     assert full["volume_ratio_analytic"] == pytest.approx(1.0)
     assert full["user_s_per_step"] == pytest.approx(0.5) and full["sys_s_per_step"] == pytest.approx(0.25)
     assert full["state_bytes"] == 40 and full["zero_state_bytes"] == 16 * PSI // 2
@@ -160,6 +178,32 @@ def test_fully_shard_rows_get_ratios_to_the_wrapper_and_to_torch_fsdp2():
     assert "| fullshard fully_shard / fullshard FULL_SHARD | 0.50 | 0.80 | 1.000 |" in text
     assert "| fullshard fully_shard / torch FSDP2 | 0.38 |" in text
     assert "ratio to the FullyShardedDataParallel wrapper" not in RP.markdown(RP.build_report(_config(), _rows()))
+
+
+def test_invariant_rows_get_ratios_to_the_default_path():
+    """world_size_invariant modes: a table of step time, RSS, state and bytes-moved ratios to the
+    same mode without it, in the report and the JSON."""
+    rows = _rows()
+    inv = [_rank(r, step_s=[0.36] * 3, losses=[3.0, [2.0, 2.5][r]], rss=180, ag=2 * 8000, a2a=2 * 6000)
+           for r in range(2)]
+    rows.insert(1, RP.merge_ranks(MODES["full_invariant"], inv, MODEL, 2, 256, update_freq=1))
+    report = RP.build_report(_config(update_freq=1), rows)
+    (pair,) = report["vs_default"]
+    assert (pair["mode"], pair["vs"]) == ("fullshard FULL_SHARD invariant", "fullshard FULL_SHARD")
+    assert pair["step_ratio"] == pytest.approx(360 / 300) and pair["rss_ratio"] == pytest.approx(180 / 150)
+    assert pair["volume_ratio"] == pytest.approx((8000 + 6000) / (8000 + 4000)) and pair["state_ratio"] == 1.0
+    row = {r["mode"]: r for r in report["modes"]}["full_invariant"]
+    assert row["volume_bytes_per_step"]["all_to_all"] == 6000 and row["loss_match"]
+    text = RP.markdown(report)
+    assert ("| world_size_invariant=True / default | step time | RSS peak | params+grads+optim | bytes moved |"
+            in text)
+    assert "| fullshard FULL_SHARD invariant / fullshard FULL_SHARD | 1.20 | 1.20 | 1.000 | 1.167 |" in text
+    assert "| A2A MiB/step |" in text and "all-to-alls each micro-batch" not in text
+    accumulated = RP.markdown(RP.build_report(_config(update_freq=4), rows))
+    assert "tokens per rank, 4 micro-batches per step (gradients accumulated under no_sync); AdamW" in accumulated
+    assert "all-to-alls each micro-batch" in accumulated
+    assert "world_size_invariant=True / default" not in RP.markdown(RP.build_report(_config(), _rows()))
+    assert json.loads(json.dumps(report))["vs_default"][0]["volume_ratio"] == pytest.approx(14 / 12)
 
 
 def test_markdown_table_errors_and_notes():
@@ -213,6 +257,7 @@ def _fail(msg):
     (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
     (["--width", "30", "--heads", "4"], "must divide"),
     (["--arch", "gpt5"], "unknown --arch"),
+    (["--update-freq", "0"], "--update-freq must be >= 1"),
 ])
 def test_bad_input_fails(argv, message):
     with pytest.raises(_Fail, match=message):
@@ -228,12 +273,32 @@ def test_presets_and_overrides(monkeypatch):
         suite.validate(_bench_args("--modes", "deepspeed"), _fail)
     monkeypatch.setattr(suite, "deepspeed_available", lambda: True)
     assert suite.validate(_bench_args(), _fail).modes[-1] == "deepspeed"
+    with pytest.raises(_Fail, match="--update-freq > 1 is not supported with the deepspeed mode"):
+        suite.validate(_bench_args("--update-freq", "2"), _fail)  # the default list has it
     small = suite.validate(_bench_args("--preset", "gpt2-small", "--layers", "2", "--seq-len", "64"), _fail)
     assert (small.job.model.num_layers, small.job.model.embed_dim, small.job.model.max_positions) == (2, 768, 1024)
     assert small.job.model.vocab_size == 50257 and small.job.seq_len == 64
     # the report's header names the flags that changed the preset
     assert suite.validate(_bench_args(), _fail).overrides == () and small.overrides == ("--seq-len", "--layers")
     assert RP.preset_label("gpt2-small", small.overrides) == "gpt2-small with --seq-len, --layers"
+    monkeypatch.setattr(suite, "deepspeed_available", lambda: False)
+    acc = suite.validate(_bench_args("--modes", "full,full_invariant", "--update-freq", "3"), _fail)
+    assert acc.job.update_freq == 3 and acc.overrides == ("--update-freq",)
+    assert plan.job.update_freq == 1 and {"full_invariant", "full_bf16_invariant"} <= set(plan.modes)
+
+
+def test_batches_are_grouped_into_micro_batches_per_step():
+    from fullshard.bench.rank import make_batches
+
+    job = suite.validate(_bench_args("--modes", "full", "--warmup-steps", "1", "--timed-steps", "2",
+                                     "--batch-size", "1", "--seq-len", "4", "--vocab-size", "50"), _fail).job
+    one = make_batches(job, 0)
+    three = make_batches(dataclasses.replace(job, update_freq=3), 0)
+    assert [len(step) for step in one] == [1] * 3 and [len(step) for step in three] == [3] * 3
+    x, y = three[2][1]
+    assert x.shape == y.shape == (1, 4) and torch.equal(x[:, 1:], y[:, :-1])  # targets = inputs shifted by one
+    assert torch.equal(one[0][0][0], three[0][0][0])  # the same seed draws the first micro-batch alike
+    assert not torch.equal(three[0][0][0], three[0][1][0])
 
 
 def test_a_failed_fullshard_mode_is_an_error_row_and_exit_1(monkeypatch, tmp_path):
@@ -272,8 +337,8 @@ def test_patched_collectives_count_volume_once_per_outer_call():
     gather(output_tensor=torch.empty(6, dtype=torch.bfloat16), input_tensor=torch.empty(3, dtype=torch.bfloat16))
     reduce = pc._wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: None)
     reduce(torch.empty(5))
-    assert pc.bytes == {"all_gather": 12, "reduce_scatter": 16, "all_reduce": 40}
-    assert pc.calls == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}
+    assert pc.bytes == _vol(all_gather=12, reduce_scatter=16, all_reduce=40)
+    assert pc.calls == _vol(all_gather=1, reduce_scatter=1, all_reduce=1)
 
 def test_memory_report_ratios_errors_and_footnote():
     from fullshard.bench import memory

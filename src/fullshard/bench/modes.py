@@ -30,6 +30,23 @@ torch FSDP1 and torch FSDP2 do not reshard the root unit after forward (its
 parameters are used first in backward), so they all-gather the root once and
 measure below 3Ψ; :func:`fullshard.bench.report.expected_volume_bytes` counts
 that.
+
+Under ``world_size_invariant=True`` (core/invariant.py [Note: world-size
+invariance]) each backward sends its unsharded gradient, unreduced, with one
+all-to-all of the reduce-scatter's input (Ψ fp32 elements; the volume of an
+all-to-all is its input bytes, like a reduce-scatter's) and the receiver folds
+the pieces in rank order: the ``all_to_all`` column replaces the
+``reduce_scatter`` one, same bytes. (Clipping's exact norm adds two tiny
+all-reduces per group, 2 float64 + 3 int64; the bench does not clip.)
+
+With ``K`` micro-batches per step (``--update-freq K``, the first ``K - 1``
+under ``no_sync``) every micro-batch all-gathers again (FULL_SHARD and
+SHARD_GRAD_OP reshard after each backward, torch FSDP1/FSDP2 FULL_SHARD
+too): K times the all-gather volume. The default path reduces once per step
+(reduce-scatter Ψ, DDP and NO_SHARD all-reduce 2Ψ), the invariant path
+all-to-alls every micro-batch (KΨ): its stash keeps each micro-batch apart,
+because the fold order interleaves the ranks' micro-batches. Both add a few
+bytes of all-reduce per step that agree on the stashes (not in the formula).
 """
 from __future__ import annotations
 
@@ -38,7 +55,7 @@ from typing import Optional
 
 from fullshard.models import GPTConfig
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 """Collective types reported, in column order."""
 
 
@@ -54,6 +71,8 @@ class Mode:
         bf16: ``param_dtype=bfloat16, reduce_dtype=float32`` mixed precision.
         fully_shard: a fullshard mode through ``fullshard.fully_shard`` (each block, then the root;
             DTensor parameters) instead of the ``FullyShardedDataParallel`` wrapper.
+        invariant: ``world_size_invariant=True`` (gradients summed over ranks in global
+            micro-batch order by an all-to-all and ordered adds; core/invariant.py).
     """
 
     key: str
@@ -62,6 +81,7 @@ class Mode:
     strategy: Optional[str] = None
     bf16: bool = False
     fully_shard: bool = False
+    invariant: bool = False
 
     @property
     def ours(self) -> bool:
@@ -81,6 +101,11 @@ MODES: dict[str, Mode] = {m.key: m for m in (
     Mode("full_bf16", "fullshard FULL_SHARD bf16", "fullshard", "FULL_SHARD", bf16=True),
     Mode("fully_shard", "fullshard fully_shard", "fullshard", "FULL_SHARD", fully_shard=True),
     Mode("fully_shard_bf16", "fullshard fully_shard bf16", "fullshard", "FULL_SHARD", bf16=True, fully_shard=True),
+    Mode("full_invariant", "fullshard FULL_SHARD invariant", "fullshard", "FULL_SHARD", invariant=True),
+    Mode("full_bf16_invariant", "fullshard FULL_SHARD bf16 invariant", "fullshard", "FULL_SHARD", bf16=True,
+         invariant=True),
+    Mode("fully_shard_invariant", "fullshard fully_shard invariant", "fullshard", "FULL_SHARD", fully_shard=True,
+         invariant=True),
     Mode("ddp", "torch DDP", "ddp"),
     Mode("fsdp2", "torch FSDP2", "fsdp2"),
     Mode("fsdp2_bf16", "torch FSDP2 bf16", "fsdp2", bf16=True),
@@ -97,9 +122,13 @@ VS_FSDP2 = (("full", "fsdp2"), ("full_bf16", "fsdp2_bf16"), ("fully_shard", "fsd
 VS_WRAPPER = (("fully_shard", "full"), ("fully_shard_bf16", "full_bf16"))
 """(fullshard ``fully_shard`` mode, the same configuration through the FullyShardedDataParallel
 wrapper) pairs whose ratios get their own rows: the two front doors over one engine."""
+VS_DEFAULT = (("full_invariant", "full"), ("full_bf16_invariant", "full_bf16"),
+              ("fully_shard_invariant", "fully_shard"))
+"""(``world_size_invariant=True`` mode, the same configuration without it) pairs whose ratios
+get their own rows: the cost of world-size invariance."""
 
 
-def analytic_volume_bytes(mode: Mode, psi: int) -> dict[str, int]:
+def analytic_volume_bytes(mode: Mode, psi: int, update_freq: int = 1) -> dict[str, int]:
     """Bytes per rank per step each collective type should move, by ZeRO §7.
 
     See [Note: communication volume] (volume = unsharded logical size).
@@ -107,8 +136,10 @@ def analytic_volume_bytes(mode: Mode, psi: int) -> dict[str, int]:
     Args:
         mode: the mode (FSDP1/FSDP2/DeepSpeed are ZeRO-3 and count as FULL_SHARD).
         psi: Ψ, the number of parameters (a tied weight once).
+        update_freq: K, micro-batches per step (all-gathers, and the invariant
+            all-to-all, once per micro-batch; the default reduction once per step).
     Returns:
-        ``{"all_gather", "reduce_scatter", "all_reduce"}`` -> bytes (int).
+        ``{"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}`` -> bytes (int).
     """
     gather_b = 2 if mode.bf16 else 4  # full parameters in param_dtype
     reduce_b = 4  # reduce_dtype fp32 in every mode
@@ -116,19 +147,31 @@ def analytic_volume_bytes(mode: Mode, psi: int) -> dict[str, int]:
     if mode.family == "ddp" or mode.strategy == "NO_SHARD":
         out["all_reduce"] = 2 * psi * reduce_b
     elif mode.strategy == "SHARD_GRAD_OP":
-        out["all_gather"] = psi * gather_b
+        out["all_gather"] = update_freq * psi * gather_b
         out["reduce_scatter"] = psi * reduce_b
     else:  # FULL_SHARD and the ZeRO-3 baselines
-        out["all_gather"] = 2 * psi * gather_b
+        out["all_gather"] = update_freq * 2 * psi * gather_b
         out["reduce_scatter"] = psi * reduce_b
+    if mode.invariant:  # one all-to-all of the reduce-scatter's input per backward instead
+        out["all_to_all"] = update_freq * out.pop("reduce_scatter")
+        out["reduce_scatter"] = 0
     return out
 
 
-def analytic_label(mode: Mode) -> str:
-    """The formula of :func:`analytic_volume_bytes` as text, e.g. ``3Ψ·4 B`` or ``2Ψ·2 B + Ψ·4 B``."""
-    if mode.family == "ddp" or mode.strategy in ("NO_SHARD", "SHARD_GRAD_OP"):
+def analytic_label(mode: Mode, update_freq: int = 1) -> str:
+    """The formula of :func:`analytic_volume_bytes` as text, e.g. ``3Ψ·4 B`` or ``2Ψ·2 B + Ψ·4 B``
+    (``4Ψ·4 B + 2Ψ·4 B`` for FULL_SHARD invariant with 2 micro-batches)."""
+    k = update_freq
+    times = lambda n: "Ψ" if n == 1 else f"{n}Ψ"  # noqa: E731
+    if mode.family == "ddp" or mode.strategy == "NO_SHARD":
         return "2Ψ·4 B"
-    return "2Ψ·2 B + Ψ·4 B" if mode.bf16 else "3Ψ·4 B"
+    gathers = k if mode.strategy == "SHARD_GRAD_OP" else 2 * k
+    reduces = k if mode.invariant else 1
+    if not mode.bf16 and gathers == 2 and reduces == 1:
+        return "3Ψ·4 B"
+    if not mode.bf16 and gathers == 1 and reduces == 1:
+        return "2Ψ·4 B"
+    return f"{times(gathers)}·{2 if mode.bf16 else 4} B + {times(reduces)}·4 B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +204,8 @@ class Job:
         batch_size: sequences per rank per step (B).
         seq_len: tokens per sequence (T), at most ``model.max_positions``.
         warmup_steps, timed_steps: AdamW steps before timing, and timed.
+        update_freq: micro-batches of ``batch_size`` sequences per step, gradients
+            accumulated over the first ``update_freq - 1`` under ``no_sync``.
         threads: intra-op threads per rank (``torch.set_num_threads``).
         timeout_s: deadline of every gloo collective.
     """
@@ -177,3 +222,4 @@ class Job:
     weight_decay: float = 0.01
     seed: int = 1
     timeout_s: float = 300.0
+    update_freq: int = 1

@@ -18,7 +18,8 @@ Order of a rank, so that the memory and time windows hold only training:
    (:class:`fullshard.bench.measure.PeakRSS`);
 3. build the model (same seed in every mode), wrap it, make AdamW;
 4. ``warmup_steps`` steps, then ``timed_steps`` steps, each after a barrier,
-   each timed from ``zero_grad`` to the end of ``optimizer.step``;
+   each timed from ``zero_grad`` to the end of ``optimizer.step`` (a step is
+   ``update_freq`` forward/backward passes, all but the last under ``no_sync``);
    ``getrusage`` and the collective counters cover the timed steps only;
 5. read ``VmHWM`` and the model state (params, grads, optimizer state).
 """
@@ -43,6 +44,7 @@ from fullshard.bench import measure
 from fullshard.bench.modes import COLLECTIVES, MODES, Job, Mode
 from fullshard.core import collectives
 from fullshard.models import GPT, GPTConfig, TransformerBlock
+from fullshard.train.sharding import no_sync as fullshard_no_sync
 from fullshard.wrap import ModuleWrapPolicy
 
 
@@ -156,12 +158,14 @@ def warm_up_torch() -> None:
     del model, opt
 
 
-def make_batches(job: Job, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Random (input, target) token batches (B, T) int64, different per rank, identical in every mode."""
+def make_batches(job: Job, rank: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per step, ``job.update_freq`` random (input, target) token micro-batches (B, T) int64,
+    different per rank, identical in every mode."""
     g = torch.Generator().manual_seed(job.seed * 100_003 + rank)
-    n = job.warmup_steps + job.timed_steps
-    tok = torch.randint(0, job.model.vocab_size, (n, job.batch_size, job.seq_len + 1), generator=g)
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tok]
+    n, k = job.warmup_steps + job.timed_steps, job.update_freq
+    tok = torch.randint(0, job.model.vocab_size, (n * k, job.batch_size, job.seq_len + 1), generator=g)
+    micro = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tok]
+    return [micro[i * k:(i + 1) * k] for i in range(n)]
 
 
 def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -170,18 +174,30 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- the modes
 class _Trainer:
-    """A wrapped model and its optimizer: ``step(x, y) -> loss`` and the state-byte readers."""
+    """A wrapped model and its optimizer: ``step(micro_batches) -> mean loss`` and the state-byte readers.
 
-    def __init__(self, model, optimizer) -> None:
+    Args:
+        no_sync: a context manager factory under which a backward accumulates
+            gradients without communication (every micro-batch but the last).
+        loss_scale: what each micro-batch's loss is multiplied by before backward
+            (1/K for K micro-batches, and 1/N more under ``world_size_invariant``).
+    """
+
+    def __init__(self, model, optimizer, no_sync=contextlib.nullcontext, loss_scale: float = 1.0) -> None:
         self.model, self.optimizer = model, optimizer
+        self.no_sync, self.loss_scale = no_sync, loss_scale
         self.notes: list[str] = []
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = _loss(self.model(x), y)
-        loss.backward()
+        losses = []
+        for i, (x, y) in enumerate(micro_batches):
+            with self.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                loss = _loss(self.model(x), y)
+                (loss if self.loss_scale == 1.0 else loss * self.loss_scale).backward()
+            losses.append(loss.item())
         self.optimizer.step()
-        return loss.item()
+        return sum(losses) / len(losses)
 
     def state_bytes(self) -> dict[str, int]:
         return dict(param_bytes=measure.param_bytes(self.model), grad_bytes=measure.grad_bytes(self.model),
@@ -191,7 +207,8 @@ class _Trainer:
 class _DeepSpeedTrainer(_Trainer):
     """DeepSpeed's engine runs backward and the step; its ZeRO-3 state lives in its own buffers."""
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        (x, y), = micro_batches  # --update-freq 1 only (suite.validate)
         loss = _loss(self.model(x), y)
         self.model.backward(loss)
         self.model.step()
@@ -231,31 +248,40 @@ def wrap(mode: Mode, model: torch.nn.Module, job: Job):
     """``(trainer, ddp_counter)``: the model wrapped as ``mode``, with AdamW.
 
     Every sharded mode puts one unit around each ``TransformerBlock`` plus the
-    root unit (embeddings, final norm, tied output projection).
+    root unit (embeddings, final norm, tied output projection). With
+    ``job.update_freq`` K > 1 each micro-batch's loss is scaled by 1/K so that
+    every mode accumulates the same mean gradient.
 
     Raises:
         ValueError: unknown mode family.
     """
+    scale = 1.0 / job.update_freq
+    if mode.invariant:
+        # world_size_invariant sums the ranks' gradients instead of averaging
+        # them; dividing the loss by N keeps every mode's gradient scale (and
+        # so its AdamW trajectory and losses) the same. A timing choice only:
+        # a training loop divides by the global token count instead.
+        scale /= job.world_size
     if mode.family == "fullshard" and mode.fully_shard:
         mesh = init_device_mesh("cpu", (job.world_size,))
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode.bf16
                   else MixedPrecisionPolicy())
         for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        return _Trainer(model, _adamw(model.parameters(), job)), None
+            fully_shard(block, mesh=mesh, mp_policy=policy, world_size_invariant=mode.invariant)
+        fully_shard(model, mesh=mesh, mp_policy=policy, world_size_invariant=mode.invariant)
+        return _Trainer(model, _adamw(model.parameters(), job), lambda: fullshard_no_sync(model), scale), None
     if mode.family == "fullshard":
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode.bf16 else None
         wrapped = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy[mode.strategy],
                                            auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
-                                           mixed_precision=mp)
-        return _Trainer(wrapped, _adamw(wrapped.parameters(), job)), None
+                                           mixed_precision=mp, world_size_invariant=mode.invariant)
+        return _Trainer(wrapped, _adamw(wrapped.parameters(), job), wrapped.no_sync, scale), None
     if mode.family == "ddp":
         # Gradients as views of DDP's buckets, so they are not held twice.
         ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         counter = _DDPCommCounter()
         ddp.register_comm_hook(counter, _counting_allreduce_hook)
-        return _Trainer(ddp, _adamw(ddp.parameters(), job)), counter
+        return _Trainer(ddp, _adamw(ddp.parameters(), job), ddp.no_sync, scale), counter
     if mode.family == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy, fully_shard as torch_fully_shard
 
@@ -266,7 +292,7 @@ def wrap(mode: Mode, model: torch.nn.Module, job: Job):
             if isinstance(block, TransformerBlock):
                 torch_fully_shard(block, mesh=mesh, mp_policy=mp)
         torch_fully_shard(model, mesh=mesh, mp_policy=mp)
-        return _Trainer(model, _adamw(model.parameters(), job)), None
+        return _Trainer(model, _adamw(model.parameters(), job), lambda: _fsdp2_no_sync(model), scale), None
     if mode.family == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP, ShardingStrategy as TorchStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
@@ -277,7 +303,7 @@ def wrap(mode: Mode, model: torch.nn.Module, job: Job):
             wrapped = TorchFSDP(model, sharding_strategy=TorchStrategy.FULL_SHARD,
                                 auto_wrap_policy=TorchPolicy({TransformerBlock}), use_orig_params=True,
                                 device_id=torch.device("cpu"))
-        trainer = _Trainer(wrapped, _adamw(wrapped.parameters(), job))
+        trainer = _Trainer(wrapped, _adamw(wrapped.parameters(), job), wrapped.no_sync, scale)
         trainer.notes = sorted({str(w.message).splitlines()[0] for w in caught
                                 if not issubclass(w.category, FutureWarning)})
         return trainer, None
@@ -312,6 +338,16 @@ def wrap(mode: Mode, model: torch.nn.Module, job: Job):
     raise ValueError(f"unknown mode family {mode.family!r}")
 
 
+@contextlib.contextmanager
+def _fsdp2_no_sync(model):
+    """torch FSDP2's accumulation without reduction (``set_requires_gradient_sync``)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 class _DDPCommCounter:
     """State of :func:`_counting_allreduce_hook`: all-reduce volume in bytes (2 x bucket bytes)."""
 
@@ -334,12 +370,13 @@ def _fullshard_volume(world: int) -> tuple[dict, dict]:
     """Volume and calls from ``fullshard.core.collectives`` counters.
 
     ``BYTES`` holds input bytes: a shard for all-gather (x group size = the
-    output), the full tensor for reduce-scatter, the tensor for all-reduce
-    (x 2). FULL_SHARD and SHARD_GRAD_OP gather over the world group; NO_SHARD's
-    shard group is this rank alone (nothing counted) and it all-reduces.
+    output), the full tensor for reduce-scatter and all-to-all (world_size_invariant's
+    gradient exchange), the tensor for all-reduce (x 2). FULL_SHARD and SHARD_GRAD_OP
+    gather over the world group; NO_SHARD's shard group is this rank alone (nothing
+    counted) and it all-reduces.
     """
     vol = {"all_gather": collectives.BYTES["all_gather"] * world, "reduce_scatter": collectives.BYTES["reduce_scatter"],
-           "all_reduce": 2 * collectives.BYTES["all_reduce"]}
+           "all_reduce": 2 * collectives.BYTES["all_reduce"], "all_to_all": collectives.BYTES["all_to_all"]}
     return vol, {k: collectives.COUNTS[k] for k in COLLECTIVES}
 
 
@@ -354,7 +391,8 @@ def rank_main(job: Job) -> dict:
 
     Returns:
         A dict: ``rank``, ``threads``, ``psi``, ``step_s`` (each timed step,
-        seconds), ``losses`` (every step's cross entropy on this rank, nats),
+        seconds), ``losses`` (every step's cross entropy on this rank, nats,
+        the mean over its micro-batches),
         ``user_s``/``sys_s`` (CPU seconds over the timed steps),
         ``rss_base_bytes``, ``rss_peak_bytes``, ``rss_method``,
         ``param_bytes``/``grad_bytes``/``optim_bytes``, ``volume_bytes`` and
@@ -392,7 +430,7 @@ def rank_main(job: Job) -> dict:
             trainer, ddp_counter = wrap(mode, model, job)
         del model
         step_s, losses = [], []
-        for i, (x, y) in enumerate(batches):
+        for i, micro_batches in enumerate(batches):
             if i == job.warmup_steps:
                 collectives.reset_counts()
                 if patched is not None:
@@ -402,7 +440,7 @@ def rank_main(job: Job) -> dict:
                 u0, s0 = _rusage()
             dist.barrier()  # every step starts together: a step's time is not rank skew
             t0 = time.perf_counter()
-            losses.append(trainer.step(x, y))
+            losses.append(trainer.step(micro_batches))
             if i >= job.warmup_steps:
                 step_s.append(time.perf_counter() - t0)
         u1, s1 = _rusage()
@@ -414,8 +452,8 @@ def rank_main(job: Job) -> dict:
             out["volume_bytes"], out["calls"] = _fullshard_volume(job.world_size)
             out["volume_source"] = "fullshard.core.collectives counters"
         elif ddp_counter is not None:
-            out["volume_bytes"] = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": ddp_counter.bytes}
-            out["calls"] = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": ddp_counter.calls}
+            out["volume_bytes"] = dict(dict.fromkeys(COLLECTIVES, 0), all_reduce=ddp_counter.bytes)
+            out["calls"] = dict(dict.fromkeys(COLLECTIVES, 0), all_reduce=ddp_counter.calls)
             out["volume_source"] = "DDP comm hook"
         else:
             out["volume_bytes"], out["calls"] = dict(patched.bytes), dict(patched.calls)

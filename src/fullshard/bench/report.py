@@ -20,6 +20,7 @@ from fullshard.bench.measure import zero_model_state_bytes
 from fullshard.bench.modes import (
     COLLECTIVES,
     REFERENCE,
+    VS_DEFAULT,
     VS_FSDP2,
     VS_WRAPPER,
     Mode,
@@ -36,7 +37,7 @@ BF16_LOSS_RTOL = 1e-2
 DEEPSPEED_MISSING = "DeepSpeed not installed: pip install deepspeed to add ZeRO-3"
 
 
-def expected_volume_bytes(mode: Mode, model: ModelSpec) -> dict[str, int]:
+def expected_volume_bytes(mode: Mode, model: ModelSpec, update_freq: int = 1) -> dict[str, int]:
     """:func:`~fullshard.bench.modes.analytic_volume_bytes` counted unit by
     unit as each library gathers, for the GPT ``model``.
 
@@ -48,24 +49,26 @@ def expected_volume_bytes(mode: Mode, model: ModelSpec) -> dict[str, int]:
       tied embedding (V·C elements, used by the token embedding and by the
       output projection) is gathered twice in forward and twice in backward:
       2(Ψ + V·C) elements.
+    * With ``update_freq`` K micro-batches per step the all-gathers happen
+      K times (see [Note: communication volume] in :mod:`fullshard.bench.modes`).
 
     Padding rows and the per-parameter "used" flags appended to fullshard's
     reduce-scatter input are not in it (they are what remains of measured /
     expected).
     """
     psi = model.psi()
-    out = analytic_volume_bytes(mode, psi)
+    out = analytic_volume_bytes(mode, psi, update_freq)
     gather_b = 2 if mode.bf16 else 4
     if mode.strategy == "FULL_SHARD" or mode.family in ("fsdp1", "fsdp2"):
         root = model.vocab_size * model.embed_dim + model.max_positions * model.embed_dim + 2 * model.embed_dim
-        out["all_gather"] = (2 * psi - root) * gather_b
+        out["all_gather"] = update_freq * (2 * psi - root) * gather_b
     elif mode.family == "deepspeed":
-        out["all_gather"] = 2 * (psi + model.vocab_size * model.embed_dim) * gather_b
+        out["all_gather"] = update_freq * 2 * (psi + model.vocab_size * model.embed_dim) * gather_b
     return out
 
 
 def merge_ranks(mode: Mode, results: list[dict], model: ModelSpec, timed_steps: int,
-                tokens_per_step: int) -> dict:
+                tokens_per_step: int, update_freq: int = 1) -> dict:
     """One row from the ranks' results of one launch.
 
     Args:
@@ -73,7 +76,8 @@ def merge_ranks(mode: Mode, results: list[dict], model: ModelSpec, timed_steps: 
         results: :func:`~fullshard.bench.rank.rank_main`'s dict of every rank, by rank.
         model: the trained GPT (for the expected volume).
         timed_steps: steps the volume and CPU time were summed over.
-        tokens_per_step: global tokens per step (N·B·T).
+        tokens_per_step: global tokens per step (N·B·T·K).
+        update_freq: K, micro-batches per step (for the expected volume).
     Returns:
         The row: ``step_ms`` (max over ranks of each rank's median),
         ``tokens_per_s``, ``rss_peak_growth_bytes`` (max over ranks of
@@ -104,9 +108,9 @@ def merge_ranks(mode: Mode, results: list[dict], model: ModelSpec, timed_steps: 
         vol = {k: max(r["volume_bytes"][k] for r in results) / timed_steps for k in COLLECTIVES}
         row["volume_bytes_per_step"] = vol
         row["calls_per_step"] = {k: max(r["calls"][k] for r in results) / timed_steps for k in COLLECTIVES}
-    row["analytic_volume_bytes"] = analytic_volume_bytes(mode, psi)
-    row["analytic_formula"] = analytic_label(mode)
-    row["expected_volume_bytes"] = expected_volume_bytes(mode, model)
+    row["analytic_volume_bytes"] = analytic_volume_bytes(mode, psi, update_freq)
+    row["analytic_formula"] = analytic_label(mode, update_freq)
+    row["expected_volume_bytes"] = expected_volume_bytes(mode, model, update_freq)
     if "volume_bytes_per_step" in row:
         total = sum(row["volume_bytes_per_step"].values())
         row["volume_ratio_analytic"] = total / sum(row["analytic_volume_bytes"].values())
@@ -156,8 +160,10 @@ def fsdp2_ratios(rows: list[dict]) -> list[dict]:
 
 def pair_ratios(rows: list[dict], pairs) -> list[dict]:
     """For each ``(mode, reference mode)`` key pair of ``pairs`` that both ran:
-    step-time and RSS ratios of the mode to the reference (``mode``, ``vs``,
-    ``step_ratio``, ``rss_ratio``, ``state_ratio``; labels for the names)."""
+    step-time, RSS, model-state and communication-volume ratios of the mode to
+    the reference (``mode``, ``vs``, ``step_ratio``, ``rss_ratio``,
+    ``state_ratio``, ``volume_ratio``: total bytes per step, None when either
+    was not measured; labels for the names)."""
     ok = {r["mode"]: r for r in rows if "error" not in r}
     out = []
     for ours, theirs in pairs:
@@ -166,13 +172,20 @@ def pair_ratios(rows: list[dict], pairs) -> list[dict]:
             out.append(dict(mode=a["label"], vs=b["label"], step_ratio=a["step_ms"] / b["step_ms"],
                             rss_ratio=(a["rss_peak_growth_bytes"] / b["rss_peak_growth_bytes"]
                                        if b["rss_peak_growth_bytes"] else None),
-                            state_ratio=a["state_bytes"] / b["state_bytes"]))
+                            state_ratio=a["state_bytes"] / b["state_bytes"], volume_ratio=_volume_ratio(a, b)))
     return out
+
+
+def _volume_ratio(a: dict, b: dict) -> Optional[float]:
+    va, vb = a.get("volume_bytes_per_step"), b.get("volume_bytes_per_step")
+    if not va or not vb or not sum(vb.values()):
+        return None
+    return sum(va.values()) / sum(vb.values())
 
 
 # ---------------------------------------------------------------- Markdown
 COLUMNS = ("mode", "step ms", "×DDP", "tok/s", "RSS peak MiB", "×DDP", "params MiB", "grads MiB", "optim MiB",
-           "AG MiB/step", "RS MiB/step", "AR MiB/step", "vol/ZeRO", "vol/expected", "user s/step", "sys s/step",
+           "AG MiB/step", "RS MiB/step", "AR MiB/step", "A2A MiB/step", "vol/ZeRO", "vol/expected", "user s/step", "sys s/step",
            "losses vs DDP")
 
 
@@ -227,7 +240,7 @@ def markdown(report: dict) -> str:
         f"`fullshard bench` — preset `{preset}`: GPT {m['num_layers']} layers × width {m['embed_dim']}, "
         f"{m['num_heads']} heads, V={m['vocab_size']}, P={m['max_positions']} (Ψ = {cfg['psi']:,}); "
         f"{cfg['world_size']} gloo ranks × {cfg['threads']} threads on {cfg['cpu_cores']} cores; batch "
-        f"{cfg['batch_size']} × {cfg['seq_len']} tokens per rank; AdamW; {cfg['warmup_steps']} warm-up + "
+        f"{cfg['batch_size']} × {cfg['seq_len']} tokens per rank{_accumulation(cfg)}; AdamW; {cfg['warmup_steps']} warm-up + "
         f"{cfg['timed_steps']} timed steps; torch {cfg['torch_version']}; load average (1 min) "
         f"{cfg['load_average_before'][0]:.2f} before, {cfg['load_average_after'][0]:.2f} after.",
         "",
@@ -235,16 +248,22 @@ def markdown(report: dict) -> str:
         _md(["---"] + ["---:"] * (len(COLUMNS) - 2) + ["---"]),
     ]
     lines += [_md(table_row(r)) for r in rows]
-    for key, title in (("vs_wrapper", "ratio to the FullyShardedDataParallel wrapper"),
+    for key, title in (("vs_default", "world_size_invariant=True / default"),
+                       ("vs_wrapper", "ratio to the FullyShardedDataParallel wrapper"),
                        ("vs_fsdp2", "ratio to torch FSDP2")):
         pairs = report.get(key) or []
         if pairs:
-            lines += ["", _md([title, "step time", "RSS peak", "params+grads+optim"]),
-                      _md(["---", "---:", "---:", "---:"])]
+            lines += ["", _md([title, "step time", "RSS peak", "params+grads+optim", "bytes moved"]),
+                      _md(["---", "---:", "---:", "---:", "---:"])]
             lines += [_md([f"{p['mode']} / {p['vs']}", f"{p['step_ratio']:.2f}", _f(p["rss_ratio"], ".2f"),
-                           f"{p['state_ratio']:.3f}"]) for p in pairs]
+                           f"{p['state_ratio']:.3f}", _f(p.get("volume_ratio"), ".3f")]) for p in pairs]
     lines += [""] + [f"{n}" for n in report.get("notes", [])]
     return "\n".join(lines) + "\n"
+
+
+def _accumulation(cfg: dict) -> str:
+    k = cfg.get("update_freq", 1)
+    return f", {k} micro-batches per step (gradients accumulated under no_sync)" if k > 1 else ""
 
 
 def notes(report: dict) -> list[str]:
@@ -260,8 +279,10 @@ def notes(report: dict) -> list[str]:
         "- params/grads/optim: distinct storages this rank holds after the last step (local shards of "
         "DTensors; DeepSpeed: its partitions and fp32 master partitions, its flat gradient partition buffer), "
         "max over ranks.",
-        "- AG/RS/AR: all-gather / reduce-scatter / all-reduce volume per rank per step: all-gather output "
-        "bytes, reduce-scatter input bytes, 2 × all-reduce bytes. vol/ZeRO = total over the ZeRO paper's "
+        "- AG/RS/AR/A2A: all-gather / reduce-scatter / all-reduce / all-to-all volume per rank per step: "
+        "all-gather output bytes, reduce-scatter and all-to-all input bytes, 2 × all-reduce bytes "
+        "(world_size_invariant=True exchanges each backward's gradient by one all-to-all of the "
+        "reduce-scatter's size and folds it in rank order: A2A replaces RS). vol/ZeRO = total over the ZeRO paper's "
         "volume (Rajbhandari et al. 2020, §7: DDP, NO_SHARD and SHARD_GRAD_OP 2Ψ, FULL_SHARD 3Ψ elements; "
         "bf16 all-gathers 2 bytes, reductions fp32). vol/expected = total over the same count with the root "
         "unit (embeddings, final norm) all-gathered once per step, as fullshard, FSDP1 and FSDP2 do "
@@ -277,6 +298,14 @@ def notes(report: dict) -> list[str]:
                   f"{8 * psi / MiB:.2f} MiB (DDP, NO_SHARD, SHARD_GRAD_OP), 3Ψ·4 B = {12 * psi / MiB:.2f} MiB "
                   f"(FULL_SHARD). DeepSpeed's expected volume counts the tied embedding gathered once per use "
                   f"(token embedding and output projection), in forward and in backward.")
+    if report.get("vs_default"):
+        k = cfg.get("update_freq", 1)
+        out.append("- world_size_invariant=True / default: the same mode with gradients summed over ranks in "
+                   "global micro-batch order (its bench loss is divided by N, the same gradient scale); "
+                   "bytes moved = total volume per step."
+                   + (f" With {k} micro-batches per step the default reduces once per step, the invariant "
+                      f"path all-to-alls each micro-batch and keeps each no_sync micro-batch's full gradient "
+                      f"apart until then." if k > 1 else ""))
     by_source: dict[str, list[str]] = {}
     for r in rows:
         if "error" not in r and r.get("volume_source"):
@@ -298,10 +327,12 @@ def notes(report: dict) -> list[str]:
 
 # ---------------------------------------------------------------- files
 def build_report(config: dict, rows: list[dict]) -> dict:
-    """The JSON document: ``config``, ``modes`` (rows with comparisons), ``vs_wrapper`` (fully_shard
-    modes to the wrapper's), ``vs_fsdp2``, ``notes``."""
+    """The JSON document: ``config``, ``modes`` (rows with comparisons), ``vs_default``
+    (world_size_invariant modes to the same mode without it), ``vs_wrapper`` (fully_shard modes
+    to the wrapper's), ``vs_fsdp2``, ``notes``."""
     add_comparisons(rows)
-    report = {"config": config, "modes": rows, "vs_wrapper": pair_ratios(rows, VS_WRAPPER),
+    report = {"config": config, "modes": rows, "vs_default": pair_ratios(rows, VS_DEFAULT),
+              "vs_wrapper": pair_ratios(rows, VS_WRAPPER),
               "vs_fsdp2": fsdp2_ratios(rows)}
     report["notes"] = notes(report)
     return report

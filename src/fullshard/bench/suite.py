@@ -4,6 +4,7 @@ one launch (fresh processes) per mode, and one report.
     fullshard bench                                  # --preset quick, all modes, 2 ranks
     fullshard bench --preset gpt2-small --modes full,ddp,fsdp2
     fullshard bench --modes full,ddp --timed-steps 10 --out-dir /tmp/b
+    fullshard bench --modes full,full_invariant --update-freq 4   # cost of world-size invariance
 
 Modes (``--modes``, run in this order; see :data:`fullshard.bench.modes.MODES`):
 ``full``, ``grad_op``, ``no_shard``, ``full_bf16`` (fullshard FULL_SHARD,
@@ -11,11 +12,18 @@ SHARD_GRAD_OP, NO_SHARD, FULL_SHARD with ``MixedPrecision(param_dtype=bf16,
 reduce_dtype=fp32)``), ``fully_shard``, ``fully_shard_bf16`` (fullshard's
 ``fully_shard`` on each block and the root, FULL_SHARD, fp32 and
 ``MixedPrecisionPolicy(bf16, fp32)``; their ratios to the wrapper's ``full`` /
-``full_bf16`` rows get a table of their own), ``ddp`` (torch DDP), ``fsdp2``, ``fsdp2_bf16`` (torch
+``full_bf16`` rows get a table of their own), ``full_invariant``,
+``full_bf16_invariant``, ``fully_shard_invariant`` (``full``, ``full_bf16``
+and ``fully_shard`` with ``world_size_invariant=True``; their ratios to those
+modes get a table of their own), ``ddp`` (torch DDP), ``fsdp2``, ``fsdp2_bf16`` (torch
 ``fully_shard`` on each block and the root, ``MixedPrecisionPolicy(bf16,
 fp32)``), ``fsdp1`` (torch FSDP1 FULL_SHARD) and ``deepspeed`` (DeepSpeed
 ZeRO-3 on its CPU accelerator over gloo; in the default list only when
 ``deepspeed`` is installed, which the project does not require).
+
+``--update-freq K`` makes each step K forward/backward passes of ``--batch-size``
+sequences, the first K - 1 under ``no_sync`` (each library's own: ``no_sync()``
+or ``set_requires_gradient_sync(False)``), as ``fullshard train`` accumulates.
 
 Each mode is a separate launch of ``--world-size`` gloo ranks by torch's
 elastic launcher (:func:`fullshard.train.launcher.launch_local`), so each
@@ -98,6 +106,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timed-steps", type=int, help="timed steps (the median is reported; use at least 5)")
     p.add_argument("--batch-size", type=int, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--update-freq", type=int, default=1,
+                   help="micro-batches per step, gradients accumulated under no_sync over all but the last "
+                        "(default: %(default)s; not with deepspeed)")
     p.add_argument("--arch", help="a named GPT for layers, width and heads (see `fullshard train --help`)")
     p.add_argument("--layers", type=int, help="transformer blocks (overrides --arch)")
     p.add_argument("--width", type=int, help="model width C (overrides --arch)")
@@ -165,6 +176,11 @@ def validate(args: argparse.Namespace, fail) -> Plan:
             fail(f"--{name.replace('_', '-')} must be >= {least}, got {v}")
     if values["width"] % values["heads"]:
         fail(f"--heads {values['heads']} must divide the width {values['width']}")
+    if args.update_freq < 1:
+        fail(f"--update-freq must be >= 1, got {args.update_freq}")
+    if args.update_freq > 1 and "deepspeed" in modes:
+        fail("--update-freq > 1 is not supported with the deepspeed mode (its engine accumulates by its own "
+             "configuration); name the other modes in --modes")
     if args.timeout_s <= 0:
         fail(f"--timeout-s must be > 0, got {args.timeout_s:g}")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
@@ -178,8 +194,9 @@ def validate(args: argparse.Namespace, fail) -> Plan:
                       vocab_size=values["vocab_size"], max_positions=max(preset.max_positions or 0, values["seq_len"]))
     job = Job(mode=modes[0], model=model, world_size=world, batch_size=values["batch_size"],
               seq_len=values["seq_len"], warmup_steps=values["warmup_steps"], timed_steps=values["timed_steps"],
-              threads=values["threads"], seed=args.seed, timeout_s=args.timeout_s)
+              threads=values["threads"], seed=args.seed, timeout_s=args.timeout_s, update_freq=args.update_freq)
     given = tuple(f"--{name.replace('_', '-')}" for name in ("arch", *values) if getattr(args, name) is not None)
+    given += ("--update-freq",) if args.update_freq != 1 else ()
     return Plan(args.preset, tuple(modes), job, args.out_dir, has_ds, given)
 
 
@@ -200,7 +217,8 @@ def _config(plan: Plan, load_before, load_after, per_mode_load: dict) -> dict:
                cpu_cores=cpu_cores(), batch_size=job.batch_size, seq_len=job.seq_len,
                warmup_steps=job.warmup_steps, timed_steps=job.timed_steps, lr=job.lr,
                weight_decay=job.weight_decay, seed=job.seed, optimizer="AdamW", model=dataclasses.asdict(job.model),
-               psi=job.model.psi(), tokens_per_step=job.world_size * job.batch_size * job.seq_len,
+               psi=job.model.psi(), update_freq=job.update_freq,
+               tokens_per_step=job.world_size * job.batch_size * job.seq_len * job.update_freq,
                torch_version=torch.__version__, python_version=platform.python_version(),
                platform=platform.platform(), backend="gloo",
                load_average_before=list(load_before), load_average_after=list(load_after),
@@ -239,18 +257,19 @@ def _run(plan: Plan) -> int:
     print(f"fullshard bench: preset {RP.preset_label(plan.preset, plan.overrides)}, {len(plan.modes)} modes "
           f"({','.join(plan.modes)}), "
           f"N={job0.world_size} x {job0.threads} threads, GPT L={m.num_layers} C={m.embed_dim} V={m.vocab_size} "
-          f"(Ψ={m.psi():,}), batch {job0.batch_size}x{job0.seq_len}, {job0.warmup_steps}+{job0.timed_steps} "
-          f"steps", flush=True)
+          f"(Ψ={m.psi():,}), batch {job0.batch_size}x{job0.seq_len}"
+          + (f" x {job0.update_freq} micro-batches" if job0.update_freq > 1 else "")
+          + f", {job0.warmup_steps}+{job0.timed_steps} steps", flush=True)
     load_before = os.getloadavg()
     rows, per_mode_load, t_all = [], {}, time.perf_counter()
-    tokens = job0.world_size * job0.batch_size * job0.seq_len
+    tokens = job0.world_size * job0.batch_size * job0.seq_len * job0.update_freq
     for i, key in enumerate(plan.modes, 1):
         mode = MODES[key]
         job = dataclasses.replace(job0, mode=key)
         t0, load0 = time.perf_counter(), os.getloadavg()[0]
         try:
             results = launch_mode(job)
-            row = RP.merge_ranks(mode, results, job.model, job.timed_steps, tokens)
+            row = RP.merge_ranks(mode, results, job.model, job.timed_steps, tokens, job.update_freq)
             what = f"step {row['step_ms']:.1f} ms, RSS peak +{row['rss_peak_growth_bytes'] / RP.MiB:.1f} MiB"
         except (RankFailed, LaunchError) as e:
             row = RP.error_row(mode, str(e))
