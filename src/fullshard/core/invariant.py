@@ -94,11 +94,13 @@ def check_layout(shard_group, replicate_group, where: str) -> tuple:
             f"{collectives.group_size(shard_group)} x replicas {rep_size} != world size "
             f"{collectives.world_size()}); shard over the world, or HYBRID_SHARD / NO_SHARD groups that tile it")
     key = (id(shard_group), id(replicate_group))
-    if key not in _LAYOUTS:
+    known = _LAYOUTS.get(key)
+    if known is None or known[0] is not shard_group or known[1] is not replicate_group:  # ids are reused
         mine = (collectives.group_rank(shard_group),
                 collectives.group_rank(replicate_group) if replicate_group is not None else 0)
-        _LAYOUTS[key] = tuple(collectives.all_gather_object(mine, None, tag="world_size_invariant layout"))
-    return _LAYOUTS[key]
+        layout = tuple(collectives.all_gather_object(mine, None, tag="world_size_invariant layout"))
+        _LAYOUTS[key] = known = (shard_group, replicate_group, layout)
+    return known[2]
 
 
 def start_fold(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "PendingFold":
