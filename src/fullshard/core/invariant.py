@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, flat, grads
+from . import collectives, flat, grads, reduce
 from .buffers import POOL
 
 # Bits of each integer limb of exact_sum: n values of up to 2**LIMB_BITS each
@@ -119,16 +119,7 @@ def start_fold(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "Pe
         raise RuntimeError(f"[rank {collectives.rank()}] unit '{unit.name}': set_requires_all_reduce(False) "
                            "cannot be used with world_size_invariant=True (the replicas' sum is part of the fixed "
                            "order); leave it True")
-    lay = unit.layout
-    n_grad, n_flags = lay.grad_shard_numel, len(lay.params)
-    block = n_grad + n_flags
-    reduce_in = POOL.take(unit.world * block, unit.reduce_dtype, cfg.compute_device)
-    if full_grad is None:
-        reduce_in.zero_()
-    else:
-        flat.copy_in(reduce_in, full_grad, lay, block_numel=block)
-    flags = reduce_in.view(unit.world, block)[:, n_grad:]
-    flags.copy_(torch.tensor(used, dtype=unit.reduce_dtype).expand_as(flags))
+    reduce_in, block = reduce.reduce_input(unit, full_grad, used)
     if unit.grad_divide_factor not in (None, 1):
         reduce_in.div_(unit.grad_divide_factor)
     layout = cfg.invariant_layout

@@ -18,15 +18,13 @@ from . import collectives, flat, grads
 from .buffers import POOL
 
 
-def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "PendingReduce":
-    """``Unit.reduce_grads``: issue the reduce-scatter of ``unit``'s
-    ``full_grad`` (param-major, ``N·S`` elements; None = zeros) with the used
-    flags ``used`` (one per layout parameter); the gradient reaches ``.grad``
-    at :meth:`PendingReduce.finish`."""
-    cfg = unit.cfg
+def reduce_input(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> tuple[torch.Tensor, int]:
+    """The pooled reduce input of ``unit``: ``unit.world`` rank-major blocks,
+    each this rank's gradient for that block's owner followed by one used
+    flag per layout parameter; and the block's numel."""
     n_grad, n_flags = unit.layout.grad_shard_numel, len(unit.layout.params)
     block = n_grad + n_flags
-    reduce_in = POOL.take(unit.world * block, unit.reduce_dtype, cfg.compute_device)
+    reduce_in = POOL.take(unit.world * block, unit.reduce_dtype, unit.cfg.compute_device)
     # copy_in writes every gradient element (padding rows included), so
     # only a missing gradient needs the buffer zeroed.
     if full_grad is None:
@@ -35,6 +33,16 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
         flat.copy_in(reduce_in, full_grad, unit.layout, block_numel=block)
     flags = reduce_in.view(unit.world, block)[:, n_grad:]
     flags.copy_(torch.tensor(used, dtype=unit.reduce_dtype).expand_as(flags))
+    return reduce_in, block
+
+
+def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "PendingReduce":
+    """``Unit.reduce_grads``: issue the reduce-scatter of ``unit``'s
+    ``full_grad`` (param-major, ``N·S`` elements; None = zeros) with the used
+    flags ``used`` (one per layout parameter); the gradient reaches ``.grad``
+    at :meth:`PendingReduce.finish`."""
+    cfg = unit.cfg
+    reduce_in, block = reduce_input(unit, full_grad, used)
     reduce_in.div_(unit.grad_divide_factor or cfg.dp_world_size)  # pre-divide, as DDP does
     out = torch.empty(block, dtype=unit.reduce_dtype, device=cfg.compute_device)
     work = collectives.reduce_scatter(out, reduce_in, cfg.shard_group, async_op=True, tag=f"unit '{unit.name}'")
