@@ -258,6 +258,8 @@ def _fail(msg):
     (["--width", "30", "--heads", "4"], "must divide"),
     (["--arch", "gpt5"], "unknown --arch"),
     (["--update-freq", "0"], "--update-freq must be >= 1"),
+    (["--optimizer", "muon", "--modes", "full,fsdp2,fsdp1"],
+     r"--optimizer muon runs on the fullshard modes and ddp only .* drop fsdp2,fsdp1 from --modes"),
 ])
 def test_bad_input_fails(argv, message):
     with pytest.raises(_Fail, match=message):
@@ -285,6 +287,19 @@ def test_presets_and_overrides(monkeypatch):
     acc = suite.validate(_bench_args("--modes", "full,full_invariant", "--update-freq", "3"), _fail)
     assert acc.job.update_freq == 3 and acc.overrides == ("--update-freq",)
     assert plan.job.update_freq == 1 and {"full_invariant", "full_bf16_invariant"} <= set(plan.modes)
+
+
+def test_optimizer_choice_keeps_the_modes_it_can_run_on(monkeypatch):
+    """--optimizer muon/adafactor/lamb: the default modes are fullshard's and ddp (fullshard.optim cannot
+    see torch FSDP's or DeepSpeed's shards); the job and the report's header carry the optimizer."""
+    monkeypatch.setattr(suite, "deepspeed_available", lambda: True)
+    for name, label in (("muon", "Muon + AdamW"), ("adafactor", "Adafactor"), ("lamb", "LAMB")):
+        plan = suite.validate(_bench_args("--optimizer", name), _fail)
+        assert plan.job.optimizer == name and plan.overrides == ("--optimizer",)
+        assert "ddp" in plan.modes and "full" in plan.modes
+        assert {MODES[m].family for m in plan.modes} == {"fullshard", "ddp"}
+        assert suite._config(plan, (0, 0, 0), (0, 0, 0), {})["optimizer"] == label
+    assert suite.validate(_bench_args(), _fail).job.optimizer == "adam"
 
 
 def test_batches_are_grouped_into_micro_batches_per_step():

@@ -39,7 +39,11 @@ SAVED_BEFORE = {
     'on_save_error': 'stop', 'max_restarts': 0, 'nnodes': 1, 'node_rank': 0, 'rdzv_endpoint': 'localhost:0',
     'rdzv_timeout_s': 900.0, 'optimizer': 'adam', 'hybrid_shard': False}
 # Fields added since, at their defaults (a run without them behaves as before).
-NEW_FIELDS = {"global_batch_size": None, "world_size_invariant": False, "threads_per_rank": None}
+NEW_FIELDS = {"global_batch_size": None, "world_size_invariant": False, "threads_per_rank": None,
+              # --optimizer muon | adafactor | lamb (issue 19): torch's defaults, fairseq's for lamb
+              "muon_momentum": 0.95, "muon_nesterov": True, "muon_ns_coefficients": (3.4445, -4.775, 2.0315),
+              "muon_eps": 1e-7, "muon_ns_steps": 5, "muon_adjust_lr_fn": "original", "adafactor_beta2_decay": -0.8,
+              "adafactor_eps": (None, 1e-3), "adafactor_d": 1.0, "lamb_betas": (0.9, 0.999), "lamb_eps": 1e-8}
 ELASTIC_DEFAULTS = {"rdzv_last_call_s": 30, "rdzv_keep_alive_s": 5, "save_on_sigterm": False}
 """Flags added after SAVED_BEFORE was captured, at their defaults (--nnodes became text then)."""
 ARGV = ["data-bin/wiki", "--arch", "transformer_lm_gpt_mini", "--fp16", "--lr", "0.001", "--adam-betas", "(0.9,0.98)",
@@ -86,14 +90,20 @@ def test_every_flag_value_reaches_the_config():
                                          "decoder_ffn_embed_dim", "arch"):
             continue  # the shape: tested below
         if isinstance(f.default, bool):
-            argv.append(option)
+            argv.append(option.replace("--", "--no-", 1) if spec.negatable and f.default else option)
             want[f.name] = not f.default
         elif spec.choices:
             argv += [option, str(spec.choices[-1])]
             want[f.name] = spec.choices[-1]
-        elif f.name == "adam_betas":
+        elif f.name in ("adam_betas", "lamb_betas"):
             argv += [option, "(0.5,0.75)"]
             want[f.name] = (0.5, 0.75)
+        elif f.name == "adafactor_eps":
+            argv += [option, "(None,0.5)"]
+            want[f.name] = (None, 0.5)
+        elif f.name == "muon_ns_coefficients":
+            argv += [option, "(1,-2,3.5)"]
+            want[f.name] = (1.0, -2.0, 3.5)
         elif f.name == "global_batch_size":  # 7 x 7 x 2 ranks: agrees with --update-freq 7 --batch-size 7
             argv += [option, "98"]
             want[f.name] = 98
@@ -142,6 +152,14 @@ def test_recorded_arguments_of_todays_format_still_load():
     assert (cfg.arch, cfg.batch_size, cfg.fp16_scale_window) == ("transformer_lm_gpt_tiny", 8, 1)
     with pytest.raises(TypeError):
         TrainConfig.from_saved({"arch": "transformer_lm_gpt_mini"})  # no data_dir, sizes
+
+
+def test_optimizer_flags_round_trip_through_a_checkpoints_json():
+    """The tuple-valued optimizer flags come back as tuples from JSON (lists there), None kept."""
+    cfg = _config(ARGV + ["--optimizer", "adafactor", "--adafactor-eps", "(None,0.01)", "--lamb-betas", "(0.8,0.9)",
+                          "--muon-ns-coefficients", "(3,-4,2)"])
+    again = TrainConfig.from_saved(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg and again.adafactor_eps == (None, 0.01) and again.muon_ns_coefficients == (3.0, -4.0, 2.0)
 
 
 def test_max_positions_is_the_archs():

@@ -208,6 +208,7 @@ class Job:
             accumulated over the first ``update_freq - 1`` under ``no_sync``.
         threads: intra-op threads per rank (``torch.set_num_threads``).
         timeout_s: deadline of every gloo collective.
+        optimizer: ``adam``, ``muon``, ``adafactor`` or ``lamb`` (:mod:`fullshard.bench.optimizers`).
     """
 
     mode: str
@@ -223,3 +224,4 @@ class Job:
     seed: int = 1
     timeout_s: float = 300.0
     update_freq: int = 1
+    optimizer: str = "adam"

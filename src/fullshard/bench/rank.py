@@ -16,7 +16,7 @@ Order of a rank, so that the memory and time windows hold only training:
    every mode);
 2. baseline RSS: ``VmRSS`` now, and the kernel's high-water mark reset
    (:class:`fullshard.bench.measure.PeakRSS`);
-3. build the model (same seed in every mode), wrap it, make AdamW;
+3. build the model (same seed in every mode), wrap it, make the optimizer (``--optimizer``);
 4. ``warmup_steps`` steps, then ``timed_steps`` steps, each after a barrier,
    each timed from ``zero_grad`` to the end of ``optimizer.step`` (a step is
    ``update_freq`` forward/backward passes, all but the last under ``no_sync``);
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy, fully_shard
-from fullshard.bench import measure
+from fullshard.bench import measure, optimizers
 from fullshard.bench.modes import COLLECTIVES, MODES, Job, Mode
 from fullshard.core import collectives
 from fullshard.models import GPT, GPTConfig, TransformerBlock
@@ -228,10 +228,6 @@ class _DeepSpeedTrainer(_Trainer):
                     optim_bytes=measure.optim_state_bytes(zero.optimizer))
 
 
-def _adamw(params, job: Job) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=job.lr, weight_decay=job.weight_decay)
-
-
 def _import_mode(mode: Mode) -> None:
     """Import the mode's library before the memory baseline (imports are not training memory)."""
     if mode.family in ("fsdp1", "fsdp2"):
@@ -245,7 +241,8 @@ def _import_mode(mode: Mode) -> None:
 
 
 def wrap(mode: Mode, model: torch.nn.Module, job: Job):
-    """``(trainer, ddp_counter)``: the model wrapped as ``mode``, with AdamW.
+    """``(trainer, ddp_counter)``: the model wrapped as ``mode``, with ``job.optimizer``
+    (:mod:`fullshard.bench.optimizers`; AdamW by default).
 
     Every sharded mode puts one unit around each ``TransformerBlock`` plus the
     root unit (embeddings, final norm, tied output projection). With
@@ -266,22 +263,24 @@ def wrap(mode: Mode, model: torch.nn.Module, job: Job):
         mesh = init_device_mesh("cpu", (job.world_size,))
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode.bf16
                   else MixedPrecisionPolicy())
+        placement = optimizers.placement_kwargs(job, model)
         for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy, world_size_invariant=mode.invariant)
-        fully_shard(model, mesh=mesh, mp_policy=policy, world_size_invariant=mode.invariant)
-        return _Trainer(model, _adamw(model.parameters(), job), lambda: fullshard_no_sync(model), scale), None
+            fully_shard(block, mesh=mesh, mp_policy=policy, world_size_invariant=mode.invariant, **placement)
+        fully_shard(model, mesh=mesh, mp_policy=policy, world_size_invariant=mode.invariant, **placement)
+        return _Trainer(model, optimizers.build(job, model), lambda: fullshard_no_sync(model), scale), None
     if mode.family == "fullshard":
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode.bf16 else None
         wrapped = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy[mode.strategy],
                                            auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
-                                           mixed_precision=mp, world_size_invariant=mode.invariant)
-        return _Trainer(wrapped, _adamw(wrapped.parameters(), job), wrapped.no_sync, scale), None
+                                           mixed_precision=mp, world_size_invariant=mode.invariant,
+                                           **optimizers.placement_kwargs(job, model))
+        return _Trainer(wrapped, optimizers.build(job, wrapped), wrapped.no_sync, scale), None
     if mode.family == "ddp":
         # Gradients as views of DDP's buckets, so they are not held twice.
         ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         counter = _DDPCommCounter()
         ddp.register_comm_hook(counter, _counting_allreduce_hook)
-        return _Trainer(ddp, _adamw(ddp.parameters(), job), ddp.no_sync, scale), counter
+        return _Trainer(ddp, optimizers.build(job, ddp), ddp.no_sync, scale), counter
     if mode.family == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy, fully_shard as torch_fully_shard
 
@@ -292,7 +291,7 @@ def wrap(mode: Mode, model: torch.nn.Module, job: Job):
             if isinstance(block, TransformerBlock):
                 torch_fully_shard(block, mesh=mesh, mp_policy=mp)
         torch_fully_shard(model, mesh=mesh, mp_policy=mp)
-        return _Trainer(model, _adamw(model.parameters(), job), lambda: _fsdp2_no_sync(model), scale), None
+        return _Trainer(model, optimizers.build(job, model), lambda: _fsdp2_no_sync(model), scale), None
     if mode.family == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP, ShardingStrategy as TorchStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
@@ -303,7 +302,7 @@ def wrap(mode: Mode, model: torch.nn.Module, job: Job):
             wrapped = TorchFSDP(model, sharding_strategy=TorchStrategy.FULL_SHARD,
                                 auto_wrap_policy=TorchPolicy({TransformerBlock}), use_orig_params=True,
                                 device_id=torch.device("cpu"))
-        trainer = _Trainer(wrapped, _adamw(wrapped.parameters(), job), wrapped.no_sync, scale)
+        trainer = _Trainer(wrapped, optimizers.build(job, wrapped), wrapped.no_sync, scale)
         trainer.notes = sorted({str(w.message).splitlines()[0] for w in caught
                                 if not issubclass(w.category, FutureWarning)})
         return trainer, None
@@ -332,7 +331,7 @@ def wrap(mode: Mode, model: torch.nn.Module, job: Job):
             "steps_per_print": 2 ** 31 - 1,
             "wall_clock_breakdown": False,
         }
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_adamw(model.parameters(), job),
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizers.build(job, model),
                                                config=config)
         return _DeepSpeedTrainer(engine, engine.optimizer), None
     raise ValueError(f"unknown mode family {mode.family!r}")

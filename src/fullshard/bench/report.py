@@ -240,7 +240,7 @@ def markdown(report: dict) -> str:
         f"`fullshard bench` — preset `{preset}`: GPT {m['num_layers']} layers × width {m['embed_dim']}, "
         f"{m['num_heads']} heads, V={m['vocab_size']}, P={m['max_positions']} (Ψ = {cfg['psi']:,}); "
         f"{cfg['world_size']} gloo ranks × {cfg['threads']} threads on {cfg['cpu_cores']} cores; batch "
-        f"{cfg['batch_size']} × {cfg['seq_len']} tokens per rank{_accumulation(cfg)}; AdamW; "
+        f"{cfg['batch_size']} × {cfg['seq_len']} tokens per rank{_accumulation(cfg)}; {cfg.get('optimizer', 'AdamW')}; "
         f"{cfg['warmup_steps']} warm-up + "
         f"{cfg['timed_steps']} timed steps; torch {cfg['torch_version']}; load average (1 min) "
         f"{cfg['load_average_before'][0]:.2f} before, {cfg['load_average_after'][0]:.2f} after.",

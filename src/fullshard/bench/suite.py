@@ -5,6 +5,7 @@ one launch (fresh processes) per mode, and one report.
     fullshard bench --preset gpt2-small --modes full,ddp,fsdp2
     fullshard bench --modes full,ddp --timed-steps 10 --out-dir /tmp/b
     fullshard bench --modes full,full_invariant --update-freq 4   # cost of world-size invariance
+    fullshard bench --optimizer muon --modes full,ddp             # fullshard.optim.Muon's state per rank
 
 Modes (``--modes``, run in this order; see :data:`fullshard.bench.modes.MODES`):
 ``full``, ``grad_op``, ``no_shard``, ``full_bf16`` (fullshard FULL_SHARD,
@@ -20,6 +21,10 @@ modes get a table of their own), ``ddp`` (torch DDP), ``fsdp2``, ``fsdp2_bf16`` 
 fp32)``), ``fsdp1`` (torch FSDP1 FULL_SHARD) and ``deepspeed`` (DeepSpeed
 ZeRO-3 on its CPU accelerator over gloo; in the default list only when
 ``deepspeed`` is installed, which the project does not require).
+
+``--optimizer`` picks what every mode steps with (default AdamW; ``muon``, ``adafactor`` and
+``lamb`` are ``fullshard.optim``'s, on the fullshard modes and ``ddp`` only: see
+:mod:`fullshard.bench.optimizers`); the ``optim MiB`` column is then that optimizer's state.
 
 ``--update-freq K`` makes each step K forward/backward passes of ``--batch-size``
 sequences, the first K - 1 under ``no_sync`` (each library's own: ``no_sync()``
@@ -52,6 +57,7 @@ import torch
 
 from fullshard.bench import report as RP
 from fullshard.bench.modes import MODES, Job, ModelSpec
+from fullshard.bench.optimizers import LABELS, OPTIMIZERS, runs_on
 from fullshard.bench.rank import rank_main
 from fullshard.models import ARCHS
 from fullshard.train.launcher import LaunchError, RankFailed, cpu_cores, launch_local, threads_per_rank
@@ -109,6 +115,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--update-freq", type=int, default=1,
                    help="micro-batches per step, gradients accumulated under no_sync over all but the last "
                         "(default: %(default)s; not with deepspeed)")
+    p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
+                   help="what every mode steps with: adam (torch AdamW), or fullshard.optim's muon, adafactor, "
+                        "lamb (fullshard modes and ddp only) (default: %(default)s)")
     p.add_argument("--arch", help="a named GPT for layers, width and heads (see `fullshard train --help`)")
     p.add_argument("--layers", type=int, help="transformer blocks (overrides --arch)")
     p.add_argument("--width", type=int, help="model width C (overrides --arch)")
@@ -146,7 +155,7 @@ def validate(args: argparse.Namespace, fail) -> Plan:
     preset = PRESETS[args.preset]
     has_ds = deepspeed_available()
     if args.modes is None:
-        modes = [k for k in MODES if k != "deepspeed" or has_ds]
+        modes = [k for k in MODES if (k != "deepspeed" or has_ds) and runs_on(args.optimizer, k)]
     else:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         unknown = [m for m in modes if m not in MODES]
@@ -158,6 +167,10 @@ def validate(args: argparse.Namespace, fail) -> Plan:
             fail(f"--modes names {','.join(twice)} more than once")
         if "deepspeed" in modes and not has_ds:
             fail("--modes deepspeed: DeepSpeed is not installed (pip install deepspeed)")
+        foreign = [m for m in modes if not runs_on(args.optimizer, m)]
+        if foreign:
+            fail(f"--optimizer {args.optimizer} runs on the fullshard modes and ddp only (fullshard.optim cannot "
+                 f"see the shards of {','.join(foreign)}); drop {','.join(foreign)} from --modes")
     pick = lambda name, default: default if getattr(args, name) is None else getattr(args, name)  # noqa: E731
     arch = pick("arch", preset.arch)
     if arch not in ARCHS:
@@ -194,9 +207,11 @@ def validate(args: argparse.Namespace, fail) -> Plan:
                       vocab_size=values["vocab_size"], max_positions=max(preset.max_positions or 0, values["seq_len"]))
     job = Job(mode=modes[0], model=model, world_size=world, batch_size=values["batch_size"],
               seq_len=values["seq_len"], warmup_steps=values["warmup_steps"], timed_steps=values["timed_steps"],
-              threads=values["threads"], seed=args.seed, timeout_s=args.timeout_s, update_freq=args.update_freq)
+              threads=values["threads"], seed=args.seed, timeout_s=args.timeout_s, update_freq=args.update_freq,
+              optimizer=args.optimizer)
     given = tuple(f"--{name.replace('_', '-')}" for name in ("arch", *values) if getattr(args, name) is not None)
     given += ("--update-freq",) if args.update_freq != 1 else ()
+    given += ("--optimizer",) if args.optimizer != "adam" else ()
     return Plan(args.preset, tuple(modes), job, args.out_dir, has_ds, given)
 
 
@@ -216,7 +231,7 @@ def _config(plan: Plan, load_before, load_after, per_mode_load: dict) -> dict:
                threads=job.threads,
                cpu_cores=cpu_cores(), batch_size=job.batch_size, seq_len=job.seq_len,
                warmup_steps=job.warmup_steps, timed_steps=job.timed_steps, lr=job.lr,
-               weight_decay=job.weight_decay, seed=job.seed, optimizer="AdamW", model=dataclasses.asdict(job.model),
+               weight_decay=job.weight_decay, seed=job.seed, optimizer=LABELS[job.optimizer], model=dataclasses.asdict(job.model),
                psi=job.model.psi(), update_freq=job.update_freq,
                tokens_per_step=job.world_size * job.batch_size * job.seq_len * job.update_freq,
                torch_version=torch.__version__, python_version=platform.python_version(),
@@ -259,7 +274,7 @@ def _run(plan: Plan) -> int:
           f"N={job0.world_size} x {job0.threads} threads, GPT L={m.num_layers} C={m.embed_dim} V={m.vocab_size} "
           f"(Ψ={m.psi():,}), batch {job0.batch_size}x{job0.seq_len}"
           + (f" x {job0.update_freq} micro-batches" if job0.update_freq > 1 else "")
-          + f", {job0.warmup_steps}+{job0.timed_steps} steps", flush=True)
+          + f", {job0.warmup_steps}+{job0.timed_steps} steps, {LABELS[job0.optimizer]}", flush=True)
     load_before = os.getloadavg()
     rows, per_mode_load, t_all = [], {}, time.perf_counter()
     tokens = job0.world_size * job0.batch_size * job0.seq_len * job0.update_freq

@@ -71,6 +71,40 @@ def parse_betas(text: str) -> Tuple[float, float]:
     return betas
 
 
+def parse_adafactor_eps(text: str) -> Tuple[Optional[float], float]:
+    """``--adafactor-eps '(None,1e-3)'`` -> ``(None, 0.001)``: torch.optim.Adafactor's ``eps``
+    (epsilon1 of the second-moment denominator, None = the dtype's eps; epsilon2 of the step scale).
+
+    Raises:
+        argparse.ArgumentTypeError: not a pair whose first item is None or a number and second a number.
+    """
+    try:
+        first, second = ast.literal_eval(text)
+        pair = (None if first is None else float(first), float(second))
+    except (ValueError, SyntaxError, TypeError):
+        raise argparse.ArgumentTypeError(f"expected a pair like '(None,1e-3)', got {text!r}") from None
+    return pair
+
+
+def parse_ns_coefficients(text: str) -> Tuple[float, float, float]:
+    """``--muon-ns-coefficients '(3.4445,-4.775,2.0315)'`` -> the three floats (a, b, c) of Muon's
+    quintic Newton-Schulz iteration.
+
+    Raises:
+        argparse.ArgumentTypeError: not three numbers.
+    """
+    try:
+        value = tuple(float(c) for c in ast.literal_eval(text))
+    except (ValueError, SyntaxError, TypeError):
+        value = ()
+    if len(value) != 3:
+        raise argparse.ArgumentTypeError(f"expected three numbers like '(3.4445,-4.775,2.0315)', got {text!r}")
+    return value
+
+
+OPTIMIZERS = ("adam", "cpu_adam", "muon", "adafactor", "lamb")
+"""``--optimizer`` choices; see ``train/optimizers.py``."""
+
 DEFAULT_FSDP_VERSION = 1
 """``--fsdp-version`` when not given: the FullyShardedDataParallel wrapper. On the 2-core CPU
 machine's quick bench (6 alternating runs, 2026-11-24) fully_shard took 1.02x the wrapper's median
@@ -234,15 +268,45 @@ class DatasetOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizationOptions:
-    """AdamW, the learning-rate schedule, stopping and clipping, the seed."""
+    """The optimizer and its hyper-parameters, the learning-rate schedule, stopping and clipping, the seed."""
 
     TITLE: ClassVar[str] = "optimization"
     task: str = flag("language_modeling", "the only task: GPT language modeling", choices=("language_modeling",))
-    optimizer: str = flag("adam", "AdamW with decoupled weight decay; cpu_adam: the same, stepping on host shards "
-                          "with torch's fused CPU AdamW kernel", choices=("adam", "cpu_adam"))
-    adam_betas: Tuple[float, float] = flag((0.9, 0.999), "betas, e.g. '(0.9,0.98)'", type=parse_betas)
-    adam_eps: float = flag(1e-8, "AdamW epsilon (default: %(default)s)")
-    weight_decay: float = flag(0.0, "applied to >=2-D weights only", aliases=("--wd",))
+    # train/optimizers.py builds them: torch.optim.AdamW, or fullshard.optim's Muon, Adafactor, Lamb.
+    optimizer: str = flag("adam", "adam: AdamW with decoupled weight decay; cpu_adam: the same, stepping on host "
+                          "shards with torch's fused CPU AdamW kernel; muon: Muon (torch.optim.Muon's update) on "
+                          "the 2-D weights of the transformer blocks, AdamW (--adam-betas, --adam-eps) on "
+                          "embeddings, norms and biases; adafactor: torch.optim.Adafactor's update; lamb: LAMB "
+                          "(You et al. 2020, Algorithm 2). The structured ones match one device under "
+                          "fully_sharded (fullshard.optim) (default: %(default)s)", choices=OPTIMIZERS)
+    adam_betas: Tuple[float, float] = flag((0.9, 0.999), "AdamW betas, e.g. '(0.9,0.98)' (also muon's AdamW "
+                                           "half)", type=parse_betas)
+    adam_eps: float = flag(1e-8, "AdamW epsilon (also muon's AdamW half) (default: %(default)s)")
+    weight_decay: float = flag(0.0, "decoupled weight decay (lr x wd), applied to >=2-D weights only "
+                               "(every optimizer)", aliases=("--wd",))
+    # torch.optim.Muon's arguments; None (torch's default) is "original".
+    muon_momentum: float = flag(0.95, "muon: momentum of the 2-D weights (default: %(default)s)")
+    muon_nesterov: bool = flag(True, "muon: Nesterov momentum (default: on)", negatable=True)
+    muon_ns_coefficients: Tuple[float, float, float] = flag(
+        (3.4445, -4.775, 2.0315), "muon: (a,b,c) of the quintic Newton-Schulz iteration (default: torch's, "
+        "'(3.4445,-4.775,2.0315)')", type=parse_ns_coefficients, metavar="'(A,B,C)'")
+    muon_eps: float = flag(1e-7, "muon: floor of the norm the update is divided by (default: %(default)s)")
+    muon_ns_steps: int = flag(5, "muon: Newton-Schulz iterations, 1 to 99 (default: %(default)s)")
+    muon_adjust_lr_fn: str = flag(
+        "original", "muon: lr scale of an m x n matrix: original = sqrt(max(1, m/n)) (Keller Jordan); "
+        "match_rms_adamw = 0.2 sqrt(max(m, n)) (Moonshot), so --lr and --weight-decay tuned for AdamW carry "
+        "over (default: %(default)s)", choices=("original", "match_rms_adamw"))
+    # torch.optim.Adafactor's arguments (its lr is the cap of the relative step size, 1e-2 in the paper).
+    adafactor_beta2_decay: float = flag(-0.8, "adafactor: exponent of the second-moment decay 1 - t^c, <= 0 "
+                                        "(default: %(default)s)")
+    adafactor_eps: Tuple[Optional[float], float] = flag(
+        (None, 1e-3), "adafactor: (eps1, eps2): eps1 guards the second-moment denominator (None: the dtype's "
+        "eps), eps2 is the smallest parameter RMS the step scales with (default: '(None,1e-3)')",
+        type=parse_adafactor_eps, metavar="'(EPS1,EPS2)'")
+    adafactor_d: float = flag(1.0, "adafactor: clipping threshold of the update RMS (default: %(default)s)")
+    # fairseq's --optimizer lamb flags.
+    lamb_betas: Tuple[float, float] = flag((0.9, 0.999), "lamb: betas, e.g. '(0.9,0.999)'", type=parse_betas)
+    lamb_eps: float = flag(1e-8, "lamb: epsilon (default: %(default)s)")
     lr: float = flag(5e-4, "peak learning rate (default: %(default)s)")
     lr_scheduler: str = flag("fixed", "learning-rate schedule (default: %(default)s)", choices=SCHEDULERS)
     warmup_updates: int = flag(0, "updates of linear learning-rate warmup (default: %(default)s)")
@@ -360,5 +424,6 @@ class TrainConfig(ModelOptions, DistributedOptions, PrecisionOptions, DatasetOpt
             TypeError: a required field is neither in ``saved`` nor in ``defaults``.
         """
         known = {f.name for f in dataclasses.fields(cls)}
-        kept = {k: (tuple(v) if k == "adam_betas" else v) for k, v in saved.items() if k in known}
+        tuples = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, tuple)}  # JSON gives lists
+        kept = {k: (tuple(v) if k in tuples and v is not None else v) for k, v in saved.items() if k in known}
         return cls(**{**defaults, **kept})

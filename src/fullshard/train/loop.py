@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from fullshard.core import collectives
 from fullshard.data import GlobalBatchSampler, ShardedBatchSampler, TokenBlockDataset
-from fullshard.train import checkpoint_utils, invariance
+from fullshard.train import checkpoint_utils, invariance, optimizers
 from fullshard.train.config import GlobalBatchError, TrainConfig
 from fullshard.train.launcher import threads_per_rank
 from fullshard.train.progress import UpdateMeters, progress_bar, valid_stats
@@ -163,6 +163,7 @@ class Run:
                     f"ddp-backend {self.cfg.ddp_backend}"
                     + ("" if self.cfg.ddp_backend == "c10d" else f" ({self._strategy()})"))
         logger.info(f"num. model params: {n:,} (num. trained: {n:,})")
+        logger.info(optimizers.describe(self.cfg, self.trainer.optimizer))
         cfg, parts = self.cfg, []
         if cfg.fp16:
             parts.append(f"fp16 (loss scale {cfg.fp16_init_scale:g}, scale window {cfg.fp16_scale_window}, "

@@ -10,6 +10,7 @@ no log file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import NoReturn, Optional, Sequence
@@ -22,11 +23,13 @@ from fullshard.train.config import (
     TRAIN_GROUPS,
     GlobalBatchError,
     ModelOptions,
+    OptimizationOptions,
     TrainConfig,
     derive_update_freq,
     node_range,
 )
 from fullshard.train.flags import add_options, option_string, values_of
+from fullshard.train.optimizers import check_flags as check_optimizer_flags
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -139,6 +142,9 @@ def _check_positive(p: OneLineArgumentParser, args) -> None:
             p.fail(f"{option(name)} must be > 0 seconds, got {getattr(args, name)}")
     if not 0.0 <= args.dropout < 1.0:
         p.fail(f"--dropout must be in [0, 1), got {args.dropout}")
+    problem = check_optimizer_flags(args, {f.name: f.default for f in dataclasses.fields(OptimizationOptions)})
+    if problem:
+        p.fail(problem)
 
 
 def _check_schedule(p: OneLineArgumentParser, args) -> None:
@@ -294,6 +300,13 @@ def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: 
     if trained != shape:
         p.fail(f"cannot resume from {path!r}: it was trained with {trained.describe()}, this run has "
                f"{shape.describe()}; use another --save-dir, or the --arch / --decoder-* flags it was trained with")
+    # adam and cpu_adam keep the same AdamW state; another optimizer's state would not load.
+    kind = {"cpu_adam": "adam"}
+    before = saved.get("optimizer", "adam")
+    if not args.reset_optimizer and kind.get(before, before) != kind.get(args.optimizer, args.optimizer):
+        p.fail(f"cannot resume from {path!r}: it was trained with --optimizer {before}, this run has --optimizer "
+               f"{args.optimizer}; add --reset-optimizer to start a fresh {args.optimizer} from its weights, or "
+               f"resume with --optimizer {before}")
 
 
 _FP16_WARNED = []

@@ -10,9 +10,14 @@ one `fullshard train` builds for the arch.
 Model state follows fullshard's engine, unit by unit (one unit per
 ``TransformerBlock`` plus the root for embeddings and the final norm):
 
-* parameter shards are the fp32 master copy, 4·Ψ/N bytes (NO_SHARD: 4·Ψ);
-* gradient shards are fp32 too, 4·Ψ/N (NO_SHARD: 4·Ψ);
-* Adam keeps two fp32 moments, 8·Ψ/N (NO_SHARD: 8·Ψ);
+* parameter shards are the fp32 master copy, 4·Ψ/N bytes (NO_SHARD: 4·Ψ), counted exactly: each
+  parameter's slot of ``ceil(R / N)`` rows, and under ``--optimizer muon`` the largest rank's
+  owned matrices (:func:`fullshard.train.optim_state.shard_elements`);
+* gradient shards are fp32 too, the same size;
+* the optimizer state of ``--optimizer`` on the rank that holds the most (Adam and LAMB two fp32
+  moments, 8·Ψ/N; Muon one momentum per owned matrix plus AdamW's two moments for the rest;
+  Adafactor row and column factors per matrix): see ``optim_state.py`` [Note: optimizer state
+  per rank];
 * full parameters exist in the compute dtype (p bytes per element) only while
   a unit runs: FULL_SHARD holds the root unit, the running unit and one
   prefetched unit; SHARD_GRAD_OP keeps every unit from forward to backward
@@ -48,8 +53,9 @@ import torch
 
 from fullshard.api import ShardingStrategy
 from fullshard.models import ARCHS, TransformerBlock, build_model, make_config
-from fullshard.train.config import DatasetOptions, DistributedOptions, PrecisionOptions
+from fullshard.train.config import DatasetOptions, DistributedOptions, OptimizationOptions, PrecisionOptions
 from fullshard.train.flags import add_options, flag
+from fullshard.train.optim_state import OPTIMIZER_STATE, gpt_units, shard_elements, state_elements
 from fullshard.train.options import OneLineArgumentParser, add_model_args, check_tokens_per_sample, resolve_arch
 
 ZERO_K = 12
@@ -88,6 +94,8 @@ class Workload:
         batch_size: sequences per rank (b).
         tokens_per_sample: sequence length (s).
         ffn_embed_dim: MLP hidden width F; None means 4·h.
+        units: the units' parameters (:func:`fullshard.train.optim_state.gpt_units`); empty: count
+            model state from Ψ alone (no padding, Adam).
     """
 
     psi: int
@@ -100,6 +108,7 @@ class Workload:
     batch_size: int
     tokens_per_sample: int
     ffn_embed_dim: Optional[int] = None
+    units: tuple = dataclasses.field(default=(), repr=False)
 
 
 def gpt_workload(arch, batch_size: int, tokens_per_sample: int, vocab_size: int = 50257,
@@ -124,7 +133,8 @@ def gpt_workload(arch, batch_size: int, tokens_per_sample: int, vocab_size: int 
     blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, TransformerBlock)]
     root = psi - sum(blocks)
     return Workload(psi, max(blocks + [root]), root, cfg.num_layers, cfg.embed_dim, cfg.num_heads,
-                    vocab_size, batch_size, tokens_per_sample, ffn_embed_dim=cfg.ffn_embed_dim)
+                    vocab_size, batch_size, tokens_per_sample, ffn_embed_dim=cfg.ffn_embed_dim,
+                    units=gpt_units(model))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,10 +146,14 @@ class Config:
     param_dtype: torch.dtype = torch.float32
     cpu_offload: bool = False
     checkpoint_activations: bool = False
+    optimizer: str = "adam"
+    """``--optimizer``: what its state holds (see :mod:`fullshard.train.optim_state`)."""
 
     def label(self) -> str:
         parts = [self.strategy.value, {torch.float32: "fp32", torch.bfloat16: "bf16",
                                        torch.float16: "fp16"}[self.param_dtype]]
+        if self.optimizer != "adam":
+            parts.append(self.optimizer)
         if self.checkpoint_activations:
             parts.append("checkpoint-activations")
         if self.cpu_offload:
@@ -152,14 +166,20 @@ def plan(work: Workload, cfg: Config) -> dict[str, int]:
 
     Returns:
         ``params``, ``grads``, ``optimizer`` (shards, on the host with CPU
-        offload), ``full_params`` and ``full_grads`` (transient unsharded
+        offload; the optimizer state of the rank holding the most, ``optimizer_min`` of the one
+        holding the least), ``full_params`` and ``full_grads`` (transient unsharded
         units), ``activations``, ``device_total`` (everything not offloaded)
         and ``host_offloaded``.
     """
     n = 1 if cfg.strategy is ShardingStrategy.NO_SHARD else cfg.world_size
     p = torch.finfo(cfg.param_dtype).bits // 8
     mixed = cfg.param_dtype != torch.float32
-    out = {"params": 4 * work.psi // n, "grads": 4 * work.psi // n, "optimizer": 8 * work.psi // n}
+    if work.units:
+        shard = 4 * shard_elements(work.units, n, owned=cfg.optimizer == "muon")
+        state = [4 * e for e in state_elements(work.units, cfg.optimizer, n)]
+    else:
+        shard, state = 4 * work.psi // n, [8 * work.psi // n]
+    out = {"params": shard, "grads": shard, "optimizer": max(state), "optimizer_min": min(state)}
     if cfg.strategy is ShardingStrategy.NO_SHARD:
         full = p * work.psi if mixed else 0
     elif cfg.strategy is ShardingStrategy.SHARD_GRAD_OP:
@@ -199,12 +219,12 @@ def _speed_rank(cfg: Config) -> tuple:
 
 def fitting(work: Workload, world_size: int, budget_bytes: float,
             strategies=(ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD),
-            dtypes=(torch.float32, torch.bfloat16)) -> list[tuple[Config, dict]]:
+            dtypes=(torch.float32, torch.bfloat16), optimizer: str = "adam") -> list[tuple[Config, dict]]:
     """Every configuration whose device bytes fit ``budget_bytes``, fastest first
     (by :func:`_speed_rank`, a cost order, not a measurement)."""
     out = []
     for strategy, dtype, ckpt, offload in itertools.product(strategies, dtypes, (False, True), (False, True)):
-        cfg = Config(strategy, world_size, dtype, offload, ckpt)
+        cfg = Config(strategy, world_size, dtype, offload, ckpt, optimizer)
         est = plan(work, cfg)
         if est["device_total"] <= budget_bytes:
             out.append((cfg, est))
@@ -217,11 +237,13 @@ def format_plan(work: Workload, cfg: Config, est: dict, budget_bytes: Optional[f
     lines = [f"{cfg.label()}, N={cfg.world_size}, Ψ={work.psi:,}, batch {work.batch_size} x "
              f"{work.tokens_per_sample} tokens per rank"]
     names = {"params": "parameter shards (fp32)", "grads": "gradient shards (fp32)",
-             "optimizer": "Adam moments (fp32)", "full_params": "full parameters in flight",
+             "optimizer": OPTIMIZER_STATE[cfg.optimizer], "full_params": "full parameters in flight",
              "full_grads": "largest unit's full gradient", "activations": "activations and logits"}
     for key, name in names.items():
         where = " (host)" if cfg.cpu_offload and key in ("params", "grads", "optimizer") else ""
         lines.append(f"  {name + where:<40}{gb(est[key])}")
+    if est.get("optimizer_min", est["optimizer"]) < 0.99 * est["optimizer"]:  # e.g. muon's owned matrices
+        lines.append(f"  {'  (the rank holding the least)':<40}{gb(est['optimizer_min'])}")
     lines.append(f"  {'per-rank device total':<40}{gb(est['device_total'])}")
     if est["host_offloaded"]:
         lines.append(f"  {'host (offloaded shards)':<40}{gb(est['host_offloaded'])}")
@@ -251,6 +273,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_options(p, DistributedOptions, ("cpu_offload", "checkpoint_activations"))
     add_options(p, PrecisionOptions, ("fp16", "bf16"))
     add_options(p, DatasetOptions, ("tokens_per_sample", "batch_size"))
+    add_options(p, OptimizationOptions, ("optimizer",))
 
 
 def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
@@ -270,10 +293,10 @@ def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
     work = gpt_workload(shape, args.batch_size, args.tokens_per_sample, args.vocab_size, max_positions=positions)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     cfg = Config(ShardingStrategy[args.sharding_strategy], args.world_size, dtype, args.cpu_offload,
-                 args.checkpoint_activations)
+                 args.checkpoint_activations, args.optimizer)
     print(format_plan(work, cfg, plan(work, cfg)))
     if args.budget_gb is not None:
-        fits = fitting(work, args.world_size, args.budget_gb * 1e9)
+        fits = fitting(work, args.world_size, args.budget_gb * 1e9, optimizer=args.optimizer)
         print(f"configurations fitting {args.budget_gb:g} GB per rank, expected fastest first:"
               + ("" if fits else " none"))
         for c, est in fits:

@@ -29,6 +29,8 @@ no_sync micro-batches   ``model.no_sync()``                         ``set_requir
                                                                     engine's, summed in the same order)
 --world-size-invariant  ``world_size_invariant=True`` (propagated   ``world_size_invariant=True`` on every call
                         to the auto-wrapped units)
+--optimizer muon        ``shard_placement_fn=muon_placement_fn``    the same ``shard_placement_fn`` on every call
+                        (each Muon matrix ``Owned`` by one rank)
 checkpoints             ``fullshard.checkpoint`` (by original name, DTensor ``Shard(0)`` values): one format
 ======================  ==========================================  ===============================================
 """
@@ -55,7 +57,9 @@ from fullshard import (
     fully_shard,
 )
 from fullshard.core import collectives, norms
+from fullshard.core.placement import shard_info
 from fullshard.models import TransformerBlock
+from fullshard.train import optimizers
 from fullshard.train.config import TrainConfig
 from fullshard.wrap import ModuleWrapPolicy
 
@@ -95,6 +99,13 @@ def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_f
     raise ValueError(f"[rank {collectives.rank()}] --fsdp-version {cfg.fsdp_version!r}: use 1 or 2")
 
 
+def placement_kwargs(cfg: TrainConfig, model: nn.Module) -> dict:
+    """``{"shard_placement_fn": fn}`` when the optimizer needs whole tensors on one rank (--optimizer
+    muon: each Muon matrix ``Owned``), else nothing (every parameter row-sharded)."""
+    fn = optimizers.placement_fn(cfg, model)
+    return {} if fn is None else {"shard_placement_fn": fn}
+
+
 def invariance_kwargs(cfg: TrainConfig) -> dict:
     """``{"world_size_invariant": True}`` under --world-size-invariant, else nothing (the engine's
     default: gradients averaged, the path that matches DDP)."""
@@ -102,7 +113,7 @@ def invariance_kwargs(cfg: TrainConfig) -> dict:
 
 
 def _fsdp1(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn) -> nn.Module:
-    extra = invariance_kwargs(cfg)
+    extra = {**invariance_kwargs(cfg), **placement_kwargs(cfg, model)}
     low = low_precision(cfg)
     if low is not None:
         extra["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
@@ -143,7 +154,7 @@ def _fully_shard(model: nn.Module, cfg: TrainConfig, device: torch.device, init_
                   reshard_after_forward=strategy is not ShardingStrategy.SHARD_GRAD_OP,
                   mp_policy=MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None),
                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
-                  **invariance_kwargs(cfg))
+                  **invariance_kwargs(cfg), **placement_kwargs(cfg, model))
     originals = dict(model.named_parameters())  # meta parameters, a tied one once
     for block in model.layers:  # a CheckpointWrapper(block) under --checkpoint-activations
         fully_shard(block, **kwargs)
@@ -155,8 +166,11 @@ def _fully_shard(model: nn.Module, cfg: TrainConfig, device: torch.device, init_
 
 
 def _rows_of(param: DTensor) -> tuple[int, int]:
-    """Dim-0 rows ``[lo, hi)`` of ``param`` this rank holds: ``torch.chunk`` of the rows over the
-    mesh's last (shard) dimension, as ``Shard(0)`` places them."""
+    """Dim-0 rows ``[lo, hi)`` of ``param`` this rank holds: its placement's (``shard_info``), else
+    ``torch.chunk`` of the rows over the mesh's last (shard) dimension, as ``Shard(0)`` places them."""
+    info = shard_info(param)
+    if info is not None:
+        return info.row_range
     mesh = param.device_mesh
     dim = mesh.ndim - 1
     size, coord = mesh.size(dim), mesh.get_local_rank(dim)

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +28,10 @@ from torch.nn.parallel import DistributedDataParallel
 from fullshard import faults
 from fullshard.activation_checkpointing import apply_activation_checkpointing
 from fullshard.amp import ShardedGradScaler
-from fullshard.construct import clean_name
 from fullshard.core import collectives
 from fullshard.memory import TOTAL_FIELDS, memory_stats, memory_totals
 from fullshard.models import TransformerBlock, build_model, make_param_init_fn, num_params
-from fullshard.train import invariance, sharding
+from fullshard.train import invariance, optimizers, sharding
 from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import build_lr_scheduler
 from fullshard.train.progress import safe_round
@@ -40,53 +39,11 @@ from fullshard.train.progress import safe_round
 logger = logging.getLogger("fullshard.train")
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
-_DDP_PREFIX = "module."  # DistributedDataParallel holds the model as its submodule `module`
-
-
-def original_name(name: str, known: Dict[str, torch.Size], ddp: bool = False) -> str:
-    """Map a wrapped model's parameter name to the unwrapped model's name.
-
-    Args:
-        name: a name from the wrapped model's ``named_parameters()``.
-        known: the unwrapped model's ``{name: shape}``.
-        ddp: the wrapper is DistributedDataParallel: its names are the model's behind exactly one
-            leading ``module.`` (only that first segment is dropped; a submodule of the model
-            called ``module`` keeps its name). Else fullshard's wrapper segments are dropped
-            wherever they are (`fullshard.construct.clean_name`).
-
-    Raises:
-        KeyError: the name matches no parameter of the unwrapped model.
-    """
-    inner = name
-    if ddp:
-        inner = name[len(_DDP_PREFIX):] if name.startswith(_DDP_PREFIX) else None
-    original = clean_name(inner) if inner is not None else None
-    if original not in known:
-        raise KeyError(f"parameter {name!r} of the wrapped model matches no parameter of the model")
-    return original
-
-
-def param_groups(model: torch.nn.Module, shapes: Dict[str, torch.Size], weight_decay: float) -> List[dict]:
-    """Two AdamW groups chosen by ORIGINAL name: >=2-D weights decay; biases / norms don't.
-
-    Args:
-        model: the wrapped model (FullyShardedDataParallel, whose parameters are shards, a
-            ``fully_shard`` model, whose parameters are DTensors, or DistributedDataParallel).
-        shapes: the unwrapped model's ``{name: full shape}``.
-        weight_decay: decoupled weight decay of the first group.
-    """
-    ddp = isinstance(model, DistributedDataParallel)
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        full_shape = shapes[original_name(name, shapes, ddp)]
-        (decay if len(full_shape) >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 class Trainer:
-    """Holds the wrapped model, the AdamW optimizer and the lr scheduler of one rank."""
+    """Holds the wrapped model, the optimizer (``--optimizer``, see ``optimizers.py``) and the lr
+    scheduler of one rank."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device):
         self.cfg = cfg
@@ -94,16 +51,7 @@ class Trainer:
         self.rank = collectives.rank()
         self.world_size = collectives.world_size()
         self.model, shapes, self.num_params = self._build_model()
-        # --cpu-offload: the shards the optimizer steps on live on the host; foreach
-        # batches the per-parameter Adam math there into a few multi-tensor kernels.
-        # --optimizer cpu_adam (fairseq's DeepSpeed CPU Adam): torch's fused CPU AdamW kernel.
-        foreach = {"foreach": True} if cfg.cpu_offload else {}
-        if cfg.optimizer == "cpu_adam" and self._host_shards():
-            foreach = {"fused": True}
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, shapes, cfg.weight_decay),
-            lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, **foreach,
-        )
+        self.optimizer = optimizers.build(cfg, self.model, shapes, self._host_shards())
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.num_updates = 0
         self.last_finite = None  # (update, loss in base 2) of the last update with a finite loss
