@@ -99,6 +99,7 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
     (["{data}", "--optimizer", "adafactor", "--adafactor-eps", "(None,-1)"], "--adafactor-eps must be"),
     (["{data}", "--optimizer", "adafactor", "--adafactor-d", "0.5"], "--adafactor-d must be >= 1"),
     (["{data}", "--optimizer", "adafactor", "--adafactor-beta2-decay", "0.8"], "--adafactor-beta2-decay must be <= 0"),
+    (["{data}", "--optimizer", "lamb", "--world-size-invariant"], "--world-size-invariant with --optimizer lamb"),
     (["{data}", "--save-dir", "{save_mini}", "--optimizer", "muon"],
      "it was trained with --optimizer adam, this run has --optimizer muon; add --reset-optimizer"),
     (["{data}", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),

@@ -134,3 +134,47 @@ def test_a_reader_closing_stdout_early_is_not_a_traceback():
     proc.stdout.close()  # the reader is gone before anything is written
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 1 and err == "", err
+
+
+def _state_by_rank(rank, world):
+    """Per optimizer: (parameter-shard elements, optimizer-state elements) of this rank after one step of
+    the mini GPT wrapped as `fullshard train` wraps it (muon: its matrices Owned)."""
+    from fullshard import FullyShardedDataParallel as FSDP, optim
+    from fullshard.models import TransformerBlock, build_model
+    from fullshard.wrap import ModuleWrapPolicy
+
+    out = {}
+    for name in ("adam", "muon", "adafactor", "lamb"):
+        model = build_model("transformer_lm_gpt_mini", vocab_size=997, max_positions=32, seed=0)
+        place = {"shard_placement_fn": optim.muon_placement_fn(model)} if name == "muon" else {}
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), **place)
+        opt = {"adam": lambda: torch.optim.AdamW(model.parameters()),
+               "muon": lambda: optim.Muon(optim.muon_param_groups(model)),
+               "adafactor": lambda: optim.Adafactor(model.parameters()),
+               "lamb": lambda: optim.Lamb(model.parameters())}[name]()
+        tokens = torch.randint(0, 997, (2, 17), generator=torch.Generator().manual_seed(rank))
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 997), tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+        shard = sum(u._runtime.unit.flat_shard.numel() for u in model.units())
+        state = sum(t.numel() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+        out[name] = (shard, state)
+    return out
+
+
+def test_optimizer_state_per_rank_is_counted_exactly():
+    """`plan --optimizer` counts each rank's optimizer state and parameter shard exactly as the engine and
+    fullshard.optim hold them at 2 ranks: muon's momentum on the matrices' owners only, AdamW's moments for
+    the rest; Adafactor's row and column factors; Adam's and LAMB's two moments."""
+    from fullshard.models import build_model
+    from fullshard.train.optim_state import gpt_units, shard_elements, state_elements
+    from tests.dist.harness import run_ranks
+
+    measured = run_ranks(_state_by_rank, 2)
+    units = gpt_units(build_model("transformer_lm_gpt_mini", vocab_size=997, max_positions=32, device="meta"))
+    for name in ("adam", "muon", "adafactor", "lamb"):
+        want = state_elements(units, name, 2)
+        assert [m[name][1] for m in measured] == want, (name, measured, want)
+        assert {m[name][0] for m in measured} == {shard_elements(units, 2, owned=name == "muon")}, name
+    adam, muon = state_elements(units, "adam", 2), state_elements(units, "muon", 2)
+    assert muon[0] != muon[1] and sum(muon) < sum(adam)  # one momentum per matrix, on its owner

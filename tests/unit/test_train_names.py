@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fullshard.train.trainer import original_name, param_groups
+from fullshard.train.optimizers import original_name, param_groups
 
 
 class Inner(nn.Module):

@@ -42,7 +42,7 @@ def build(job: Job, model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=job.weight_decay)
     if job.optimizer == "muon":
         return fullshard_optim.Muon(fullshard_optim.muon_param_groups(model), lr=job.lr,
-                                    weight_decay=job.weight_decay)
+                                    weight_decay=job.weight_decay, adamw_betas=(0.9, 0.999))  # AdamW's
     if job.optimizer == "adafactor":
         return fullshard_optim.Adafactor(model.parameters(), lr=job.lr, weight_decay=job.weight_decay)
     if job.optimizer == "lamb":

@@ -13,8 +13,8 @@ rank r, fp32 like the master parameters:
 * muon: the Muon matrices (2-D block weights, ``Owned`` under fully_sharded): one momentum buffer
   ``R·c`` on the owner only; the AdamW parameters ``2·n_r·c``;
 * adafactor: a matrix ``(R, C)`` keeps a row factor for its rows and a column factor for all its
-  columns, ``n_r + C`` (factored second moment, Shazeer & Stern 2018, §3); a vector keeps its
-  full variance, ``n_r``.
+  columns, ``n_r + C`` on every rank of the group, also one holding no rows (factored second
+  moment, Shazeer & Stern 2018, §3); a vector keeps its full variance, ``n_r``.
 
 Scalars (``step``) are not counted. Under NO_SHARD (N = 1) every rank holds everything.
 """
@@ -94,14 +94,13 @@ def shard_elements(units: Sequence[UnitRecord], world: int, owned: bool) -> int:
 
 
 def _adafactor_elements(local: torch.Size) -> int:
-    """torch.optim.Adafactor's state of a tensor with these local rows: ``row_var`` (the last dim
-    reduced) and ``col_var`` (dim -2 reduced) for >= 2-D, ``variance`` for the rest; none for a rank
-    holding no rows."""
-    if local.numel() == 0:
-        return 0
+    """``fullshard.optim.Adafactor``'s state of a tensor with these local rows (torch's shapes on
+    them): ``row_var`` (the last dim reduced) and ``col_var`` (dim -2 reduced) for >= 2-D, which a
+    rank holding no rows of a matrix keeps too (the column sums are the whole group's);
+    ``variance`` for the rest."""
     if len(local) < 2:
         return local.numel()
-    return local.numel() // local[-1] + local.numel() // local[-2]
+    return math.prod(local[:-1]) + math.prod(local[:-2]) * local[-1]
 
 
 def state_elements(units: Sequence[UnitRecord], optimizer: str, world: int) -> list:

@@ -61,6 +61,11 @@ def check_flags(args, defaults: Dict[str, object]) -> Optional[str]:
         return ("--optimizer muon keeps each Muon matrix whole on one rank (Owned), which --fsdp-version 2 "
                 "cannot present (fully_shard's parameters are DTensor(Shard(0)), torch.chunk rows); use "
                 "--fsdp-version 1 or --ddp-backend c10d")
+    if args.world_size_invariant and args.optimizer in ("adafactor", "lamb"):
+        return (f"--world-size-invariant with --optimizer {args.optimizer}: its per-tensor sums (norms"
+                f"{', column means' if args.optimizer == 'adafactor' else ''}) are added over the ranks holding each "
+                "tensor's rows, in an order that depends on the world size; drop --world-size-invariant or use "
+                "--optimizer adam or muon")
     for family, names in FAMILY_FLAGS.items():
         for name in names:
             if family not in used and getattr(args, name) != defaults[name]:
@@ -132,6 +137,19 @@ def split_decay(params, names: Dict[int, str], shapes: Dict[str, torch.Size], we
             {"params": no_decay, "weight_decay": 0.0, **extra}]
 
 
+def param_groups(model: torch.nn.Module, shapes: Dict[str, torch.Size], weight_decay: float) -> List[dict]:
+    """Two groups of the wrapped ``model``'s trained parameters chosen by ORIGINAL name: >=2-D
+    weights decay; biases / norms don't (adam, cpu_adam, adafactor, lamb).
+
+    Args:
+        model: the wrapped model (FullyShardedDataParallel, whose parameters are shards, a
+            ``fully_shard`` model, whose parameters are DTensors, or DistributedDataParallel).
+        shapes: the unwrapped model's ``{name: full shape}``.
+        weight_decay: decoupled weight decay of the first group.
+    """
+    return split_decay(model.parameters(), _names(model, shapes), shapes, weight_decay)
+
+
 def build(cfg, model: torch.nn.Module, shapes: Dict[str, torch.Size], host_shards: bool) -> torch.optim.Optimizer:
     """The optimizer of ``model`` (wrapped: FullyShardedDataParallel, a ``fully_shard`` model or
     DistributedDataParallel) as ``cfg.optimizer`` says (see the module docstring).
@@ -144,17 +162,16 @@ def build(cfg, model: torch.nn.Module, shapes: Dict[str, torch.Size], host_shard
     Raises:
         ValueError: an unknown ``cfg.optimizer`` (`options.validate` refuses it first).
     """
-    names = _names(model, shapes)
     if cfg.optimizer in ("adam", "cpu_adam"):
         # --cpu-offload: foreach batches the per-parameter Adam math into a few multi-tensor kernels.
         # --optimizer cpu_adam (fairseq's DeepSpeed CPU Adam): torch's fused CPU AdamW kernel.
         kernel = {"foreach": True} if cfg.cpu_offload else {}
         if cfg.optimizer == "cpu_adam" and host_shards:
             kernel = {"fused": True}
-        groups = split_decay(model.parameters(), names, shapes, cfg.weight_decay)
+        groups = param_groups(model, shapes, cfg.weight_decay)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, **kernel)
     if cfg.optimizer == "muon":
-        groups = []
+        names, groups = _names(model, shapes), []
         for group in fullshard_optim.muon_param_groups(model):
             params = group.pop("params")
             if group.get("use_muon"):  # 2-D matrices: all decay
@@ -164,9 +181,9 @@ def build(cfg, model: torch.nn.Module, shapes: Dict[str, torch.Size], host_shard
         return fullshard_optim.Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
                                     nesterov=cfg.muon_nesterov, ns_coefficients=cfg.muon_ns_coefficients,
                                     eps=cfg.muon_eps, ns_steps=cfg.muon_ns_steps,
-                                    adjust_lr_fn=cfg.muon_adjust_lr_fn, betas=cfg.adam_betas,
-                                    adam_eps=cfg.adam_eps)
-    groups = split_decay(model.parameters(), names, shapes, cfg.weight_decay)
+                                    adjust_lr_fn=cfg.muon_adjust_lr_fn, adamw_betas=cfg.adam_betas,
+                                    adamw_eps=cfg.adam_eps)
+    groups = param_groups(model, shapes, cfg.weight_decay)
     if cfg.optimizer == "adafactor":
         return fullshard_optim.Adafactor(groups, lr=cfg.lr, beta2_decay=cfg.adafactor_beta2_decay,
                                          eps=cfg.adafactor_eps, d=cfg.adafactor_d)

@@ -1,0 +1,66 @@
+"""`fullshard train --optimizer muon | adafactor | lamb` (fullshard.optim): a few updates under
+fully_sharded give c10d's run (torch DDP: whole parameters, the single-device step) on 2 ranks, the
+run header names the optimizer and its groups, and a muon checkpoint (its matrices Owned by one rank
+each) resumes bit for bit and on another number of ranks. Bad flags: test_bad_input.py."""
+from __future__ import annotations
+
+import torch
+
+from tests.e2e.common import checkpoint_params, json_records
+
+ARCH = "transformer_lm_gpt_mini"
+COMMON = ["--arch", ARCH, "--tokens-per-sample", "64", "--batch-size", "4", "--weight-decay", "0.01", "--seed", "3",
+          "--lr-scheduler", "polynomial_decay", "--warmup-updates", "1", "--total-num-update", "4", "--clip-norm",
+          "1.0", "--log-interval", "1", "--log-format", "json"]
+FLAGS = {"muon": ["--optimizer", "muon", "--lr", "0.01", "--muon-adjust-lr-fn", "match_rms_adamw"],
+         "adafactor": ["--optimizer", "adafactor", "--lr", "0.01"],
+         "lamb": ["--optimizer", "lamb", "--lr", "0.01"]}
+HEADERS = {"muon": "optimizer muon: Muon (momentum 0.95, nesterov True, ns_steps 5",
+           "adafactor": "optimizer adafactor: Adafactor (lr = max relative step, beta2_decay -0.8",
+           "lamb": "optimizer lamb: LAMB (betas (0.9, 0.999), eps 1e-08"}
+
+
+def _train(cli, corpus_dir, save_dir, optimizer, *extra, nproc=2, updates=3):
+    proc = cli("train", str(corpus_dir), *COMMON, *FLAGS[optimizer], "--nproc-per-node", str(nproc),
+               "--max-update", str(updates), "--save-dir", str(save_dir), *extra)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, [(r["num_updates"], float(r["loss"])) for r in json_records(proc.stdout)["train_inner"]]
+
+
+def test_fully_sharded_gives_c10d_run_for_each_optimizer(cli, corpus_dir, tmp_path):
+    """3 updates of each optimizer under fully_sharded (muon: its matrices Owned) against c10d: the same
+    logged losses and parameters up to fp32 reduction order (gradients averaged by a reduce-scatter
+    against DDP's all-reduce); both headers name the optimizer."""
+    for optimizer in FLAGS:
+        out, sharded = _train(cli, corpus_dir, tmp_path / optimizer / "fs", optimizer)
+        out_ddp, ddp = _train(cli, corpus_dir, tmp_path / optimizer / "ddp", optimizer, "--ddp-backend", "c10d")
+        assert HEADERS[optimizer] in out and HEADERS[optimizer] in out_ddp, out[:3000]
+        assert [n for n, _ in sharded] == [n for n, _ in ddp] == ["1", "2", "3"]
+        for (_, a), (_, b) in zip(sharded, ddp):
+            assert abs(a - b) <= 2e-3, (optimizer, sharded, ddp)  # logged with 3 decimals
+        a, extra = checkpoint_params(corpus_dir, tmp_path / optimizer / "fs" / "checkpoint_last")
+        b, _ = checkpoint_params(corpus_dir, tmp_path / optimizer / "ddp" / "checkpoint_last")
+        assert extra["args"]["optimizer"] == optimizer
+        diff = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert diff <= 1e-5, (optimizer, diff)
+
+
+def test_muon_resumes_exactly_and_on_another_world_size(cli, corpus_dir, tmp_path):
+    """4 muon updates straight == 2, save, new processes, load, 2 (bit-identical parameters and the same
+    logged losses: the owners' momentum and the AdamW moments come back); the 2-rank checkpoint resumes on
+    1 rank, where every matrix is whole on the only rank."""
+    _, straight = _train(cli, corpus_dir, tmp_path / "a", "muon", updates=4)
+    half = tmp_path / "b"
+    _train(cli, corpus_dir, half, "muon", "--save-interval-updates", "2", updates=2)
+    out, resumed = _train(cli, corpus_dir, half, "muon", updates=4)
+    assert "epoch 1 offset 2 @ 2 updates" in out
+    assert resumed == straight[2:]
+    a, _ = checkpoint_params(corpus_dir, tmp_path / "a" / "checkpoint_last")
+    b, _ = checkpoint_params(corpus_dir, half / "checkpoint_last")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    out, one = _train(cli, corpus_dir, tmp_path / "c", "muon", "--restore-file", str(half / "checkpoint_1_2"),
+                      nproc=1, updates=4)
+    assert "saved by 2 ranks" in out and [n for n, _ in one] == ["3", "4"]
+    # It starts from the saved weights, not from a fresh model (whose loss is the first update's).
+    assert one[0][1] < straight[0][1] - 0.1, (one, straight)
