@@ -153,3 +153,37 @@ def test_checkpoints_reshard_across_placements_and_world_sizes(kind, tmp_path):
             assert (sd[k] == saved[0][k]).all(), (world, name, k)
         for k in state:
             assert (state[k] == saved[1][k]).all(), (world, name, k)
+
+
+def _fully_shard_refuses(rank, world):
+    from fullshard import fully_shard
+    out = []
+    for fn in (lambda p: Owned(), lambda p: BlockShard(2)):
+        try:
+            fully_shard(M.make_model("mlp"), shard_placement_fn=fn)
+        except ValueError as e:
+            out.append(str(e))
+    model = fully_shard(M.vector_scale(M.make_model("mlp")), shard_placement_fn=lambda p: RowShard())
+    out.append(all(shard_info(p).placement == RowShard() for p in model.parameters()))
+    return out
+
+
+@pytest.mark.fast
+def test_fully_shard_takes_row_placements_and_refuses_ragged_ones():
+    msgs = run_ranks(_fully_shard_refuses, 2)[0]
+    assert len(msgs) == 3 and msgs[2] is True, msgs
+    for m in msgs[:2]:
+        assert "fully_shard presents parameters as DTensor(Shard(0))" in m and "FullyShardedDataParallel" in m, m
+
+
+@pytest.mark.parametrize("name", ["owned", "block"])
+def test_usage_patterns_under_placements(name):
+    """Every usage pattern of tests/dist/test_patterns.py (no_sync, frozen and
+    unused parameters, exceptions, stored outputs, ...) under the placement."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "FULLSHARD_TEST_PLACEMENT": name}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/dist/test_patterns.py"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
