@@ -184,6 +184,6 @@ def test_usage_patterns_under_placements(name):
     import subprocess
     import sys
     env = {**os.environ, "FULLSHARD_TEST_PLACEMENT": name}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/dist/test_patterns.py"],
-                          env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/dist/test_patterns.py"], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

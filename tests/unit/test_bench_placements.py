@@ -19,7 +19,7 @@ def test_row_shards_are_balanced_and_owned_matrices_cost_padding():
     for world in range(2, 9):
         row = bench.measure(model, "row", world)
         owned = bench.measure(model, "owned", world)
-        assert row["max_over_mean"] < 1.01 and row["padding_share"] < 0.01, row
+        assert row["max_over_mean"] < 1.02 and row["padding_share"] < 0.02, row
         assert owned["numel"] == row["numel"] == sum(p.numel() for p in model.parameters())
         assert owned["ns_max_over_mean"] >= 1.0 and owned["max_over_mean"] >= 1.0, owned
     # 4 block matrices (3, 1, 4, 4 units of C·C) over 2 ranks: the best split is 7 / 5.
