@@ -22,9 +22,10 @@ def test_row_shards_are_balanced_and_owned_matrices_cost_padding():
         assert row["max_over_mean"] < 1.02 and row["padding_share"] < 0.02, row
         assert owned["numel"] == row["numel"] == sum(p.numel() for p in model.parameters())
         assert owned["ns_max_over_mean"] >= 1.0 and owned["max_over_mean"] >= 1.0, owned
-    # 4 block matrices (3, 1, 4, 4 units of C·C) over 2 ranks: the best split is 7 / 5.
+    # 4 block matrices (3, 1, 4, 4 units of C·C) over 2 ranks: the best split per block is 7 / 5,
+    # and ties rotate by unit, so neither rank is the heavier one in every block.
     two = bench.measure(model, "owned", 2)
-    assert two["max_over_mean"] == pytest.approx(1.0, abs=0.02) and two["ns_max_over_mean"] == 1.0
+    assert two["max_over_mean"] < 7 / 6 and two["ns_max_over_mean"] < 7 / 6, two
 
 
 def test_cli_prints_a_row_per_world_and_placement(capsys):
