@@ -25,6 +25,7 @@ from .api import (
     StateDictType,
 )
 from .core.norms import clip_grad_norm_
+from .core.placement import BlockShard, Owned, RowShard, shard_info
 from .forward_methods import register_fsdp_forward_method
 from .fsdp import FSDP, FullyShardedDataParallel
 from .fsdp2 import FSDPModule, UnshardHandle, fully_shard
@@ -36,5 +37,5 @@ __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPref
            "LocalStateDictConfig", "LocalOptimStateDictConfig", "ShardedGradScaler",
            "apply_activation_checkpointing", "CheckpointWrapper", "offload_activations", "memory_stats", "wrap",
            "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
-           "register_fsdp_forward_method", "clip_grad_norm_"]
+           "register_fsdp_forward_method", "clip_grad_norm_", "RowShard", "BlockShard", "Owned", "shard_info"]
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
-from .core import collectives, consistency, deferred_init
+from .core import collectives, consistency, deferred_init, placement
 from .core.params import ParamSlot
 
 _PREFIX = "_fsdp_wrapped_module."
@@ -295,3 +295,24 @@ def default_hybrid_groups(where: str):
                 rep = g
         cache[key] = (shard, rep)
     return cache[key]
+
+
+def apply_placements(slots: list[ParamSlot], shard_placement_fn, where: str, ragged_ok: bool = True) -> None:
+    """Set each slot's requested placement from ``shard_placement_fn(param)``
+    (core/placement.py [Note: placements]); None leaves every slot
+    :class:`RowShard`.
+
+    Raises:
+        ValueError: the function returned something that is not a placement,
+            ``Shard(d)`` with d != 0, or (``ragged_ok=False``: ``fully_shard``)
+            a ``BlockShard``/``Owned``, which a ``Shard(0)`` DTensor cannot present.
+    """
+    if shard_placement_fn is None:
+        return
+    for s in slots:
+        s.placement = placement.normalize(shard_placement_fn(s.param), s.fqn)
+        if not ragged_ok and not isinstance(s.placement, placement.RowShard):
+            raise ValueError(
+                f"{where}: shard_placement_fn returned {s.placement} for '{s.fqn}', but fully_shard presents "
+                "parameters as DTensor(Shard(0)), which holds torch.chunk rows only; return None/Shard(0) here, or "
+                "wrap with FullyShardedDataParallel(..., shard_placement_fn=...) for block or owned placements")

@@ -64,6 +64,12 @@ class FullyShardedDataParallel(UnitModule):
             micro-batch ``j·W + r``, the loss divided by the global count
             (gradients are summed, not averaged), and the groups must tile
             the world (core/invariant.py, docs/invariance.md).
+        shard_placement_fn: ``fn(param) -> placement | None`` per original
+            parameter (torch FSDP2's name): ``RowShard()`` (default; also
+            None or ``Shard(0)``), ``BlockShard(rows)``, or ``Owned(rank=None)``
+            (the whole parameter on one rank, for optimizers that need whole
+            matrices; core/placement.py [Note: placements]). Applies to every
+            unit this call creates.
 
     Raises:
         RuntimeError: no initialized process group.
@@ -82,7 +88,8 @@ class FullyShardedDataParallel(UnitModule):
                  mixed_precision: Optional[MixedPrecision] = None,
                  cpu_offload: Optional[CPUOffload] = None,
                  use_orig_params: bool = False, ignored_states=None, device_mesh=None,
-                 world_size_invariant: bool = False, _unit_name: Optional[str] = None,
+                 world_size_invariant: bool = False, shard_placement_fn: Optional[Callable] = None,
+                 _unit_name: Optional[str] = None,
                  _skip_param_ids: frozenset = frozenset(), _full_precision: bool = False):
         super().__init__()
         if not collectives.is_initialized():
@@ -105,7 +112,8 @@ class FullyShardedDataParallel(UnitModule):
                       device_id=device, sync_module_states=sync_module_states,
                       ignored_modules=ignored_modules, param_init_fn=param_init_fn,
                       mixed_precision=mixed_precision, cpu_offload=cpu_offload,
-                      ignored_states=ignored_params or None, world_size_invariant=world_size_invariant)
+                      ignored_states=ignored_params or None, world_size_invariant=world_size_invariant,
+                      shard_placement_fn=shard_placement_fn)
 
         def unit_fn(**over):
             return lambda child, name, skip_param_ids: FullyShardedDataParallel(
@@ -124,6 +132,7 @@ class FullyShardedDataParallel(UnitModule):
         construct.materialize(own, param_init_fn, device, mp.buffer_dtype)
         skip = _skip_param_ids | {id(p) for p in ignored_params}
         slots = construct.collect_slots(module, ignored, skip, name, is_unit)
+        construct.apply_placements(slots, shard_placement_fn, where)
         construct.prepare_values(slots, own, param_init_fn, device, sync_module_states, name,
                          (shard_group, replicate_group))
         cfg = UnitConfig(

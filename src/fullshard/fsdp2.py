@@ -12,7 +12,7 @@ the one given (docs/migration.md lists the differences).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -239,7 +239,8 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
                 reshard_after_forward: Optional[Union[bool, int]] = None,
                 mp_policy: MixedPrecisionPolicy = _NO_MP,
                 offload_policy: OffloadPolicy = _NO_OFFLOAD,
-                ignored_params: Optional[set[nn.Parameter]] = None, world_size_invariant: bool = False):
+                ignored_params: Optional[set[nn.Parameter]] = None, world_size_invariant: bool = False,
+                shard_placement_fn: Optional[Callable] = None):
     """Shard ``module``'s parameters not taken by an earlier call over
     ``mesh`` as one unit (torch FSDP2's ``fully_shard``; apply it to each
     block, then to the root).
@@ -271,6 +272,11 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             global micro-batch ``j·W + r``, and the loss is divided by the
             global count (gradients are summed, not averaged). Needs a mesh
             over the whole world (core/invariant.py, docs/invariance.md).
+        shard_placement_fn: ``fn(param) -> None | Shard(0) | RowShard()``
+            per original parameter (torch FSDP2's name). fully_shard presents
+            parameters as ``DTensor(Shard(0))``, so only ``torch.chunk`` rows
+            are accepted; ``BlockShard``/``Owned`` need
+            :class:`~fullshard.FullyShardedDataParallel`.
 
     Returns:
         ``module`` (its class now a subclass of :class:`FSDPModule`), or the list.
@@ -304,6 +310,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             raise ValueError(f"{where}: parameter '{s.fqn}' is 0-dimensional, which a Shard(0) DTensor cannot "
                              "hold; make it a 1-element 1-D tensor, pass it in ignored_params, or use "
                              "FullyShardedDataParallel")
+    construct.apply_placements(slots, shard_placement_fn, where, ragged_ok=False)
     originals = [s.param for s in slots]
     dtensor_specs.assign_specs(slots, mesh, placements, where)  # DTensor (TP) slots now hold their local part
     own = [o for m in modules for o in wrap._unwrapped_modules(m, is_unit, set())]

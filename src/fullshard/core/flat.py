@@ -7,14 +7,19 @@ A unit with parameters p_0..p_k and a shard group of N ranks uses two layouts
 of the same padded elements:
 
 * rank-major (what travels): rank r's *flat shard* is the concatenation over
-  i of chunk r of p_i, each chunk padded to ``chunk_rows_i`` rows. Chunks
-  follow ``torch.chunk(p_i, N, dim=0)``: ``chunk_rows_i = ceil(rows_i / N)``,
-  so trailing ranks may own fewer (even zero) real rows. Every rank's flat
-  shard has the same numel S = Σ chunk_rows_i · row_numel_i, which is what
+  the row- and block-sharded p_i of their chunk r, each padded to
+  ``chunk_rows_i`` rows. For :class:`RowShard` chunks follow
+  ``torch.chunk(p_i, N, dim=0)``: ``chunk_rows_i = ceil(rows_i / N)``, so
+  trailing ranks may own fewer (even zero) real rows; :class:`BlockShard`
+  rounds the chunk up to whole blocks. These slots sit at the same offsets
+  on every rank (``uniform_numel`` elements). The parameters each rank owns
+  (:class:`Owned`) follow, packed, on that rank only. Every rank's flat shard
+  is padded to the same numel S (the largest rank's), which is what
   all-gather and reduce-scatter need.
-* param-major (what modules see): the *unsharded flat* holds each full
-  parameter contiguously at offset N · shard_offset_i, followed by its padding
-  rows, so every full parameter is a zero-copy view.
+* param-major (what modules see): the *unsharded flat* holds each row- or
+  block-sharded parameter contiguously at ``full_offset = N · shard_offset``
+  followed by its padding rows, then the owned parameters back to back, so
+  every full parameter is a zero-copy view.
 
 All-gather output (N, S) → param-major is a per-parameter transpose of
 blocks (``copy_out``); the reverse for gradients is ``copy_in``.
@@ -23,11 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import torch_private
+from . import placement as placements, torch_private
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +44,18 @@ class ParamLayout:
         shape: full shape of the parameter.
         rows: ``shape[0]`` (1 for a 0-dim parameter).
         row_numel: elements per dim-0 row, ``prod(shape[1:])``.
-        chunk_rows: rows per rank's chunk, ``ceil(rows / N)``.
-        shard_offset: element offset of this parameter's chunk in a flat shard.
-        grad_offset: element offset in the flat gradient shard (trainable
+        chunk_rows: rows of this parameter's slot on a rank that holds it:
+            ``ceil(rows / N)`` for :class:`RowShard`, whole blocks for
+            :class:`BlockShard`, all rows (on the owner only) for :class:`Owned`.
+        shard_offset: element offset of the slot in a flat shard (the owner's
+            for an ``Owned`` parameter; the same on every rank otherwise).
+        grad_offset: the same in the flat gradient shard (trainable
             parameters only; -1 for frozen ones).
         requires_grad: whether the original parameter is trained.
+        placement: the resolved placement (``core/placement.py``).
+        bounds: rank r keeps rows ``[bounds[r], bounds[r + 1])``.
+        full_offset: start of the parameter's region in the unsharded flat.
+        full_span: elements of that region (the parameter, then padding).
     """
 
     fqn: str
@@ -54,46 +66,58 @@ class ParamLayout:
     shard_offset: int
     grad_offset: int
     requires_grad: bool
+    placement: placements.Placement = placements.RowShard()
+    bounds: tuple = ()
+    full_offset: int = 0
+    full_span: int = 0
 
     @property
     def numel(self) -> int:
         return self.rows * self.row_numel
 
     @property
+    def owned(self) -> bool:
+        """Whether one rank holds all rows (the slot exists on that rank only)."""
+        return isinstance(self.placement, placements.Owned)
+
+    @property
     def shard_numel(self) -> int:
-        """Padded elements of one rank's chunk."""
+        """Padded elements of the slot on a rank that holds it."""
         return self.chunk_rows * self.row_numel
 
     def local_rows(self, rank: int) -> int:
-        """Real (unpadded) rows that ``rank`` owns, ``torch.chunk`` semantics."""
-        start = rank * self.chunk_rows
-        return max(0, min(self.rows, start + self.chunk_rows) - start)
+        """Real (unpadded) rows that ``rank`` keeps."""
+        return self.bounds[rank + 1] - self.bounds[rank]
 
     def local_shape(self, rank: int) -> torch.Size:
         """Shape of ``rank``'s shard: ``(local_rows, *shape[1:])``; 1-D for scalars."""
         return torch.Size((self.local_rows(rank), *self.shape[1:]))
 
     def local_row_range(self, rank: int) -> tuple[int, int]:
-        start = min(self.rows, rank * self.chunk_rows)
-        return start, start + self.local_rows(rank)
+        return self.bounds[rank], self.bounds[rank + 1]
 
 
 @dataclasses.dataclass(frozen=True)
 class FlatLayout:
-    """All parameter layouts of one unit for a shard group of ``world`` ranks."""
+    """All parameter layouts of one unit for a shard group of ``world`` ranks.
+
+    Attributes:
+        params: one :class:`ParamLayout` per parameter, in unit order.
+        world: N, the shard-group size.
+        shard_numel: S, elements in each rank's flat shard (padding included).
+        grad_shard_numel: elements in each rank's flat gradient shard
+            (trainable parameters only).
+        uniform_numel: elements of the row- and block-sharded slots, which
+            sit at the same offsets on every rank; owned parameters follow.
+        uniform_grad_numel: the same in the flat gradient shard.
+    """
 
     params: tuple[ParamLayout, ...]
     world: int
-
-    @property
-    def shard_numel(self) -> int:
-        """S: elements in each rank's flat shard (padding included)."""
-        return sum(p.shard_numel for p in self.params)
-
-    @property
-    def grad_shard_numel(self) -> int:
-        """Elements in each rank's flat gradient shard (trainable params only)."""
-        return sum(p.shard_numel for p in self.params if p.requires_grad)
+    shard_numel: int = 0
+    grad_shard_numel: int = 0
+    uniform_numel: int = 0
+    uniform_grad_numel: int = 0
 
     @property
     def unsharded_numel(self) -> int:
@@ -104,28 +128,67 @@ class FlatLayout:
         """Ψ of the unit: real elements, no padding."""
         return sum(p.numel for p in self.params)
 
+    @property
+    def has_owned(self) -> bool:
+        return any(p.owned for p in self.params)
 
-def make_layout(named_shapes: Sequence[tuple[str, torch.Size, bool]], world: int) -> FlatLayout:
+    def rank_numel(self, rank: int) -> int:
+        """Real (unpadded) elements ``rank`` keeps."""
+        return sum(p.local_rows(rank) * p.row_numel for p in self.params)
+
+
+def make_layout(named_shapes: Sequence[tuple[str, torch.Size, bool]], world: int,
+                placed: Optional[Sequence[placements.Placement]] = None) -> FlatLayout:
     """Build the layout for ``(fqn, shape, requires_grad)`` triples, in order.
 
+    Args:
+        placed: one resolved placement per parameter (an ``Owned`` with its
+            rank; default :class:`RowShard` for all). See [Note: flat layouts].
+
     Raises:
-        ValueError: if ``world`` < 1.
+        ValueError: if ``world`` < 1, or an ``Owned`` rank is unresolved or >= ``world``.
     """
     if world < 1:
         raise ValueError(f"shard group size must be >= 1, got {world}")
-    params, offset, grad_offset = [], 0, 0
-    for fqn, shape, requires_grad in named_shapes:
+    placed = list(placed) if placed is not None else [placements.RowShard()] * len(named_shapes)
+    shapes = []
+    for (fqn, shape, requires_grad), pl in zip(named_shapes, placed):
         shape = torch.Size(shape)
         rows = shape[0] if len(shape) > 0 else 1
         row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
-        chunk_rows = math.ceil(rows / world) if rows else 0
-        layout = ParamLayout(fqn, shape, rows, row_numel, chunk_rows, offset,
-                             grad_offset if requires_grad else -1, requires_grad)
-        params.append(layout)
-        offset += layout.shard_numel
-        if requires_grad:
-            grad_offset += layout.shard_numel
-    return FlatLayout(tuple(params), world)
+        if isinstance(pl, placements.Owned) and (pl.rank is None or pl.rank >= world):
+            raise ValueError(f"parameter '{fqn}': Owned(rank={pl.rank}) needs a resolved rank below {world}")
+        shapes.append((fqn, shape, requires_grad, pl, rows, row_numel))
+    # Row- and block-sharded slots first, at the same offsets on every rank.
+    fields: dict[int, dict] = {}
+    offset = grad_offset = full = 0
+    for i, (_, _, rg, pl, rows, row_numel) in enumerate(shapes):
+        if isinstance(pl, placements.Owned):
+            continue
+        chunk = placements.chunk_rows(pl, rows, world)
+        fields[i] = dict(chunk_rows=chunk, shard_offset=offset, grad_offset=grad_offset if rg else -1,
+                         bounds=placements.row_bounds(pl, rows, world), full_offset=full,
+                         full_span=world * chunk * row_numel)
+        offset += chunk * row_numel
+        full += world * chunk * row_numel
+        grad_offset += chunk * row_numel if rg else 0
+    uniform, uniform_grad = offset, grad_offset
+    # Owned parameters packed on their owner after them; the unsharded flat
+    # holds them contiguously after the uniform regions.
+    used, used_grad = [uniform] * world, [uniform_grad] * world
+    for i, (_, _, rg, pl, rows, row_numel) in enumerate(shapes):
+        if not isinstance(pl, placements.Owned):
+            continue
+        n = rows * row_numel
+        fields[i] = dict(chunk_rows=rows, shard_offset=used[pl.rank],
+                         grad_offset=used_grad[pl.rank] if rg else -1,
+                         bounds=placements.row_bounds(pl, rows, world), full_offset=full, full_span=n)
+        used[pl.rank] += n
+        used_grad[pl.rank] += n if rg else 0
+        full += n
+    params = tuple(ParamLayout(fqn, shape, rows, row_numel, requires_grad=rg, placement=pl, **fields[i])
+                   for i, (fqn, shape, rg, pl, rows, row_numel) in enumerate(shapes))
+    return FlatLayout(params, world, max(used), max(used_grad), uniform, uniform_grad)
 
 
 def shard_into(flat_shard: torch.Tensor, layout: FlatLayout,
@@ -166,46 +229,78 @@ def grad_shard_views(flat_grad: torch.Tensor, layout: FlatLayout, rank: int) -> 
     return views
 
 
+def _memory_order(layout: FlatLayout) -> list[int]:
+    """Parameter indices in the order of their regions in the unsharded flat."""
+    return sorted(range(len(layout.params)), key=lambda i: layout.params[i].full_offset)
+
+
 def split_sizes(layout: FlatLayout) -> list[int]:
-    """Sizes that cut the unsharded flat into [param_0, pad_0, param_1, pad_1, ...]."""
-    sizes = []
-    for p in layout.params:
-        sizes += [p.numel, layout.world * p.shard_numel - p.numel]
-    return sizes
+    """Sizes that cut the unsharded flat into [param, pad, param, pad, ...,
+    tail] in memory order (see :func:`unsharded_views`)."""
+    sizes, end = [], 0
+    for i in _memory_order(layout):
+        p = layout.params[i]
+        sizes += [p.numel, p.full_span - p.numel]
+        end = p.full_offset + p.full_span
+    return sizes + [layout.unsharded_numel - end]
 
 
 def unsharded_views(flat_full: torch.Tensor, layout: FlatLayout) -> list[torch.Tensor]:
-    """Full-parameter views of the param-major unsharded flat.
+    """Full-parameter views of the param-major unsharded flat, in layout order.
 
     One ``split_with_sizes`` produces every view, so under autograd all their
     gradients meet in a single node and reach ``flat_full.grad`` in one
     accumulation (one post-accumulate-grad hook call per backward).
     """
     pieces = torch.split_with_sizes(flat_full, split_sizes(layout))
-    return [pieces[2 * i].view(p.shape) for i, p in enumerate(layout.params)]
+    views: list = [None] * len(layout.params)
+    for k, i in enumerate(_memory_order(layout)):
+        views[i] = pieces[2 * k].view(layout.params[i].shape)
+    return views
 
 
 def _rank_major_blocks(buf: torch.Tensor, layout: FlatLayout, numel: int, grad: bool) -> list[torch.Tensor]:
-    """(N, chunk) strided views of a rank-major buffer, one per parameter."""
+    """Views of a rank-major buffer (N blocks of ``numel``), one per
+    parameter: (N, chunk) strided for a row- or block-sharded one, the
+    owner's whole slot for an owned one."""
     two_d = buf.view(layout.world, numel)
     out = []
     for p in layout.params:
         if grad and not p.requires_grad:
             continue
         off = p.grad_offset if grad else p.shard_offset
-        out.append(two_d[:, off:off + p.shard_numel])
+        if p.owned:
+            out.append(two_d[p.placement.rank, off:off + p.numel])
+        else:
+            out.append(two_d[:, off:off + p.shard_numel])
     return out
 
 
 def _param_major_blocks(flat_full: torch.Tensor, layout: FlatLayout, grad: bool) -> list[torch.Tensor]:
-    """(N, chunk) contiguous views of a param-major buffer, one per parameter."""
+    """The matching views of a param-major buffer: (N, chunk) contiguous, or
+    the owned parameter itself."""
     out = []
     for p in layout.params:
         if grad and not p.requires_grad:
             continue
-        start = layout.world * p.shard_offset
-        out.append(flat_full[start:start + layout.world * p.shard_numel].view(layout.world, p.shard_numel))
+        region = flat_full[p.full_offset:p.full_offset + p.full_span]
+        out.append(region if p.owned else region.view(layout.world, p.shard_numel))
     return out
+
+
+def _owned_tails(buf: torch.Tensor, layout: FlatLayout, numel: int, grad: bool) -> list[torch.Tensor]:
+    """Each rank's elements of a rank-major buffer past its owned slots (up
+    to ``grad_shard_numel`` or ``shard_numel``): what no parameter fills."""
+    if not layout.has_owned:
+        return []
+    two_d = buf.view(layout.world, numel)
+    base = layout.uniform_grad_numel if grad else layout.uniform_numel
+    end = layout.grad_shard_numel if grad else layout.shard_numel
+    used = [base] * layout.world
+    for p in layout.params:
+        if p.owned and (p.requires_grad or not grad):
+            used[p.placement.rank] += p.numel
+    return [two_d[r, used[r]:end] for r in range(layout.world) if used[r] < end]
 
 
 def copy_out(flat_full: torch.Tensor, gathered: torch.Tensor, layout: FlatLayout) -> None:
@@ -221,11 +316,16 @@ def copy_in(reduce_in: torch.Tensor, full_grad: torch.Tensor, layout: FlatLayout
     """Unsharded flat gradient (param-major) → reduce-scatter input (rank-major,
     trainable parameters only). ``reduce_in`` holds N blocks of
     ``block_numel`` elements (default ``grad_shard_numel``); the gradient
-    fills the first ``grad_shard_numel`` of each and the rest is untouched."""
-    dst = _rank_major_blocks(reduce_in, layout, block_numel or layout.grad_shard_numel, grad=True)
+    (padding included, zero where no parameter lies) fills the first
+    ``grad_shard_numel`` of each and the rest is untouched."""
+    block = block_numel or layout.grad_shard_numel
+    dst = _rank_major_blocks(reduce_in, layout, block, grad=True)
     src = _param_major_blocks(full_grad, layout, grad=True)
     if dst:
         torch_private.foreach_copy_(dst, src)
+    tails = _owned_tails(reduce_in, layout, block, grad=True)
+    if tails:
+        torch_private.foreach_zero_(tails)
 
 
 def copy_rank_rows(dst: torch.Tensor, flat_full: torch.Tensor, layout: FlatLayout, first: int, count: int) -> None:
@@ -234,7 +334,14 @@ def copy_rank_rows(dst: torch.Tensor, flat_full: torch.Tensor, layout: FlatLayou
     part of an all-gather's output a post-forward group member keeps
     (``reshard_after_forward=int``), so that an all-gather of the members'
     parts rebuilds the whole output."""
-    dst_blocks = _rank_major_blocks(dst, FlatLayout(layout.params, count), layout.shard_numel, grad=False)
-    src = [b[first:first + count] for b in _param_major_blocks(flat_full, layout, grad=False)]
+    rows = dst.view(count, layout.shard_numel)
+    dst_blocks, src = [], []
+    for p, block in zip(layout.params, _param_major_blocks(flat_full, layout, grad=False)):
+        if not p.owned:
+            dst_blocks.append(rows[:, p.shard_offset:p.shard_offset + p.shard_numel])
+            src.append(block[first:first + count])
+        elif first <= p.placement.rank < first + count:
+            dst_blocks.append(rows[p.placement.rank - first, p.shard_offset:p.shard_offset + p.numel])
+            src.append(block)
     if dst_blocks:
         torch_private.foreach_copy_(dst_blocks, src)

@@ -69,10 +69,12 @@ class UnflattenFull(torch.autograd.Function):
         else:
             out = unit.take_grad_buffer(like.dtype, like.device)
         with torch.no_grad():  # the reduce path is not differentiable either
-            world, zero, dst, src = layout.world, [], [], []
+            zero, dst, src = [], [], []
+            end = max((p.full_offset + p.full_span for p in layout.params), default=0)
+            if end < out.numel():  # past the owned parameters (flat.py [Note: flat layouts])
+                zero.append(out[end:])
             for i, (p, g) in enumerate(zip(layout.params, grads)):
-                start = world * p.shard_offset
-                seg = out[start:start + world * p.shard_numel]
+                seg = out[p.full_offset:p.full_offset + p.full_span]
                 if g is None:
                     zero.append(seg)
                 else:
@@ -80,7 +82,7 @@ class UnflattenFull(torch.autograd.Function):
                         unit.mark_used(i)
                     dst.append(seg[:p.numel].view(p.shape))
                     src.append(g)
-                    if world * p.shard_numel > p.numel:
+                    if p.full_span > p.numel:
                         zero.append(seg[p.numel:])
             if dst:
                 torch_private.foreach_copy_(dst, src)
@@ -223,9 +225,8 @@ class GradStash:
                 continue
             if self.used[i]:
                 p = lay.params[i]
-                start = lay.world * p.shard_offset
                 for t in self.tensors():
-                    t[start:start + lay.world * p.shard_numel].zero_()
+                    t[p.full_offset:p.full_offset + p.full_span].zero_()
                 self.used[i] = self.first_used[i] = False
                 for part in self.later or ():
                     part[1][i] = False

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import torch_private
+from .placement import Placement, RowShard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,8 @@ class ParamSlot:
     local: Optional[torch.Tensor] = None
     used: bool = False
     view_ptr: Optional[int] = None
+    placement: Placement = RowShard()
+    """Requested placement (``shard_placement_fn``); the unit resolves owners."""
 
     def make_sharded(self, view: torch.Tensor, requires_grad: bool) -> None:
         """Register ``view`` (a view of the flat shard) as this parameter on

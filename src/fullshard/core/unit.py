@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import collectives, flat, grads, optim_guard, torch_private
+from . import collectives, flat, grads, optim_guard, placement, torch_private
 from .buffers import POOL
 from .params import ParamSlot
 from .unit_grads import UnitGrads
@@ -123,7 +123,10 @@ class Unit(UnitGrads, UnitValues):
         self.slots = slots
         self.world = collectives.group_size(cfg.shard_group)
         self.rank = collectives.group_rank(cfg.shard_group)
-        self.layout = flat.make_layout([(s.fqn, s.param.shape, s.param.requires_grad) for s in slots], self.world)
+        placed = placement.assign_owners(name, [s.placement for s in slots], [s.param.numel() for s in slots],
+                                         self.world)
+        self.layout = flat.make_layout([(s.fqn, s.param.shape, s.param.requires_grad) for s in slots], self.world,
+                                       placed)
         self.state = ShardedState.SHARDED
         self.needs_grad = any(p.requires_grad for p in self.layout.params)
         self._views: Optional[list[torch.Tensor]] = None  # grad-mode views, one set per iteration
@@ -151,6 +154,7 @@ class Unit(UnitGrads, UnitValues):
         # weakref); see core/grads.py [Note: no_sync and zero_grad].
         self.sentinels: dict[int, weakref.ref] = {}
         self._shard()
+        placement.register(self)
 
     # ------------------------------------------------------------------ setup
     def _shard(self) -> None:

@@ -37,7 +37,7 @@ class UnitGrads:
                 f"[rank {collectives.rank()}] unit '{self.name}': requires_grad changed inside a no_sync() "
                 "accumulation window; change it before the window or after the synchronizing backward")
         self.layout = flat.make_layout([(p.fqn, p.shape, rg) for p, rg in zip(self.layout.params, flags)],
-                                    self.world)
+                                    self.world, [p.placement for p in self.layout.params])
         self.needs_grad = any(flags)
         self.release_full_grad(self.take_full_grad()[0])
         self.flat_full.requires_grad_(self.needs_grad)
