@@ -25,7 +25,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import collectives
-from .placement import shard_info
+from .placement import ShardInfo, find, shard_info
 
 ELEMENTWISE = frozenset({
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
@@ -83,6 +83,12 @@ def install() -> None:
         _HOOK["handle"] = register_optimizer_step_pre_hook(_check_step)
 
 
+def describe(param: torch.Tensor, info: ShardInfo) -> str:
+    """``'<name>' of unit '<unit>'`` for messages (``info.fqn`` is relative to its unit)."""
+    found = find(param)
+    return f"'{info.fqn}' of unit '{found[0].name}'" if found is not None else f"'{info.fqn}'"
+
+
 def _spread(info) -> bool:
     """Some rank of the shard group holds fewer than all rows (rank-independent)."""
     if info is None or info.world == 1:
@@ -93,14 +99,14 @@ def _spread(info) -> bool:
 
 def _problem(optimizer: torch.optim.Optimizer) -> Optional[str]:
     """The error message for ``optimizer``, or None when it may step."""
-    spread = [info for g in optimizer.param_groups for p in g["params"]
+    spread = [(p, info) for g in optimizer.param_groups for p in g["params"]
               for info in [shard_info(p)] if _spread(info)]
     if not spread:
         return None
     cls = type(optimizer)
     name = f"{cls.__module__}.{cls.__qualname__}"
     name = f"torch.optim.{cls.__qualname__}" if cls.__module__.startswith("torch.optim") else name
-    first = spread[0]
+    param, first = spread[0]
     lo, hi = first.row_range
     more = f" and {len(spread) - 1} more" if len(spread) > 1 else ""
     fix = next((f"use {r}" for k, r in _REPLACEMENTS.items() if k in cls.__qualname__.lower()), None)
@@ -108,8 +114,8 @@ def _problem(optimizer: torch.optim.Optimizer) -> Optional[str]:
         fix = ("use an element-wise optimizer (torch.optim.SGD, Adam, AdamW, ...) or one of fullshard.optim "
                "(Muon, Adafactor, Lamb)")
     return (f"[rank {collectives.rank()}] {name} is not element-wise and steps on parameters sharded by fullshard: "
-            f"'{first.fqn}' (shape {tuple(first.shape)}) is sharded over {first.world} ranks (this rank holds rows "
-            f"[{lo}, {hi}) of {first.shape[0] if len(first.shape) else 1})"
+            f"{describe(param, first)} (shape {tuple(first.shape)}) is sharded over {first.world} ranks (this rank "
+            f"holds rows [{lo}, {hi}) of {first.shape[0] if len(first.shape) else 1})"
             f"{more}, so its step would differ from one device's; {fix}; if {cls.__qualname__} updates each element "
             f"from that element's gradient and state only, call fullshard.optim.allow_elementwise({name})")
 

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from ..construct import clean_name
@@ -186,14 +187,17 @@ class Muon(torch.optim.Optimizer):
             return
         w = split[0]
         lo, hi = w.info.row_range
-        more = f" and {len(split) - 1} more ({', '.join(repr(s.name) for s in split[1:4])}...)" if len(split) > 1 \
-            else ""
+        more = f" and {len(split) - 1} more ({', '.join(s.name for s in split[1:4])}...)" if len(split) > 1 else ""
+        fix = ("build the model with shard_placement_fn=fullshard.optim.muon_placement_fn(model) (called on the "
+               "unwrapped model)")
+        if any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
+            fix = ("fully_shard holds torch.chunk rows only: wrap with FullyShardedDataParallel(..., "
+                   "shard_placement_fn=fullshard.optim.muon_placement_fn(model)) (called on the unwrapped model)")
         raise ValueError(
-            f"[rank {collectives.rank()}] fullshard.optim.Muon: parameter '{w.name}' (shape {tuple(w.shape)}, "
+            f"[rank {collectives.rank()}] fullshard.optim.Muon: parameter {w.name} (shape {tuple(w.shape)}, "
             f"placement {w.info.placement}) is split over {w.info.world} ranks (rows [{lo}, {hi}) here){more}; Muon "
-            "orthogonalizes whole matrices, so each must live on one rank: build the model with "
-            "shard_placement_fn=fullshard.optim.muon_placement_fn(model) (called on the unwrapped model), or put "
-            "the parameter in a use_muon=False group")
+            f"orthogonalizes whole matrices, so each must live on one rank: {fix}, or put the parameter in a "
+            "use_muon=False group")
 
     @torch.no_grad()
     def step(self, closure=None):

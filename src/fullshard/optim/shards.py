@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..core import collectives
-from ..core.params import local_of
+from ..core.optim_guard import describe
 from ..core.placement import ShardInfo, shard_info
 
 ROWS = "rows"
@@ -52,8 +52,8 @@ class Where:
     """One parameter as an optimizer step sees it.
 
     Attributes:
-        name: the parameter's original name (``#i`` in optimizer order when
-            fullshard does not shard it).
+        name: ``'<name>' of unit '<unit>'`` (``#i`` in optimizer order when
+            fullshard does not shard it), for messages.
         info: its :class:`~fullshard.core.placement.ShardInfo`, or None.
         shape: the full shape.
     """
@@ -96,12 +96,13 @@ def where(param: torch.Tensor, index: int, owner: str) -> Where:
                              "is a DTensor that fullshard does not shard; fullshard.optim steps on fullshard's "
                              "shards, plain tensors or fully_shard parameters only")
         if tuple(param.shape) != tuple(info.shape):
-            raise ValueError(f"[rank {collectives.rank()}] {owner}: parameter '{info.fqn}' is tensor-parallel "
-                             f"(global shape {tuple(param.shape)}, data-parallel rows of {tuple(info.shape)}); "
+            raise ValueError(f"[rank {collectives.rank()}] {owner}: parameter {describe(param, info)} is tensor-"
+                             f"parallel (global shape {tuple(param.shape)}, data-parallel rows of "
+                             f"{tuple(info.shape)}); "
                              "fullshard.optim does not support tensor parallelism: use an element-wise optimizer")
     if info is None:
         return Where(f"#{index}", None, param.shape)
-    return Where(info.fqn, info, torch.Size(info.shape))
+    return Where(describe(param, info), info, torch.Size(info.shape))
 
 
 class WhereCache:
@@ -172,9 +173,9 @@ def check_grad(param: torch.Tensor, name: str, owner: str) -> None:
         RuntimeError: complex parameters or sparse gradients (as torch's optimizers).
     """
     if torch.is_complex(param):
-        raise RuntimeError(f"{owner} does not support complex parameters ('{name}')")
+        raise RuntimeError(f"{owner} does not support complex parameters ({name})")
     if param.grad.is_sparse:
-        raise RuntimeError(f"{owner} does not support sparse gradients ('{name}')")
+        raise RuntimeError(f"{owner} does not support sparse gradients ({name})")
 
 
 def like_param(param: torch.Tensor, local: torch.Tensor, shape, replicated: bool = False) -> torch.Tensor:
