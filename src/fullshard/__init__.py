@@ -5,7 +5,7 @@ Drop-in names for ``torch.distributed.fsdp``::
     from fullshard import FullyShardedDataParallel as FSDP, ShardingStrategy
     from fullshard.wrap import ModuleWrapPolicy
 """
-from . import wrap
+from . import optim, wrap
 from .activation_checkpointing import CheckpointWrapper, apply_activation_checkpointing, offload_activations
 from .amp import ShardedGradScaler
 from .api import (
@@ -37,5 +37,6 @@ __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPref
            "LocalStateDictConfig", "LocalOptimStateDictConfig", "ShardedGradScaler",
            "apply_activation_checkpointing", "CheckpointWrapper", "offload_activations", "memory_stats", "wrap",
            "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
-           "register_fsdp_forward_method", "clip_grad_norm_", "RowShard", "BlockShard", "Owned", "shard_info"]
+           "register_fsdp_forward_method", "clip_grad_norm_", "RowShard", "BlockShard", "Owned", "shard_info",
+           "optim"]
 __version__ = "0.1.0"

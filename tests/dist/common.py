@@ -4,13 +4,15 @@ both front doors behind one call (:func:`shard`, :func:`no_sync`), a
 BatchNorm model, and a tiny Hugging Face GPT-2."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fullshard import FSDPModule, FullyShardedDataParallel as FSDP, ShardingStrategy, fully_shard
+from fullshard import BlockShard, FSDPModule, FullyShardedDataParallel as FSDP, Owned, ShardingStrategy, fully_shard
 from fullshard.core.module import UnitModule
 from fullshard.train.sharding import no_sync  # noqa: F401 (either API's no_sync, for the suites)
 from fullshard.wrap import recursive_wrap
@@ -24,6 +26,14 @@ STEPS = 10
 """Optimizer steps of :func:`train`."""
 FULLY_SHARD = "fully_shard"
 """Where a test takes a ``ShardingStrategy`` for the wrapper: ``fullshard.fully_shard`` (torch FSDP2's API)."""
+
+
+# FULLSHARD_TEST_PLACEMENT=<name> runs every wrapper test of :func:`shard`
+# under that placement (tests/dist/test_placements.py runs the usage patterns so).
+PLACEMENT_FNS = {
+    "owned": lambda p: Owned(),
+    "block": lambda p: BlockShard(2),
+}
 
 
 def shard(base: nn.Module, how, policy=None, **kwargs) -> nn.Module:
@@ -41,6 +51,9 @@ def shard(base: nn.Module, how, policy=None, **kwargs) -> nn.Module:
         The wrapper, or ``base`` itself (now an ``FSDPModule``).
     """
     if how != FULLY_SHARD:
+        placed = PLACEMENT_FNS.get(os.environ.get("FULLSHARD_TEST_PLACEMENT", ""))
+        if placed is not None:
+            kwargs = {"shard_placement_fn": placed, **kwargs}
         return FSDP(base, sharding_strategy=ShardingStrategy(how), auto_wrap_policy=policy, **kwargs)
 
     def shard_child(child, name, skip_param_ids):

@@ -77,3 +77,113 @@ def _parity(rank, world, kinds, names):
 def test_placements_match_ddp(world):
     worst = run_ranks(_parity, world, ["mlp", "frozen", "gpt"], list(PLACEMENTS))
     print(f"world={world}: largest per-step loss difference to DDP = {max(worst):.3e}")
+
+
+def _trained(rank, kind, name, steps=3):
+    """A wrapped model under placement ``name`` after ``steps`` AdamW steps, and its optimizer."""
+    model = FSDP(M.make_model(kind), auto_wrap_policy=M.unit_policy(kind),
+                 shard_placement_fn=PLACEMENTS[name] if name else None)
+    named = [(n, p) for n, p in model.named_parameters()]
+    opt = torch.optim.AdamW(M.param_groups(named), lr=1e-2, eps=1e-6)
+    for step in range(steps):
+        x, y = M.batch(kind, rank, step)
+        M.loss_fn(kind, model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _full_state(model, opt):
+    """Full parameters and full optimizer state as numpy, by name (collective)."""
+    from fullshard import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
+                              FullOptimStateDictConfig(rank0_only=False)):
+        sd = {k: v.detach().clone().numpy() for k, v in model.state_dict().items()}
+        osd = FSDP.optim_state_dict(model, opt)
+    state = {f"{n}.{k}": v.detach().clone().numpy() for n, s in osd["state"].items()
+             for k, v in s.items() if torch.is_tensor(v)}
+    return sd, state
+
+
+def _save(rank, world, kind, name, path):
+    from fullshard import checkpoint
+    model, opt = _trained(rank, kind, name)
+    checkpoint.save(path, model, opt)
+    return _full_state(model, opt)
+
+
+def _load(rank, world, kind, name, path):
+    from fullshard import checkpoint
+    model, opt = _trained(rank, kind, name, steps=0)
+    checkpoint.init_optim_state(opt)
+    checkpoint.load(path, model, opt)
+    sharded = _sharded_round_trip(model, name)
+    return _full_state(model, opt), sharded
+
+
+def _sharded_round_trip(model, name):
+    """SHARDED_STATE_DICT of a block/owned model holds torch.chunk rows, and loads back bit for bit."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fullshard import StateDictType
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}  # RowShard values view the shards
+        for k, v in sd.items():
+            if isinstance(v, DTensor):
+                assert v.placements == (Shard(0),), (k, v.placements)
+                assert torch.equal(v.full_tensor(), v.full_tensor()), k
+        before = {k: p.detach().clone() for k, p in model.named_parameters()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        model.load_state_dict(sd)
+    return all(torch.equal(p, before[k]) for k, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("kind", ["gpt"])
+def test_checkpoints_reshard_across_placements_and_world_sizes(kind, tmp_path):
+    path = str(tmp_path / "ck")
+    saved = run_ranks(_save, 2, kind, "owned", path)[0]
+    for world, name in ((2, None), (3, "block3"), (2, "mixed"), (3, "owned")):
+        loaded, sharded_ok = zip(*run_ranks(_load, world, kind, name, path))
+        assert all(sharded_ok), (world, name)
+        sd, state = loaded[0]
+        assert sd.keys() == saved[0].keys() and state.keys() == saved[1].keys(), (world, name)
+        for k in sd:
+            assert (sd[k] == saved[0][k]).all(), (world, name, k)
+        for k in state:
+            assert (state[k] == saved[1][k]).all(), (world, name, k)
+
+
+def _fully_shard_refuses(rank, world):
+    from fullshard import fully_shard
+    out = []
+    for fn in (lambda p: Owned(), lambda p: BlockShard(2)):
+        try:
+            fully_shard(M.make_model("mlp"), shard_placement_fn=fn)
+        except ValueError as e:
+            out.append(str(e))
+    model = fully_shard(M.vector_scale(M.make_model("mlp")), shard_placement_fn=lambda p: RowShard())
+    out.append(all(shard_info(p).placement == RowShard() for p in model.parameters()))
+    return out
+
+
+@pytest.mark.fast
+def test_fully_shard_takes_row_placements_and_refuses_ragged_ones():
+    msgs = run_ranks(_fully_shard_refuses, 2)[0]
+    assert len(msgs) == 3 and msgs[2] is True, msgs
+    for m in msgs[:2]:
+        assert "fully_shard presents parameters as DTensor(Shard(0))" in m and "FullyShardedDataParallel" in m, m
+
+
+@pytest.mark.parametrize("name", ["owned", "block"])
+def test_usage_patterns_under_placements(name):
+    """Every usage pattern of tests/dist/test_patterns.py (no_sync, frozen and
+    unused parameters, exceptions, stored outputs, ...) under the placement."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "FULLSHARD_TEST_PLACEMENT": name}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/dist/test_patterns.py"], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

@@ -9,7 +9,20 @@ import itertools
 import pytest
 import torch
 
-from fullshard.core import flat
+from fullshard.core import flat, placement
+
+PLACED = {
+    "row": lambda n: [placement.RowShard()] * n,
+    "block2": lambda n: [placement.BlockShard(2)] * n,
+    "owned": lambda n: [placement.Owned()] * n,
+    "mixed": lambda n: [(placement.Owned(), placement.BlockShard(3), placement.RowShard())[i % 3] for i in range(n)],
+}
+
+
+def _layout(params, world, kind, frozen=frozenset()):
+    requested = PLACED[kind](len(params))
+    placed = placement.assign_owners("u", requested, [p.numel() for p in params], world)
+    return flat.make_layout([(f"p{i}", p.shape, i not in frozen) for i, p in enumerate(params)], world, placed)
 
 SHAPES = [
     [(7, 3)],
@@ -34,18 +47,26 @@ def _flat_shards(params, layout):
     return shards
 
 
-@pytest.mark.parametrize("shapes,world", list(itertools.product(SHAPES, range(1, 6))))
-def test_all_gather_round_trip(shapes, world):
+@pytest.mark.parametrize("shapes,world,kind", list(itertools.product(SHAPES, range(1, 6), PLACED)))
+def test_all_gather_round_trip(shapes, world, kind):
     params = _params(shapes)
-    layout = flat.make_layout([(f"p{i}", p.shape, True) for i, p in enumerate(params)], world)
+    layout = _layout(params, world, kind)
     shards = _flat_shards(params, layout)
     for r, s in enumerate(shards):
         assert not torch.isnan(s).any(), "padding must be zeroed"
         for p, lay, view in zip(params, layout.params, flat.shard_views(s, layout, r)):
-            chunks = torch.chunk(p.reshape(lay.rows, lay.row_numel), world, dim=0) if lay.rows else ()
-            want = chunks[r] if r < len(chunks) else p.reshape(lay.rows, lay.row_numel)[:0]
+            rows = p.reshape(lay.rows, lay.row_numel)
+            lo, hi = lay.local_row_range(r)
+            if kind == "row":  # torch.chunk semantics
+                chunks = torch.chunk(rows, world, dim=0) if lay.rows else ()
+                assert torch.equal(rows[lo:hi], chunks[r] if r < len(chunks) else rows[:0])
+            elif isinstance(lay.placement, placement.Owned):
+                assert (lo, hi) == ((0, lay.rows) if r == lay.placement.rank else (lo, lo))
+            elif isinstance(lay.placement, placement.BlockShard):
+                assert all(b % lay.placement.rows == 0 or b == lay.rows for b in (lo, hi))
             assert view.shape == lay.local_shape(r)
-            assert torch.equal(view.reshape(-1), want.reshape(-1)), (lay.fqn, r)
+            assert torch.equal(view.reshape(-1), rows[lo:hi].reshape(-1)), (lay.fqn, r)
+        assert sum(lay.local_rows(r) for r in range(world)) == lay.rows
     gathered = torch.cat(shards)  # what all_gather_into_tensor produces
     full = torch.full((layout.unsharded_numel,), float("nan"))
     flat.copy_out(full, gathered, layout)
@@ -55,13 +76,13 @@ def test_all_gather_round_trip(shapes, world):
     assert layout.unsharded_numel == world * layout.shard_numel >= layout.numel
 
 
-@pytest.mark.parametrize("shapes,world", list(itertools.product(SHAPES, range(1, 6))))
-def test_reduce_scatter_input(shapes, world):
+@pytest.mark.parametrize("shapes,world,kind", list(itertools.product(SHAPES, range(1, 6), PLACED)))
+def test_reduce_scatter_input(shapes, world, kind):
     """copy_in of each rank's full gradient, summed over ranks block by block,
     gives every rank the sum of its chunk (frozen parameters skipped)."""
     params = _params(shapes)
     frozen = {1}
-    layout = flat.make_layout([(f"p{i}", p.shape, i not in frozen) for i, p in enumerate(params)], world)
+    layout = _layout(params, world, kind, frozen)
     grads = [_params(shapes, seed=10 + r) for r in range(world)]
     total = None
     for r in range(world):

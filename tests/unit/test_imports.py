@@ -16,14 +16,17 @@ PKG = SRC / "fullshard"
 # (public enums and frozen policies, no logic) and core/ form the bottom layer.
 FORBIDDEN = {
     "core": {"fsdp", "construct", "wrap", "checkpoint", "train", "bench", "memory", "amp",
-             "activation_checkpointing", "models", "data", "cli", "fullshard"},
+             "activation_checkpointing", "models", "data", "cli", "fullshard", "optim"},
     "models": {"core", "fsdp", "construct", "wrap", "checkpoint", "train", "bench", "memory", "amp",
-               "activation_checkpointing", "data", "cli", "fullshard"},
+               "activation_checkpointing", "data", "cli", "fullshard", "optim"},
     "api": {"core", "fsdp", "construct", "wrap", "checkpoint", "train", "bench", "memory", "amp",
-            "activation_checkpointing", "models", "data", "cli", "fullshard"},
+            "activation_checkpointing", "models", "data", "cli", "fullshard", "optim"},
     "checkpoint": {"fsdp", "train", "bench", "cli"},
     "memory": {"fsdp", "train", "bench", "cli"},
-    "data": {"core", "fsdp", "construct", "checkpoint", "train", "bench", "cli"},
+    "data": {"core", "fsdp", "construct", "checkpoint", "train", "bench", "cli", "optim"},
+    # fullshard.optim steps on shards through core's contract (placement.shard_info), never the front doors.
+    "optim": {"fsdp", "fsdp2", "wrap", "checkpoint", "train", "bench", "memory", "amp", "activation_checkpointing",
+              "models", "data", "cli", "fullshard"},
     "train": {"bench", "cli"},
     "bench": {"cli"},
 }

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..api import StateDictType
-from ..core import collectives
+from ..core import collectives, placement
 from ..core.gather import gather_full
 from ..core.params import local_of
 from . import state_dict as state_dicts
@@ -153,8 +153,10 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
                 continue
             for si in range(len(unit.slots)):
                 lay = unit.layout.params[si]
-                if si not in have and not (len(lay.shape) == 0 and unit.world > 1):
-                    continue  # 0-dim slots broadcast on every rank, held or not
+                collective = unit.world > 1 and (len(lay.shape) == 0 or lay.bounds != placement.row_bounds(
+                    placement.RowShard(), lay.rows, unit.world))
+                if si not in have and not collective:
+                    continue  # 0-dim slots broadcast, and block/owned rows re-chunk, on every rank, held or not
                 local = have.get(si)
                 if local is None:
                     local = torch.zeros(lay.local_shape(unit.rank), dtype=dtype, device=unit.flat_shard.device)

@@ -41,7 +41,7 @@ from ..api import (
     StateDictType,
 )
 from ..construct import WRAPPER_SEGMENTS
-from ..core import collectives, state
+from ..core import collectives, placement, state
 from ..core.module import unit_modules
 
 
@@ -241,6 +241,9 @@ def shard_value(unit, si: int, local: torch.Tensor, offload: bool) -> torch.Tens
         return t.view(()).cpu() if offload else t.view(())
     from torch.distributed.tensor import DTensor, Shard
 
+    chunk = placement.row_bounds(placement.RowShard(), lay.rows, unit.world)
+    if lay.bounds != chunk:  # block or owned rows: the checkpoint holds torch.chunk rows, as for any other
+        local = rechunk(unit, si, local.detach(), lay.bounds, chunk)
     local = local.detach().to("cpu", copy=True) if offload else local.detach()
     meshes = _MESHES.setdefault(unit.cfg.shard_group, {})
     if local.device.type not in meshes:
@@ -261,6 +264,9 @@ def local_rows(unit, si: int, value: torch.Tensor, key: str) -> torch.Tensor:
 
     if isinstance(value, DTensor):
         local = value.to_local()
+        chunk = placement.row_bounds(placement.RowShard(), lay.rows, unit.world)
+        if lay.bounds != chunk and local.shape == (chunk[unit.rank + 1] - chunk[unit.rank], *lay.shape[1:]):
+            return rechunk(unit, si, local, chunk, lay.bounds)
         if local.shape != want:
             raise ValueError(f"[rank {collectives.rank()}] '{key}': DTensor local shard {tuple(local.shape)} is not "
                              "this "
@@ -271,3 +277,21 @@ def local_rows(unit, si: int, value: torch.Tensor, key: str) -> torch.Tensor:
     return value.detach().reshape(lay.rows, lay.row_numel)[lo:hi].reshape(want)
 
 
+def rechunk(unit, si: int, local: torch.Tensor, src: tuple, dst: tuple) -> torch.Tensor:
+    """Slot ``si``'s rows laid out by row bounds ``src`` (this rank holds
+    ``local``, rows ``[src[r], src[r+1])``) as laid out by ``dst``: one
+    all-gather of the padded local rows over the shard group (every rank of
+    it calls this for the same slot). Used to present block and owned
+    placements as ``torch.chunk`` rows in state dicts and back."""
+    lay = unit.layout.params[si]
+    n = unit.world
+    sizes = [src[r + 1] - src[r] for r in range(n)]
+    most = max(sizes)
+    send = local.new_zeros((most, lay.row_numel))
+    send[:local.shape[0]].copy_(local.reshape(-1, lay.row_numel))
+    out = local.new_empty((n * most, lay.row_numel))
+    collectives.all_gather(out.view(-1), send.view(-1), unit.cfg.shard_group, async_op=False,
+                           tag=f"unit '{unit.name}' state dict rows")
+    full = torch.cat([out[r * most:r * most + sizes[r]] for r in range(n)])
+    rank = unit.rank
+    return full[dst[rank]:dst[rank + 1]].reshape(dst[rank + 1] - dst[rank], *lay.shape[1:]).clone()

@@ -32,8 +32,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import placement as placements
-from . import torch_private
+from . import placement as placements, torch_private
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +162,7 @@ def make_layout(named_shapes: Sequence[tuple[str, torch.Size, bool]], world: int
     # Row- and block-sharded slots first, at the same offsets on every rank.
     fields: dict[int, dict] = {}
     offset = grad_offset = full = 0
-    for i, (fqn, shape, rg, pl, rows, row_numel) in enumerate(shapes):
+    for i, (_, _, rg, pl, rows, row_numel) in enumerate(shapes):
         if isinstance(pl, placements.Owned):
             continue
         chunk = placements.chunk_rows(pl, rows, world)
@@ -177,7 +176,7 @@ def make_layout(named_shapes: Sequence[tuple[str, torch.Size, bool]], world: int
     # Owned parameters packed on their owner after them; the unsharded flat
     # holds them contiguously after the uniform regions.
     used, used_grad = [uniform] * world, [uniform_grad] * world
-    for i, (fqn, shape, rg, pl, rows, row_numel) in enumerate(shapes):
+    for i, (_, _, rg, pl, rows, row_numel) in enumerate(shapes):
         if not isinstance(pl, placements.Owned):
             continue
         n = rows * row_numel

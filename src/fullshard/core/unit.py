@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import collectives, flat, grads, placement, torch_private
+from . import collectives, flat, grads, optim_guard, placement, torch_private
 from .buffers import POOL
 from .params import ParamSlot
 from .unit_grads import UnitGrads
@@ -117,13 +117,14 @@ class Unit(UnitGrads, UnitValues):
     """
 
     def __init__(self, name: str, slots: list[ParamSlot], cfg: UnitConfig):
+        optim_guard.install()  # optimizers that need whole tensors fail loudly on shards
         self.name = name
         self.cfg = cfg
         self.slots = slots
         self.world = collectives.group_size(cfg.shard_group)
         self.rank = collectives.group_rank(cfg.shard_group)
         placed = placement.assign_owners(name, [s.placement for s in slots], [s.param.numel() for s in slots],
-                                         self.world)
+                                         self.world, placement.group_tally(cfg.shard_group, self.world))
         self.layout = flat.make_layout([(s.fqn, s.param.shape, s.param.requires_grad) for s in slots], self.world,
                                        placed)
         self.state = ShardedState.SHARDED

@@ -1,0 +1,134 @@
+"""The loud error for an optimizer that cannot step on fullshard's shards.
+
+[Note: optimizers that see whole tensors]
+A parameter sharded by fullshard is, on each rank, some of its dim-0 rows.
+An element-wise optimizer (each element's update depends on that element's
+gradient and state only: SGD, Adam, AdamW, ...) gives the same step on the
+rows as on the whole tensor. Any other (Muon orthogonalizes the matrix,
+Adafactor keeps row and column means, LAMB and LARS scale by a tensor norm,
+LBFGS takes dot products over all parameters) silently gives another model.
+One global ``register_optimizer_step_pre_hook``, installed when the first
+unit is built, checks every ``optimizer.step()``: an optimizer whose exact
+class is not on :data:`ELEMENTWISE` nor allowed (``fullshard.optim``'s
+classes, :func:`allow_elementwise`) raises :class:`ShardedOptimizerError`
+at its first step if one of its parameters is spread over ranks (some rank
+of its shard group holds fewer than all of its rows). The verdict is
+computed from the layout, so it is the same on every rank, and cached per
+optimizer until its parameter groups change.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from . import collectives
+from .placement import ShardInfo, find, shard_info
+
+ELEMENTWISE = frozenset({
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
+    torch.optim.Rprop, torch.optim.SparseAdam,
+})
+"""torch's element-wise optimizers (exact classes; ``foreach`` and ``fused`` variants included)."""
+
+_ALLOWED: set = set()
+_HOOK = {"handle": None}
+# optimizer -> (its parameter groups' structure, the error message or None)
+_VERDICTS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+# Replacements by optimizer class name.
+_REPLACEMENTS = {"muon": "fullshard.optim.Muon (with shard_placement_fn=fullshard.optim.muon_placement_fn(model))",
+                 "adafactor": "fullshard.optim.Adafactor", "lamb": "fullshard.optim.Lamb"}
+
+
+class ShardedOptimizerError(RuntimeError):
+    """An optimizer that needs whole tensors stepped on parameters spread over ranks."""
+
+
+def allow_elementwise(cls: type) -> type:
+    """Let optimizer class ``cls`` step on fullshard's shards (exact class,
+    not its subclasses). Use it for an optimizer whose update of each
+    element depends only on that element's gradient and state, or whose
+    parameters you placed so it sees what it needs. Returns ``cls``, so it
+    works as a class decorator.
+
+    Raises:
+        TypeError: ``cls`` is not a ``torch.optim.Optimizer`` subclass.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"allow_elementwise takes a torch.optim.Optimizer subclass, got {cls!r}")
+    _ALLOWED.add(cls)
+    _VERDICTS.clear()
+    return cls
+
+
+def shard_aware(cls: type) -> type:
+    """Mark ``cls`` (a ``fullshard.optim`` class) as stepping correctly on shards; returns it."""
+    _ALLOWED.add(cls)
+    _VERDICTS.clear()
+    return cls
+
+
+def disallow(cls: type) -> None:
+    """Undo :func:`allow_elementwise` for ``cls``."""
+    _ALLOWED.discard(cls)
+    _VERDICTS.clear()
+
+
+def install() -> None:
+    """Install the step pre-hook once per process (idempotent)."""
+    if _HOOK["handle"] is None:
+        _HOOK["handle"] = register_optimizer_step_pre_hook(_check_step)
+
+
+def describe(param: torch.Tensor, info: ShardInfo) -> str:
+    """``'<name>' of unit '<unit>'`` for messages (``info.fqn`` is relative to its unit)."""
+    found = find(param)
+    return f"'{info.fqn}' of unit '{found[0].name}'" if found is not None else f"'{info.fqn}'"
+
+
+def _spread(info) -> bool:
+    """Some rank of the shard group holds fewer than all rows (rank-independent)."""
+    if info is None or info.world == 1:
+        return False
+    rows = info.shape[0] if len(info.shape) else 1
+    return any(hi - lo != rows for lo, hi in zip(info.bounds, info.bounds[1:]))
+
+
+def _problem(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """The error message for ``optimizer``, or None when it may step."""
+    spread = [(p, info) for g in optimizer.param_groups for p in g["params"]
+              for info in [shard_info(p)] if _spread(info)]
+    if not spread:
+        return None
+    cls = type(optimizer)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    name = f"torch.optim.{cls.__qualname__}" if cls.__module__.startswith("torch.optim") else name
+    param, first = spread[0]
+    lo, hi = first.row_range
+    more = f" and {len(spread) - 1} more" if len(spread) > 1 else ""
+    fix = next((f"use {r}" for k, r in _REPLACEMENTS.items() if k in cls.__qualname__.lower()), None)
+    if fix is None:
+        fix = ("use an element-wise optimizer (torch.optim.SGD, Adam, AdamW, ...) or one of fullshard.optim "
+               "(Muon, Adafactor, Lamb)")
+    return (f"[rank {collectives.rank()}] {name} is not element-wise and steps on parameters sharded by fullshard: "
+            f"{describe(param, first)} (shape {tuple(first.shape)}) is sharded over {first.world} ranks (this rank "
+            f"holds rows [{lo}, {hi}) of {first.shape[0] if len(first.shape) else 1})"
+            f"{more}, so its step would differ from one device's; {fix}; if {cls.__qualname__} updates each element "
+            f"from that element's gradient and state only, call fullshard.optim.allow_elementwise({name})")
+
+
+def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    cls = type(optimizer)
+    if cls in ELEMENTWISE or cls in _ALLOWED:
+        return None
+    key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+    seen = _VERDICTS.get(optimizer)
+    if seen is None or seen[0] != key:
+        seen = (key, _problem(optimizer))
+        _VERDICTS[optimizer] = seen
+    if seen[1] is not None:
+        raise ShardedOptimizerError(seen[1])
+    return None
