@@ -6,7 +6,8 @@ as each ``--optimizer`` keeps its state: what ``fullshard plan`` reports.
 Rank r of N keeps rows ``[lo_r, hi_r)`` of a parameter of shape ``(R, *rest)`` (``c`` elements per
 row); ``n_r = hi_r - lo_r``. RowShard gives every rank a slot of ``ceil(R / N)`` rows (trailing
 ranks hold fewer real rows); Owned puts all R rows on one rank, chosen per unit by
-``core.placement.assign_owners`` (largest first, to the least-loaded rank). State elements of
+``core.placement.assign_owners`` (largest first, to the least-loaded rank; ties to the rank owning
+least in earlier units). State elements of
 rank r, fp32 like the master parameters:
 
 * adam, cpu_adam, lamb: two moments, ``2·n_r·c``;
@@ -27,7 +28,7 @@ from typing import Sequence
 import torch
 
 from fullshard import optim as fullshard_optim
-from fullshard.core.flat import FlatLayout, make_layout
+from fullshard.core.flat import make_layout
 from fullshard.core.placement import Owned, RowShard, assign_owners, normalize
 from fullshard.models import TransformerBlock
 
@@ -80,17 +81,23 @@ def gpt_units(model: torch.nn.Module) -> tuple:
     return tuple(units)
 
 
-def _layout(unit: UnitRecord, world: int, owned: bool) -> FlatLayout:
-    """The engine's layout of ``unit`` at ``world`` ranks (Muon matrices Owned when ``owned``)."""
-    places = [Owned() if owned and p.muon else RowShard() for p in unit.params]
-    places = assign_owners(unit.name, places, [p.numel for p in unit.params], world)
-    return make_layout([(str(i), torch.Size(p.shape), True) for i, p in enumerate(unit.params)], world, places)
+def _layouts(units: Sequence[UnitRecord], world: int, owned: bool) -> list:
+    """The engine's layout of each unit at ``world`` ranks (Muon matrices Owned when ``owned``), built
+    in construction order: owners balance within a unit, ties go to the rank owning least so far."""
+    tally = [0] * world
+    out = []
+    for unit in units:
+        places = [Owned() if owned and p.muon else RowShard() for p in unit.params]
+        places = assign_owners(unit.name, places, [p.numel for p in unit.params], world, tally)
+        out.append(make_layout([(str(i), torch.Size(p.shape), True) for i, p in enumerate(unit.params)], world,
+                               places))
+    return out
 
 
 def shard_elements(units: Sequence[UnitRecord], world: int, owned: bool) -> int:
     """Elements of one rank's flat shards over all units (padding included: each row-sharded
     parameter's slot of ``ceil(R / N)`` rows, then the largest rank's owned parameters)."""
-    return sum(_layout(unit, world, owned).shard_numel for unit in units)
+    return sum(layout.shard_numel for layout in _layouts(units, world, owned))
 
 
 def _adafactor_elements(local: torch.Size) -> int:
@@ -112,8 +119,7 @@ def state_elements(units: Sequence[UnitRecord], optimizer: str, world: int) -> l
     if optimizer not in OPTIMIZER_STATE:
         raise ValueError(f"unknown optimizer {optimizer!r}; one of {', '.join(OPTIMIZER_STATE)}")
     out = [0] * world
-    for unit in units:
-        layout = _layout(unit, world, optimizer == "muon")
+    for unit, layout in zip(units, _layouts(units, world, optimizer == "muon")):
         for p, lay in zip(unit.params, layout.params):
             for r in range(world):
                 n = lay.local_rows(r)

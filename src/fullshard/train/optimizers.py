@@ -2,7 +2,7 @@
 its parameter groups and the line the run header logs.
 
 ==========  =======================================================  =====================================
---optimizer  built                                                    flags read
+optimizer   built                                                    flags read
 ==========  =======================================================  =====================================
 adam        ``torch.optim.AdamW`` (foreach under --cpu-offload)       --adam-betas --adam-eps
 cpu_adam    ``torch.optim.AdamW(fused=True)`` on host shards          --adam-betas --adam-eps
@@ -10,7 +10,9 @@ muon        ``fullshard.optim.Muon``: Muon on the 2-D weights of      --muon-* a
             the transformer blocks, AdamW on the rest (one object,    --adam-betas --adam-eps
             ``use_muon`` groups); fully_sharded places each Muon
             matrix whole on one rank (``muon_placement_fn``)
-adafactor   ``fullshard.optim.Adafactor`` (torch.optim.Adafactor's)  --adafactor-*
+adafactor   ``fullshard.optim.Adafactor`` (torch.optim.Adafactor's);   --adafactor-*
+            fully_sharded: ``fully_shard`` (--fsdp-version 2), whose
+            DTensor state carries its row factors through checkpoints
 lamb        ``fullshard.optim.Lamb``                                  --lamb-*
 ==========  =======================================================  =====================================
 
@@ -61,6 +63,10 @@ def check_flags(args, defaults: Dict[str, object]) -> Optional[str]:
         return ("--optimizer muon keeps each Muon matrix whole on one rank (Owned), which --fsdp-version 2 "
                 "cannot present (fully_shard's parameters are DTensor(Shard(0)), torch.chunk rows); use "
                 "--fsdp-version 1 or --ddp-backend c10d")
+    if args.optimizer == "adafactor" and args.ddp_backend == "fully_sharded" and args.fsdp_version == 1:
+        return ("--optimizer adafactor with --fsdp-version 1: the wrapper's optimizer state dict keeps one rank's "
+                "row factors (state not shaped like the parameter), so its checkpoints would not resume; use "
+                "--fsdp-version 2 (adafactor's default)")
     if args.world_size_invariant and args.optimizer in ("adafactor", "lamb"):
         return (f"--world-size-invariant with --optimizer {args.optimizer}: its per-tensor sums (norms"
                 f"{', column means' if args.optimizer == 'adafactor' else ''}) are added over the ranks holding each "
