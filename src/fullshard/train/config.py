@@ -316,7 +316,8 @@ class OptimizationOptions:
     # fairseq's --optimizer lamb flags.
     lamb_betas: Tuple[float, float] = flag((0.9, 0.999), "lamb: betas, e.g. '(0.9,0.999)'", type=parse_betas)
     lamb_eps: float = flag(1e-8, "lamb: epsilon (default: %(default)s)")
-    lr: float = flag(5e-4, "peak learning rate (default: %(default)s)")
+    lr: float = flag(5e-4, "peak learning rate (adafactor: the cap of its relative step size, torch's default "
+                     "1e-2) (default: %(default)s)")
     lr_scheduler: str = flag("fixed", "learning-rate schedule (default: %(default)s)", choices=SCHEDULERS)
     warmup_updates: int = flag(0, "updates of linear learning-rate warmup (default: %(default)s)")
     total_num_update: int = flag(0, "updates over which polynomial_decay/cosine anneal (default: --max-update)")

@@ -29,8 +29,10 @@ no_sync micro-batches   ``model.no_sync()``                         ``set_requir
                                                                     engine's, summed in the same order)
 --world-size-invariant  ``world_size_invariant=True`` (propagated   ``world_size_invariant=True`` on every call
                         to the auto-wrapped units)
---optimizer muon        ``shard_placement_fn=muon_placement_fn``    the same ``shard_placement_fn`` on every call
-                        (each Muon matrix ``Owned`` by one rank)
+--optimizer muon        ``shard_placement_fn=muon_placement_fn``    refused (``Shard(0)`` DTensors hold torch.chunk
+                        (each Muon matrix ``Owned`` by one rank)    rows only)
+--optimizer adafactor   refused (its optimizer state dict would     the default for adafactor (DTensor state
+                        keep one rank's row factors)                carries the row factors)
 checkpoints             ``fullshard.checkpoint`` (by original name, DTensor ``Shard(0)`` values): one format
 ======================  ==========================================  ===============================================
 """
@@ -57,7 +59,6 @@ from fullshard import (
     fully_shard,
 )
 from fullshard.core import collectives, norms
-from fullshard.core.placement import shard_info
 from fullshard.models import TransformerBlock
 from fullshard.train import optimizers
 from fullshard.train.config import TrainConfig
@@ -154,7 +155,7 @@ def _fully_shard(model: nn.Module, cfg: TrainConfig, device: torch.device, init_
                   reshard_after_forward=strategy is not ShardingStrategy.SHARD_GRAD_OP,
                   mp_policy=MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None),
                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
-                  **invariance_kwargs(cfg), **placement_kwargs(cfg, model))
+                  **invariance_kwargs(cfg))
     originals = dict(model.named_parameters())  # meta parameters, a tied one once
     for block in model.layers:  # a CheckpointWrapper(block) under --checkpoint-activations
         fully_shard(block, **kwargs)
@@ -166,11 +167,8 @@ def _fully_shard(model: nn.Module, cfg: TrainConfig, device: torch.device, init_
 
 
 def _rows_of(param: DTensor) -> tuple[int, int]:
-    """Dim-0 rows ``[lo, hi)`` of ``param`` this rank holds: its placement's (``shard_info``), else
-    ``torch.chunk`` of the rows over the mesh's last (shard) dimension, as ``Shard(0)`` places them."""
-    info = shard_info(param)
-    if info is not None:
-        return info.row_range
+    """Dim-0 rows ``[lo, hi)`` of ``param`` this rank holds: ``torch.chunk`` of the rows over the
+    mesh's last (shard) dimension, as ``Shard(0)`` places them."""
     mesh = param.device_mesh
     dim = mesh.ndim - 1
     size, coord = mesh.size(dim), mesh.get_local_rank(dim)
