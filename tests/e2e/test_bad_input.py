@@ -84,7 +84,8 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
     (["{data}", "--task", "translation"], "invalid choice: 'translation'"),
     (["{data}", "--optimizer", "sgd"], "invalid choice: 'sgd'"),
     # --optimizer muon | adafactor | lamb: torch's ranges, and no flag of another optimizer
-    (["{data}", "--muon-momentum", "0.9"], "--muon-momentum is a flag of --optimizer muon, this run has --optimizer adam"),
+    (["{data}", "--muon-momentum", "0.9"],
+     "--muon-momentum is a flag of --optimizer muon, this run has --optimizer adam"),
     (["{data}", "--optimizer", "adafactor", "--adam-betas", "(0.9,0.98)"],
      "--adam-betas is a flag of --optimizer adam and muon, this run has --optimizer adafactor"),
     (["{data}", "--optimizer", "muon", "--lamb-eps", "1e-6"], "--lamb-eps is a flag of --optimizer lamb"),
