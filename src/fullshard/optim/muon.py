@@ -98,9 +98,11 @@ class Muon(torch.optim.Optimizer):
     (as ``lerp``), ``U = g + mu B`` (nesterov) or ``B``, ``O = NS(U)``,
     ``x <- x (1 - lr wd) - adjust_lr(lr) O`` (torch's single-tensor code,
     bitwise). Groups with ``use_muon`` False run ``torch.optim.adamw.adamw``
-    (bitwise ``torch.optim.AdamW`` on the same tensors) with ``adamw_betas``,
-    ``adamw_eps``, ``adamw_lr`` (None: the group's ``lr``) and
-    ``adamw_weight_decay`` (None: the group's ``weight_decay``). See
+    (bitwise ``torch.optim.AdamW`` on the same tensors) with the group's
+    ``lr``, ``weight_decay``, ``adamw_betas`` and ``adamw_eps``; such a group
+    given without ``lr`` (``weight_decay``) takes ``adamw_lr``
+    (``adamw_weight_decay``) when set, so learning-rate schedulers and
+    ``lr = 0`` act on both kinds of group alike. See
     :func:`muon_param_groups` for the usual split.
 
     On shards, every Muon parameter must be whole on one rank: build the model
@@ -116,9 +118,10 @@ class Muon(torch.optim.Optimizer):
             0.95, True, (3.4445, -4.7750, 2.0315), 1e-7, 5, None).
         adamw_betas: AdamW's betas in ``use_muon=False`` groups (default (0.9, 0.95)).
         adamw_eps: AdamW's eps (default 1e-8).
-        adamw_lr: AdamW's learning rate (default None: the group's ``lr``).
-        adamw_weight_decay: AdamW's decoupled weight decay (default None: the
-            group's ``weight_decay``).
+        adamw_lr: ``lr`` of ``use_muon=False`` groups that name none
+            (default None: ``lr``).
+        adamw_weight_decay: ``weight_decay`` of ``use_muon=False`` groups that
+            name none (default None: ``weight_decay``).
 
     State (per parameter, shaped like its local rows, dtype of its grad):
         Muon: ``momentum_buffer``. AdamW: ``step`` (0-dim fp32 CPU tensor),
@@ -155,16 +158,22 @@ class Muon(torch.optim.Optimizer):
         defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
                     "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps,
                     "adjust_lr_fn": adjust_lr_fn, "use_muon": True, "adamw_betas": tuple(adamw_betas),
-                    "adamw_eps": adamw_eps, "adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay}
+                    "adamw_eps": adamw_eps}
+        self._adamw_defaults = {k: v for k, v in (("lr", adamw_lr), ("weight_decay", adamw_weight_decay))
+                                if v is not None}
         self._where = shards.WhereCache()
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's, then the 2-D check of ``torch.optim.Muon`` for ``use_muon`` groups.
+        """torch's (an AdamW group without ``lr`` / ``weight_decay`` takes
+        ``adamw_lr`` / ``adamw_weight_decay`` when set), then the 2-D check
+        of ``torch.optim.Muon`` for ``use_muon`` groups.
 
         Raises:
             ValueError: a parameter of a ``use_muon`` group is not 2-D.
         """
+        if not param_group.get("use_muon", True):
+            param_group = {**self._adamw_defaults, **param_group}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if group["use_muon"]:
@@ -265,12 +274,11 @@ class Muon(torch.optim.Optimizer):
             steps.append(state["step"])
         if not params:
             return
-        lr = group["adamw_lr"] if group["adamw_lr"] is not None else group["lr"]
-        wd = group["adamw_weight_decay"] if group["adamw_weight_decay"] is not None else group["weight_decay"]
         beta1, beta2 = group["adamw_betas"]
         adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, capturable=False, differentiable=False,
               fused=None, grad_scale=None, found_inf=None, has_complex=False, amsgrad=False, beta1=beta1,
-              beta2=beta2, lr=lr, weight_decay=wd, eps=group["adamw_eps"], maximize=False)
+              beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["adamw_eps"],
+              maximize=False)
 
 
 # ------------------------------------------------------------------ the recipe
