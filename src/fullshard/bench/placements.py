@@ -56,10 +56,10 @@ def _choose(kind: str, is_matrix: bool) -> placement.Placement:
 
 def measure(model: nn.Module, kind: str, world: int, blocks_per_unit: int = 1) -> dict:
     """Balance and padding of ``model``'s units under placement ``kind`` at N = ``world``."""
-    per_rank, padding, ns, numel = [0] * world, 0, [0] * world, 0
+    per_rank, padding, ns, numel, tally = [0] * world, 0, [0] * world, 0, [0] * world
     for i, params in enumerate(_units(model, blocks_per_unit)):
         requested = [_choose(kind, m) for _, _, m in params]
-        placed = placement.assign_owners(f"unit{i}", requested, [p.numel() for _, p, _ in params], world)
+        placed = placement.assign_owners(f"unit{i}", requested, [p.numel() for _, p, _ in params], world, tally)
         lay = flat.make_layout([(n, p.shape, True) for n, p, _ in params], world, placed)
         for r in range(world):
             per_rank[r] += lay.rank_numel(r)

@@ -121,12 +121,15 @@ def row_bounds(placement: Placement, rows: int, world: int) -> tuple[int, ...]:
 
 
 def assign_owners(unit_name: str, placements: Sequence[Placement], numels: Sequence[int],
-                  world: int) -> list[Placement]:
+                  world: int, tally: Optional[list[int]] = None) -> list[Placement]:
     """Resolve every ``Owned(None)`` of one unit (see [Note: placements]).
 
     Fixed owners count first; then the unset ones, largest first, go to the
-    rank with the fewest owned elements. Ties go to ranks in an order rotated
-    by a hash of ``unit_name``, so equal units do not all load rank 0.
+    rank with the fewest owned elements in this unit. Ties go to the rank
+    with the fewest owned elements in earlier units (``tally``, updated in
+    place; the ranks of a group build the same units in the same order, so
+    they agree), then in an order rotated by a hash of ``unit_name``, so
+    equal units do not all load the same rank.
 
     Raises:
         ValueError: an ``Owned(rank)`` with ``rank >= world``.
@@ -139,13 +142,27 @@ def assign_owners(unit_name: str, placements: Sequence[Placement], numels: Seque
                                  "use a rank below the shard-group size or Owned(rank=None)")
             load[p.rank] += n
     rot = zlib.crc32(unit_name.encode()) % world
+    earlier = tally if tally is not None and len(tally) == world else [0] * world
     out = list(placements)
     unset = [i for i, p in enumerate(placements) if isinstance(p, Owned) and p.rank is None]
     for i in sorted(unset, key=lambda i: (-numels[i], i)):
-        owner = min(range(world), key=lambda r: (load[r], (r - rot) % world))
+        owner = min(range(world), key=lambda r: (load[r], earlier[r], (r - rot) % world))
         load[owner] += numels[i]
         out[i] = Owned(owner)
+    if tally is not None:
+        tally[:] = [a + b for a, b in zip(earlier, load)]
     return out
+
+
+# Owned elements per rank of the units built so far, per shard group
+# (``assign_owners``'s tie-break across units).
+_TALLY: dict[tuple[int, int], list[int]] = {}
+
+
+def group_tally(group, world: int) -> list[int]:
+    """The running owned-element tally of ``group`` (None: a one-rank group)."""
+    key = (id(group), world)
+    return _TALLY.setdefault(key, [0] * world)
 
 
 @dataclasses.dataclass(frozen=True)

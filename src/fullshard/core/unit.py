@@ -124,7 +124,7 @@ class Unit(UnitGrads, UnitValues):
         self.world = collectives.group_size(cfg.shard_group)
         self.rank = collectives.group_rank(cfg.shard_group)
         placed = placement.assign_owners(name, [s.placement for s in slots], [s.param.numel() for s in slots],
-                                         self.world)
+                                         self.world, placement.group_tally(cfg.shard_group, self.world))
         self.layout = flat.make_layout([(s.fqn, s.param.shape, s.param.requires_grad) for s in slots], self.world,
                                        placed)
         self.state = ShardedState.SHARDED
