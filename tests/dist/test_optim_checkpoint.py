@@ -8,7 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from fullshard import (
     BlockShard,
@@ -66,6 +70,13 @@ def _full_matches_one_device(rank, world, cases):
             worst = max(worst, float(np.abs(got[k].astype(np.float64) - want[k]).max(initial=0.0)))
         assert worst == 0.0 if opt_name == "muon" else worst < 1e-6, (where, worst)
         out[where] = worst
+        if how == FULLY_SHARD:  # torch's full-state load scatters it into a fresh optimizer's DTensors
+            fresh, fresh_opt = _trained(rank, world, how, opt_name, place, 0)
+            set_optimizer_state_dict(fresh, fresh_opt, get_optimizer_state_dict(
+                model, opt, options=StateDictOptions(full_state_dict=True)),
+                options=StateDictOptions(full_state_dict=True))
+            again = full_optim_state(fresh, fresh_opt)
+            assert again.keys() == got.keys() and all(np.array_equal(again[k], got[k]) for k in got), where
     return out
 
 

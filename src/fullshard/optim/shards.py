@@ -151,7 +151,12 @@ class GroupSums:
         for key, parts in self._parts.items():
             group = key[0]
             flat = torch.cat([p.reshape(-1) for p in parts])
-            collectives.all_reduce(flat, group, "sum", tag=self.tag)
+            if flat.device.type == "cpu" and collectives.backend(group) == "nccl":  # offloaded parameters
+                flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
+                collectives.all_reduce(flat, group, "sum", tag=self.tag)
+                flat = flat.cpu()
+            else:
+                collectives.all_reduce(flat, group, "sum", tag=self.tag)
             self._out[key] = [v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in parts]), parts)]
         self._parts = {}
 
