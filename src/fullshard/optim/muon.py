@@ -3,11 +3,15 @@
 Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural
 networks", https://kellerjordan.github.io/posts/muon/; ``torch.optim.Muon``)
 replaces each 2-D weight's momentum update by its Newton–Schulz
-orthogonalization, which needs the whole matrix: every Muon parameter must
-be held whole by one rank (``Owned``; see :func:`muon_placement_fn`). The
-owner runs exactly ``torch.optim.Muon``'s single-tensor operations on the
-same matrix, so its result is bitwise the same as on one device; the next
-all-gather brings it to the other ranks.
+orthogonalization, which needs the whole matrix. A Muon parameter held
+whole by one rank (``Owned``; see :func:`muon_placement_fn`) is stepped by
+its owner, which runs exactly ``torch.optim.Muon``'s single-tensor
+operations on the same matrix, so its result is bitwise the same as on one
+device; the next all-gather brings it to the other ranks. A matrix whose
+rows are spread over ranks (``RowShard``, the only placement ``fully_shard``
+takes) costs one extra all-gather of its momentum update per step, and
+every rank of the shard group orthogonalizes the whole matrix: the same
+bits again, at N times the Newton–Schulz work.
 """
 from __future__ import annotations
 
@@ -188,26 +192,6 @@ class Muon(torch.optim.Optimizer):
         fullshard's checkpoints): every tensor but ``step`` is the parameter's rows."""
         return None if key == "step" else ROWS
 
-    def _check_whole(self, wheres: dict) -> None:
-        """Raises ValueError naming every Muon parameter split over ranks (the same on every rank)."""
-        split = [wheres[id(p)] for g in self.param_groups if g["use_muon"] for p in g["params"]
-                 if wheres[id(p)].split]
-        if not split:
-            return
-        w = split[0]
-        lo, hi = w.info.row_range
-        more = f" and {len(split) - 1} more ({', '.join(s.name for s in split[1:4])}...)" if len(split) > 1 else ""
-        fix = ("build the model with shard_placement_fn=fullshard.optim.muon_placement_fn(model) (called on the "
-               "unwrapped model)")
-        if any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
-            fix = ("fully_shard holds torch.chunk rows only: wrap with FullyShardedDataParallel(..., "
-                   "shard_placement_fn=fullshard.optim.muon_placement_fn(model)) (called on the unwrapped model)")
-        raise ValueError(
-            f"[rank {collectives.rank()}] fullshard.optim.Muon: parameter {w.name} (shape {tuple(w.shape)}, "
-            f"placement {w.info.placement}) is split over {w.info.world} ranks (rows [{lo}, {hi}) here){more}; Muon "
-            f"orthogonalizes whole matrices, so each must live on one rank: {fix}, or put the parameter in a "
-            "use_muon=False group")
-
     @torch.no_grad()
     def step(self, closure=None):
         """One optimization step (see the class docstring).
@@ -222,7 +206,6 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         wheres = self._where.get(self)
-        self._check_whole(wheres)
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon(group, wheres)
@@ -242,14 +225,23 @@ class Muon(torch.optim.Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = like_param(
                     p, torch.zeros_like(local_of(p.grad), memory_format=torch.preserve_format), w.shape)
-            if not w.holds_all:
+            if not w.holds_all and not w.split:
                 continue  # zero rows of a parameter another rank owns
             grad, buf, param = local_of(p.grad), local_of(state["momentum_buffer"]), local_of(p)
-            if grad.ndim != 2:
+            if len(w.shape) != 2:
                 raise ValueError("Param gradient must be a 2D matrix")
+            # The momentum and Nesterov steps are element-wise: this rank's rows of them are the
+            # single-device rows, bit for bit.
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+            if w.split:
+                # Rows spread over ranks (fully_shard, RowShard): gather the whole update, and every
+                # rank of the shard group runs the same Newton-Schulz on it and keeps its rows.
+                update = shards.gather_rows(update, w.info, "fullshard.optim.Muon")
             update = zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            if w.split:
+                lo, hi = w.info.row_range
+                update = update[lo:hi]
             adjusted_lr = adjust_lr(lr, group["adjust_lr_fn"], w.shape)
             param.mul_(1 - lr * weight_decay)
             param.add_(update, alpha=-adjusted_lr)
