@@ -21,11 +21,9 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from ..construct import clean_name
-from ..core import collectives
 from ..core.params import local_of
 from ..core.placement import Owned, shard_info
 from . import shards
