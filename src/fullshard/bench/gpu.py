@@ -12,8 +12,11 @@ from ``--seed``), the same token batches and AdamW. Modes (:data:`MODES`):
 - ``fsdp2``: torch FSDP2's ``fully_shard`` likewise (the baseline; imported in its own process only);
 - ``ddp``: torch DDP over the fp32 model under ``torch.autocast(bf16)`` (DDP's usual mixed precision:
   fp32 parameters, gradients and all-reduce, bf16 matrix products);
-- ``fully_shard_offload``, ``fsdp2_offload``: the first two with ``CPUOffloadPolicy(pin_memory=True)``
-  (shards, gradients and the AdamW step in pinned host memory).
+- ``wrapper``: fullshard's ``FullyShardedDataParallel`` (FULL_SHARD, a unit per block by auto-wrap) with
+  ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``: the same engine behind the FSDP1-style door;
+- ``fully_shard_offload``, ``fsdp2_offload``: ``fully_shard`` and torch FSDP2 with
+  ``CPUOffloadPolicy(pin_memory=True)`` (shards, gradients and the AdamW step in pinned host memory), and
+  ``wrapper_offload``: the wrapper with ``CPUOffload(offload_params=True)`` (pinned likewise).
 
 A step is ``zero_grad``, forward, backward and ``optimizer.step``, timed between
 ``torch.cuda.synchronize()`` calls; the table gives the median of ``--timed-steps`` steps after
@@ -41,9 +44,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fullshard import (CPUOffload, CPUOffloadPolicy, FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy,
+                       fully_shard)
 from fullshard.core.params import local_of
-from fullshard.models import GPT, GPTConfig
+from fullshard.models import GPT, GPTConfig, TransformerBlock
+from fullshard.wrap import ModuleWrapPolicy
 
 GIB = 1024 ** 3
 
@@ -54,7 +59,7 @@ class Mode:
 
     label: str
     family: str
-    """``fully_shard``, ``fsdp2`` or ``ddp``."""
+    """``fully_shard``, ``wrapper`` (fullshard's ``FullyShardedDataParallel``), ``fsdp2`` or ``ddp``."""
     offload: bool
     baseline: str
     """The mode this row's "x torch FSDP2" ratio divides by."""
@@ -64,7 +69,9 @@ MODES = {
     "fully_shard": Mode("fullshard fully_shard", "fully_shard", False, "fsdp2"),
     "fsdp2": Mode("torch FSDP2", "fsdp2", False, "fsdp2"),
     "ddp": Mode("torch DDP (autocast bf16)", "ddp", False, "fsdp2"),
+    "wrapper": Mode("fullshard FullyShardedDataParallel", "wrapper", False, "fsdp2"),
     "fully_shard_offload": Mode("fullshard fully_shard, CPU offload", "fully_shard", True, "fsdp2_offload"),
+    "wrapper_offload": Mode("fullshard FullyShardedDataParallel, CPU offload", "wrapper", True, "fsdp2_offload"),
     "fsdp2_offload": Mode("torch FSDP2, CPU offload", "fsdp2", True, "fsdp2_offload"),
 }
 
@@ -118,6 +125,11 @@ def wrap(name: str, model: GPT, device: torch.device) -> torch.nn.Module:
     if mode.family == "ddp":
         return torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    if mode.family == "wrapper":
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=device,
+                                        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                                       reduce_dtype=torch.float32),
+                                        cpu_offload=CPUOffload(offload_params=mode.offload))
     mesh = init_device_mesh(device.type, (1,))
     if mode.family == "fsdp2":
         from torch.distributed.fsdp import (CPUOffloadPolicy as TorchOffload, MixedPrecisionPolicy as TorchPolicy,
@@ -288,21 +300,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here (use --device cpu to try the modes on the CPU)")
     job = GpuJob(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GpuJob)})
-    results = {}
+    results, env = {}, _env(job, argv)
+    os.makedirs(args.out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            results[name] = _launch(name, job, tmp, args.timeout_s)
-            res = results[name]
+            results[name] = res = _launch(name, job, tmp, args.timeout_s)
             print(f"{name}: " + (f"ERROR {res['error']}" if "error" in res else
                                  f"{res['step_ms']:.1f} ms/step, max allocated {_gib(res['max_allocated'])} GiB"),
                   flush=True)
-    env = _env(job, argv)
-    table = format_table(results, job, env)
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "gpu.md"), "w") as f:
-        f.write(table)
-    with open(os.path.join(args.out_dir, "gpu.json"), "w") as f:
-        json.dump(dict(job=dataclasses.asdict(job), env=env, results=results), f, indent=1)
+            # Written after every mode, so the modes done so far survive a run cut short.
+            table = format_table(results, job, env)
+            with open(os.path.join(args.out_dir, "gpu.md"), "w") as f:
+                f.write(table)
+            with open(os.path.join(args.out_dir, "gpu.json"), "w") as f:
+                json.dump(dict(job=dataclasses.asdict(job), env=env, results=results), f, indent=1)
     print(table)
     return 1 if any("error" in r for n, r in results.items() if MODES[n].family == "fully_shard") else 0
 
