@@ -16,8 +16,14 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fullshard import (CPUOffload, CPUOffloadPolicy, FullyShardedDataParallel as FSDP, MixedPrecision,
-                       MixedPrecisionPolicy, fully_shard)
+from fullshard import (
+    CPUOffload,
+    CPUOffloadPolicy,
+    FullyShardedDataParallel as FSDP,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 from fullshard.core.params import local_of
 from tests.dist import models as M
 from tests.dist.common import ATOL, RTOL, full

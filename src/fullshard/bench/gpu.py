@@ -44,8 +44,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from fullshard import (CPUOffload, CPUOffloadPolicy, FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy,
-                       fully_shard)
+from fullshard import (
+    CPUOffload,
+    CPUOffloadPolicy,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 from fullshard.core.params import local_of
 from fullshard.models import GPT, GPTConfig, TransformerBlock
 from fullshard.wrap import ModuleWrapPolicy
@@ -132,8 +138,12 @@ def wrap(name: str, model: GPT, device: torch.device) -> torch.nn.Module:
                                         cpu_offload=CPUOffload(offload_params=mode.offload))
     mesh = init_device_mesh(device.type, (1,))
     if mode.family == "fsdp2":
-        from torch.distributed.fsdp import (CPUOffloadPolicy as TorchOffload, MixedPrecisionPolicy as TorchPolicy,
-                                            OffloadPolicy as TorchNoOffload, fully_shard as shard)
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy as TorchOffload,
+            MixedPrecisionPolicy as TorchPolicy,
+            OffloadPolicy as TorchNoOffload,
+            fully_shard as shard,
+        )
 
         policy = TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         offload = TorchOffload(pin_memory=True) if mode.offload else TorchNoOffload()

@@ -102,11 +102,11 @@ def _shard_groups(t) -> list:
         ValueError: a ``Partial`` placement (a gradient not yet reduced).
     """
     groups = []
-    for dim, placement in enumerate(t.placements):
-        if placement.is_partial():
+    for dim, dt_placement in enumerate(t.placements):
+        if dt_placement.is_partial():
             raise ValueError(f"clip_grad_norm_: a gradient is a Partial DTensor ({t.placements}); reduce it "
                              "(redistribute to Shard or Replicate) before clipping")
-        if placement.is_shard():
+        if dt_placement.is_shard():
             groups.append(t.device_mesh.get_group(dim))
     return groups
 
