@@ -1,7 +1,8 @@
 """Spawn gloo ranks on CPU and re-raise a child's failure with its rank.
 
 ``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in
-``world_size`` fresh processes (spawn) joined to one gloo process group, and
+``world_size`` fresh processes (spawn) joined to one gloo process group (or
+``backend="nccl"``: tests/dist/test_cuda.py), and
 returns the list of the ranks' return values. A child's exception is raised
 in the parent as ``RankFailure`` carrying the rank and the child's traceback;
 a hang is killed after ``timeout_s`` and reported, never waited on forever.
@@ -20,14 +21,14 @@ class RankFailure(AssertionError):
     """A spawned rank raised; the message holds its rank and traceback."""
 
 
-def _worker(rank, world_size, init_file, fn, args, results):
+def _worker(rank, world_size, init_file, backend, fn, args, results):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
         results.put((rank, True, out))
     except BaseException:  # report everything, including assertion failures
@@ -37,13 +38,13 @@ def _worker(rank, world_size, init_file, fn, args, results):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks."""
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, backend: str = "gloo"):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a ``backend`` process group."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results))
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, backend, fn, args, results))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -108,6 +108,11 @@ def compare(rank: int, world: int, how, make_opt, make_ref, placement=None, step
     ``make_ref(groups(reference))`` on a plain copy fed the same full
     gradients; returns the largest |difference| of the parameters over the
     steps (checked after every step)."""
+    return run_pair(rank, world, how, make_opt, make_ref, placement, steps, groups)[-1]
+
+
+def run_pair(rank: int, world: int, how, make_opt, make_ref, placement=None, steps: int = 3, groups=None):
+    """:func:`compare`'s run: (model, optimizer, reference, reference optimizer, largest difference)."""
     groups = groups or (lambda m: m.parameters())
     base = make_net()
     ref = copy.deepcopy(base)
@@ -127,7 +132,7 @@ def compare(rank: int, world: int, how, make_opt, make_ref, placement=None, step
         params, _ = full_state(model)
         for n, p in named_ref.items():
             worst = max(worst, (params[n] - p.detach()).abs().max().item())
-    return worst
+    return model, opt, ref, ref_opt, worst
 
 
 class RefMuon:

@@ -14,10 +14,12 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fullshard
 from fullshard import (
+    BlockShard,
     CPUOffload,
     FSDPModule,
     FullyShardedDataParallel as FSDP,
     MixedPrecision,
+    Owned,
     ShardingStrategy,
     fully_shard,
 )
@@ -41,6 +43,9 @@ def _model():
 
 def _shard(how: str, world: int):
     base = _model()
+    if how == "owned":  # whole matrices on one rank (core/placement.py): the same fold, the same bits
+        return FSDP(base, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), world_size_invariant=True,
+                    shard_placement_fn=lambda p: Owned() if p.dim() == 2 else BlockShard(2))
     if how in ("full", "grad_op", "no_shard", "bf16_offload"):
         strategy = {"full": ShardingStrategy.FULL_SHARD, "grad_op": ShardingStrategy.SHARD_GRAD_OP,
                     "no_shard": ShardingStrategy.NO_SHARD}.get(how, ShardingStrategy.FULL_SHARD)
@@ -118,6 +123,7 @@ def _runs(rank, world, cases):
 CASES = {
     "full": ("full", "reduce"),
     "full_no_sync": ("full", "no_sync"),
+    "owned_no_sync": ("owned", "no_sync"),
     "grad_op": ("grad_op", "reduce"),
     "no_shard": ("no_shard", "reduce"),
     "hybrid": ("hybrid", "reduce"),

@@ -187,3 +187,29 @@ def test_usage_patterns_under_placements(name):
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "tests/dist/test_patterns.py"], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+def _free_clip(rank, world):
+    """fullshard.clip_grad_norm_ on the wrapper's plain shards (row and owned) is DDP's norm."""
+    import fullshard
+    kind = "gpt"
+    base = M.make_model(kind)
+    ref = DDP(M.clone(base))
+    out = []
+    x, y = M.batch(kind, rank, 0)
+    M.loss_fn(kind, ref, x, y).backward()
+    want = [float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, p)) for p in (1.0, 2.0, float("inf"))]
+    for name in (None, "owned", "mixed"):
+        model = FSDP(M.clone(base), auto_wrap_policy=M.unit_policy(kind),
+                     shard_placement_fn=PLACEMENTS[name] if name else None)
+        M.loss_fn(kind, model, x, y).backward()
+        got = [float(fullshard.clip_grad_norm_(model.parameters(), 1e9, p)) for p in (1.0, 2.0, float("inf"))]
+        out.append((name, got, want))
+    return out
+
+
+@pytest.mark.fast
+def test_free_clip_grad_norm_sums_the_wrappers_shards():
+    for name, got, want in run_ranks(_free_clip, 2)[0]:
+        for g, w in zip(got, want):
+            assert abs(g - w) <= 1e-5 * w, (name, got, want)

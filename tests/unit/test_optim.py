@@ -191,3 +191,19 @@ def test_plain_model_untouched_by_guard():
 
         opt.step(closure)
     assert torch.equal(model.weight, ref.weight)
+
+
+def test_init_optim_state_keeps_parameters():
+    """fullshard.checkpoint.init_optim_state (and torch's DCP _init_optim_state) step at lr 0 with zero
+    gradients to create state templates: no parameter may move, also in Muon's AdamW groups given adamw_lr."""
+    from fullshard.checkpoint import init_optim_state
+
+    params = [nn.Parameter(t) for t in _tensors((6, 4), (4,), (3, 4, 2))]
+    for opt in (optim.Muon([{"params": [params[0]]}, {"params": params[1:], "use_muon": False}], adamw_lr=0.1,
+                           adamw_weight_decay=0.5),
+                optim.Adafactor(params, weight_decay=0.1), optim.Lamb(params, weight_decay=0.1)):
+        before = [p.detach().clone() for p in params]
+        init_optim_state(opt)
+        assert opt.state and all(torch.equal(a, b) for a, b in zip(before, params)), type(opt).__name__
+    groups = optim.Muon([{"params": params[1:], "use_muon": False}], adamw_lr=0.1).param_groups
+    assert groups[0]["lr"] == 0.1 and groups[0]["weight_decay"] == 0.1  # adamw_lr: the group's own lr

@@ -9,14 +9,30 @@ it, loaded back as such a DTensor); per-row values are full tensors (FULL_STATE_
 gathered one unit and one key at a time) or ``DTensor(Shard(0))`` views
 (SHARDED_STATE_DICT), as for parameters (see ``state_dict.py`` [Note:
 state-dict values]). Anything else (the scalar ``step``) is kept as is.
+
+[Note: declared state layouts]
+The shape rule cannot tell every optimizer's state apart: Adafactor's row
+statistics of an ``(R, C)`` matrix are ``(local rows, 1)`` (per-row, other
+trailing shape) and its column statistics ``(1, C)`` are the same on every
+rank (kept as is, although they have a shard's shape when a rank holds one
+row). An optimizer may declare each value: ``optimizer.state_kind(param,
+key)`` returning ``"rows"`` (dim 0 is the parameter's local rows; any
+trailing shape), ``"replicated"`` (identical on every rank of the shard
+group: kept as is) or None (the shape rule). ``fullshard.optim``'s
+optimizers do. A ``"rows"`` value with other trailing dimensions is
+gathered in columns packed into the parameter's rows (one all-gather per
+``ceil(row elements / parameter row elements)``) and saved sharded as a
+``DTensor(Shard(0))`` of its own full shape ``(R, *trailing)``.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
 
 from ..api import StateDictType
-from ..core import collectives, placement
+from ..core import collectives, flat, placement
 from ..core.gather import gather_full
 from ..core.params import local_of
 from . import state_dict as state_dicts
@@ -47,6 +63,37 @@ def _per_row(v, shape: torch.Size) -> bool:
     return torch.is_tensor(v) and v.dim() > 0 and local_of(v).shape == shape
 
 
+ROWS = "rows"
+REPLICATED = "replicated"
+
+
+def _is_rows(optim: torch.optim.Optimizer, param, key: str, v, shape: torch.Size) -> bool:
+    """Whether state ``key`` (value ``v``) of ``param`` (local shape ``shape``)
+    is per-row: as the optimizer declares (see [Note: declared state
+    layouts]), else by shape.
+
+    Raises:
+        ValueError: a declared per-row value whose dim 0 is not the local
+            rows, or a declaration other than "rows", "replicated" or None.
+    """
+    if not torch.is_tensor(v) or v.dim() == 0:
+        return False
+    declare = getattr(optim, "state_kind", None)
+    kind = declare(param, key) if callable(declare) else None
+    if kind is None:
+        return _per_row(v, shape)
+    if kind == REPLICATED:
+        return False
+    if kind != ROWS:
+        raise ValueError(f"[rank {collectives.rank()}] {type(optim).__name__}.state_kind returned {kind!r} for "
+                         f"'{key}'; return {ROWS!r}, {REPLICATED!r} or None")
+    if local_of(v).shape[:1] != shape[:1]:
+        raise ValueError(f"[rank {collectives.rank()}] {type(optim).__name__} declares state '{key}' per-row, but "
+                         f"its local shape {tuple(local_of(v).shape)} does not start with the parameter's "
+                         f"{shape[0]} local rows")
+    return True
+
+
 def init_optim_state(optim: torch.optim.Optimizer) -> None:
     """Create an empty optimizer's state (zeros) by one step with zero
     gradients at learning rate 0, so it has templates to load into.
@@ -69,8 +116,8 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
 
 
 def _agree_keys(units, mine: dict) -> dict:
-    """{unit index: {per-row key: dtype}} as the union over each unit's shard
-    group (a rank whose shard is empty holds no state). One object all-gather
+    """{unit index: {per-row key: (dtype, {slot: trailing shape})}} as the
+    union over each unit's shard group (a rank may hold no state). One object all-gather
     per run of consecutive units on the same group: the units' collectives
     that follow run over that group, and units on other groups (another
     model's, a per-rank expert's) must not wait for each other."""
@@ -84,9 +131,48 @@ def _agree_keys(units, mine: dict) -> dict:
         run = {ui: mine[ui] for ui in range(start, end) if ui in mine}
         for theirs in collectives.all_gather_object(run, group, tag="optimizer state keys"):
             for ui, kd in theirs.items():
-                keys.setdefault(ui, {}).update(kd)
+                for k, (dtype, trailing) in kd.items():
+                    keys.setdefault(ui, {}).setdefault(k, (dtype, {}))[1].update(trailing)
         start = end
     return keys
+
+
+def _gather_rows(unit, have: dict, trailing: dict, dtype: torch.dtype) -> dict:
+    """Full tensors of per-row values (``have``: slot -> this rank's rows;
+    ``trailing``: slot -> trailing shape, known on every rank), gathered
+    over the unit's shard group: columns packed into the parameter's rows,
+    one :func:`gather_full` per pass (one pass when a value's rows are no
+    longer than the parameter's)."""
+    lay = unit.layout
+    widths = {}
+    for si, tail in trailing.items():
+        p = lay.params[si]
+        widths[si] = (math.prod(tail), p.row_numel)
+        if p.row_numel == 0 and widths[si][0]:
+            raise ValueError(f"[rank {collectives.rank()}] unit '{unit.name}': per-row optimizer state of "
+                             f"'{p.fqn}' has {widths[si][0]} elements per row, the parameter none")
+    passes = max([-(-mv // mp) for mv, mp in widths.values() if mp] or [1])
+    pieces = {si: [] for si in trailing}
+    for j in range(passes):
+        buf = torch.zeros(lay.shard_numel, dtype=dtype, device=unit.flat_shard.device)
+        views = flat.shard_views(buf, lay, unit.rank)
+        for si, v in have.items():
+            (mv, mp), lo = widths[si], j * widths[si][1]
+            hi = min(lo + mp, mv)
+            if hi > lo:
+                views[si].reshape(-1, mp)[:, :hi - lo].copy_(v.reshape(-1, mv)[:, lo:hi])
+        gathered = gather_full(unit, buf)
+        for si in trailing:
+            (mv, mp), lo = widths[si], j * widths[si][1]
+            hi = min(lo + mp, mv)
+            if hi > lo:
+                pieces[si].append(gathered[si].reshape(lay.params[si].rows, mp)[:, :hi - lo])
+    out = {}
+    for si, tail in trailing.items():
+        p = lay.params[si]
+        shape = p.shape if tail == tuple(p.shape[1:]) else (p.rows, *tail)
+        out[si] = (torch.cat(pieces[si], dim=1) if pieces[si] else torch.zeros(p.rows, 0, dtype=dtype)).reshape(shape)
+    return out
 
 
 @torch.no_grad()
@@ -122,30 +208,25 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
         if ui is None:
             out[name] = {k: state_dicts.copy_value(v, offload) if torch.is_tensor(v) else v for k, v in s.items()}
             continue
-        by_slot[(ui, si)] = s
         shape = units[ui].layout.params[si].local_shape(units[ui].rank)
+        rows = {k for k, v in s.items() if _is_rows(optim, order[i], k, v, shape)}
+        by_slot[(ui, si)] = {k: s[k] for k in rows}
         out[name] = {k: (state_dicts.copy_value(v, offload) if torch.is_tensor(v) else v)
-                     for k, v in s.items() if not _per_row(v, shape)}
-    # Per-row keys and dtypes of each unit, the same on every rank (collectives follow them).
+                     for k, v in s.items() if k not in rows}
+    # Per-row keys, dtypes and trailing shapes of each unit, the same on every rank (collectives follow them).
     mine = {}
     for (ui, si), s in by_slot.items():
-        shape = units[ui].layout.params[si].local_shape(units[ui].rank)
         for k, v in s.items():
-            if _per_row(v, shape):
-                mine.setdefault(ui, {})[k] = v.dtype
+            mine.setdefault(ui, {}).setdefault(k, (v.dtype, {}))[1][si] = tuple(local_of(v).shape[1:])
     keys = _agree_keys(units, mine)
     for ui, unit in enumerate(units):
         if not full:
             state_dicts.check_shardable(unit)
-        for k, dtype in sorted(keys.get(ui, {}).items()):
+        for k, (dtype, trailing) in sorted(keys.get(ui, {}).items()):
             have = {si: local_of(by_slot[(ui, si)][k]) for si in range(len(unit.slots))
                     if k in by_slot.get((ui, si), {})}
             if full:
-                flat = torch.zeros(unit.layout.shard_numel, dtype=dtype, device=unit.flat_shard.device)
-                for si, v in have.items():
-                    p = unit.layout.params[si]
-                    flat[p.shard_offset:p.shard_offset + v.numel()].copy_(v.reshape(-1))
-                views = gather_full(unit, flat)
+                views = _gather_rows(unit, have, trailing, dtype)
                 if keep:
                     for si in have:
                         out[info[id(unit.sharded_params[si])][0]][k] = state_dicts.copy_value(views[si], offload)
@@ -158,9 +239,12 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
                 if si not in have and not collective:
                     continue  # 0-dim slots broadcast, and block/owned rows re-chunk, on every rank, held or not
                 local = have.get(si)
+                tail = trailing.get(si, tuple(lay.shape[1:]))
                 if local is None:
-                    local = torch.zeros(lay.local_shape(unit.rank), dtype=dtype, device=unit.flat_shard.device)
-                v = state_dicts.shard_value(unit, si, local, offload)
+                    local = torch.zeros((lay.local_rows(unit.rank), *tail) if len(lay.shape) else
+                                        lay.local_shape(unit.rank), dtype=dtype, device=unit.flat_shard.device)
+                full_shape = None if tail == tuple(lay.shape[1:]) else (lay.rows, *tail)
+                v = state_dicts.shard_value(unit, si, local, offload, full_shape)
                 if si in have:
                     out[info[id(unit.sharded_params[si])][0]][k] = v
     if not keep:
@@ -214,7 +298,8 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
         new = {}
         for k, v in s.items():
             t = template.get(k)
-            if ui is not None and _per_row(t, units[ui].layout.params[si].local_shape(units[ui].rank)):
+            if ui is not None and _is_rows(optim, order[i], k, t,
+                                           units[ui].layout.params[si].local_shape(units[ui].rank)):
                 rows = state_dicts.local_rows(units[ui], si, v, f"{name}/{k}").clone()
                 # In the parameter's form (a DTensor under fully_shard), as the optimizer's own state.
                 new[k] = units[ui].slots[si].grad_like(rows)

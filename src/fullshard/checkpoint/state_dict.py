@@ -228,13 +228,16 @@ def check_shardable(unit) -> None:
             "use FULL_STATE_DICT, or FULL_SHARD / SHARD_GRAD_OP / NO_SHARD")
 
 
-def shard_value(unit, si: int, local: torch.Tensor, offload: bool) -> torch.Tensor:
+def shard_value(unit, si: int, local: torch.Tensor, offload: bool, shape: Optional[torch.Size] = None) -> torch.Tensor:
     """The sharded-state-dict value of slot ``si`` whose local rows are ``local``
-    (shape ``layout.local_shape(rank)``): a ``DTensor(Shard(0))``, or a plain
-    full tensor for NO_SHARD units and 0-dim parameters (see [Note: state-dict values])."""
+    (shape ``layout.local_shape(rank)``, or ``(local rows, *shape[1:])`` for
+    a per-row value of another full ``shape``, e.g. Adafactor's ``(R, 1)``
+    row statistics): a ``DTensor(Shard(0))``, or a plain full tensor for
+    NO_SHARD units and 0-dim parameters (see [Note: state-dict values])."""
     lay = unit.layout.params[si]
+    shape = lay.shape if shape is None else torch.Size(shape)
     if unit.world == 1:
-        return (local.detach().to("cpu", copy=True) if offload else local.detach()).view(lay.shape)
+        return (local.detach().to("cpu", copy=True) if offload else local.detach()).view(shape)
     if len(lay.shape) == 0:
         t = local.detach().reshape(-1)[:1].clone() if local.numel() else local.new_zeros(1)
         collectives.broadcast(t, 0, unit.cfg.shard_group, tag=f"unit '{unit.name}' state dict")
@@ -248,24 +251,27 @@ def shard_value(unit, si: int, local: torch.Tensor, offload: bool) -> torch.Tens
     meshes = _MESHES.setdefault(unit.cfg.shard_group, {})
     if local.device.type not in meshes:
         meshes[local.device.type] = collectives.device_mesh(unit.cfg.shard_group, local.device.type)
-    return DTensor.from_local(local, meshes[local.device.type], [Shard(0)], run_check=False, shape=lay.shape,
-                              stride=torch.empty(lay.shape, device="meta").stride())
+    return DTensor.from_local(local, meshes[local.device.type], [Shard(0)], run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def local_rows(unit, si: int, value: torch.Tensor, key: str) -> torch.Tensor:
-    """This rank's rows of ``value`` (a full tensor, or a DTensor laid out as ours).
+    """This rank's rows of ``value`` (a full tensor, or a DTensor laid out as
+    ours) of slot ``si``'s parameter or of a per-row value with other
+    trailing dimensions (dim 0 is the parameter's rows).
 
     Raises:
         ValueError: a DTensor whose local shard is not this rank's ``torch.chunk`` rows.
     """
     lay = unit.layout.params[si]
-    want = lay.local_shape(unit.rank)
+    trailing = tuple(value.shape[1:]) if len(lay.shape) else tuple(lay.shape[1:])
+    want = torch.Size((lay.local_rows(unit.rank), *trailing))
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
         local = value.to_local()
         chunk = placement.row_bounds(placement.RowShard(), lay.rows, unit.world)
-        if lay.bounds != chunk and local.shape == (chunk[unit.rank + 1] - chunk[unit.rank], *lay.shape[1:]):
+        if lay.bounds != chunk and local.shape == (chunk[unit.rank + 1] - chunk[unit.rank], *trailing):
             return rechunk(unit, si, local, chunk, lay.bounds)
         if local.shape != want:
             raise ValueError(f"[rank {collectives.rank()}] '{key}': DTensor local shard {tuple(local.shape)} is not "
@@ -274,7 +280,7 @@ def local_rows(unit, si: int, value: torch.Tensor, key: str) -> torch.Tensor:
                              "(torch.distributed.checkpoint reshards)")
         return local
     lo, hi = lay.local_row_range(unit.rank)
-    return value.detach().reshape(lay.rows, lay.row_numel)[lo:hi].reshape(want)
+    return value.detach().reshape(lay.rows, -1)[lo:hi].reshape(want)
 
 
 def rechunk(unit, si: int, local: torch.Tensor, src: tuple, dst: tuple) -> torch.Tensor:
@@ -282,16 +288,19 @@ def rechunk(unit, si: int, local: torch.Tensor, src: tuple, dst: tuple) -> torch
     ``local``, rows ``[src[r], src[r+1])``) as laid out by ``dst``: one
     all-gather of the padded local rows over the shard group (every rank of
     it calls this for the same slot). Used to present block and owned
-    placements as ``torch.chunk`` rows in state dicts and back."""
-    lay = unit.layout.params[si]
+    placements as ``torch.chunk`` rows in state dicts and back. ``local``
+    may have other trailing dimensions than the parameter (a per-row
+    optimizer state)."""
     n = unit.world
+    trailing = local.shape[1:]
+    row_numel = trailing.numel()
     sizes = [src[r + 1] - src[r] for r in range(n)]
     most = max(sizes)
-    send = local.new_zeros((most, lay.row_numel))
-    send[:local.shape[0]].copy_(local.reshape(-1, lay.row_numel))
-    out = local.new_empty((n * most, lay.row_numel))
+    send = local.new_zeros((most, row_numel))
+    send[:local.shape[0]].copy_(local.reshape(-1, row_numel))
+    out = local.new_empty((n * most, row_numel))
     collectives.all_gather(out.view(-1), send.view(-1), unit.cfg.shard_group, async_op=False,
                            tag=f"unit '{unit.name}' state dict rows")
     full = torch.cat([out[r * most:r * most + sizes[r]] for r in range(n)])
     rank = unit.rank
-    return full[dst[rank]:dst[rank + 1]].reshape(dst[rank + 1] - dst[rank], *lay.shape[1:]).clone()
+    return full[dst[rank]:dst[rank + 1]].reshape(dst[rank + 1] - dst[rank], *trailing).clone()

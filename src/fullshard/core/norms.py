@@ -7,13 +7,13 @@ so a low-precision gradient is multiplied in fp32 and rounded once.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import collectives, invariant
+from . import collectives, invariant, placement
 from .params import local_of
 
 
@@ -102,31 +102,37 @@ def _shard_groups(t) -> list:
         ValueError: a ``Partial`` placement (a gradient not yet reduced).
     """
     groups = []
-    for dim, placement in enumerate(t.placements):
-        if placement.is_partial():
+    for dim, dt_placement in enumerate(t.placements):
+        if dt_placement.is_partial():
             raise ValueError(f"clip_grad_norm_: a gradient is a Partial DTensor ({t.placements}); reduce it "
                              "(redistribute to Shard or Replicate) before clipping")
-        if placement.is_shard():
+        if dt_placement.is_shard():
             groups.append(t.device_mesh.get_group(dim))
     return groups
 
 
-def total_norm(grads: list[torch.Tensor], norm_type: float, exact: bool = False) -> torch.Tensor:
+def total_norm(grads: list[torch.Tensor], norm_type: float, exact: bool = False,
+               plain_groups: Optional[list[tuple]] = None) -> torch.Tensor:
     """The ``norm_type`` norm of ``grads`` as if every DTensor were gathered:
     each DTensor's local contribution is summed (max for inf) over the mesh
     dimensions it is sharded on, plain tensors count once (replicated), and
     empty local shards contribute nothing. Gradients on different meshes
     (tensor parallelism on some modules only) and plain ones may be mixed.
 
-    ``exact``: as in :func:`global_norm`.
+    ``exact``: as in :func:`global_norm`. ``plain_groups``: per gradient, the
+    groups a plain one is sharded over (``FullyShardedDataParallel``'s
+    parameters are plain shards); default none (replicated).
 
     Returns:
         0-dim fp32 plain tensor on the host, equal on every rank.
     """
     is_inf = norm_type == float("inf")
     by_groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        key = tuple(_shard_groups(g)) if isinstance(g, DTensor) else ()
+    for i, g in enumerate(grads):
+        if isinstance(g, DTensor):
+            key = tuple(_shard_groups(g))
+        else:
+            key = plain_groups[i] if plain_groups is not None else ()
         by_groups.setdefault(key, []).append(local_of(g))
     if exact and not is_inf:
         value = sum(_exact_norm(locals_, norm_type, list(groups)) for groups, locals_ in by_groups.items())
@@ -140,13 +146,25 @@ def total_norm(grads: list[torch.Tensor], norm_type: float, exact: bool = False)
     return total if is_inf else total.pow(1.0 / norm_type)
 
 
+def _plain_groups(param) -> tuple:
+    """The shard group of a plain parameter a unit registered (the wrapper's
+    shards; replicas of HSDP hold the same rows), else none."""
+    if isinstance(param, DTensor):
+        return ()
+    found = placement.find(param)
+    if found is None or found[0].world == 1:
+        return ()
+    return (found[0].cfg.shard_group,)
+
+
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for sharded models, returning the
     global norm as a plain tensor: every rank gets the same value (torch's
     returns a DTensor, ``Partial`` for the inf norm, whose ``.item()`` is
-    the rank's local maximum), gradients on several meshes and plain
-    (replicated) ones may be mixed, and empty shards are skipped; with
+    the rank's local maximum), gradients on several meshes and plain ones
+    (replicated, or ``FullyShardedDataParallel``'s shards, summed over their
+    shard group) may be mixed, and empty shards are skipped; with
     parameters of ``world_size_invariant`` units the sum is exact
     (:func:`global_norm`). Each
     gradient is multiplied in place by ``min(1, max_norm / (norm + 1e-6))``,
@@ -164,7 +182,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     parameters = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in parameters]
     exact = any(invariant.is_marked(p) for p in parameters)
-    norm = total_norm(grads, float(norm_type), exact=exact)
+    norm = total_norm(grads, float(norm_type), exact=exact, plain_groups=[_plain_groups(p) for p in parameters])
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
         local = local_of(g)

@@ -55,8 +55,7 @@ class DTensorSpec:
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's shard) as the parameter's DTensor; no copy."""
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                  shape=self.shape, stride=self.stride)
+        return torch_private.dtensor_of(local, self.mesh, self.placements, self.shape, self.stride)
 
     def wrap_full(self, full: torch.Tensor) -> torch.Tensor:
         """A full view (this rank's tensor-parallel part of the parameter) as

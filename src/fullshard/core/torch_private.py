@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch._C._profiler import _EventType
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
@@ -161,3 +163,12 @@ def concatenate_meshes(meshes: list):
         RuntimeError: the meshes come from different roots or overlap.
     """
     return DeviceMesh._concatenate(meshes)
+
+
+def dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placements, shape, stride) -> DTensor:
+    """``local`` itself as the local tensor of a DTensor (no autograd edge). ``DTensor.from_local``
+    copies a tensor whose device type is not the mesh's (a CPU-offloaded shard on a CUDA mesh) to
+    the mesh's device, so the parameter would no longer view the flat shard; torch FSDP2 builds
+    its DTensors this way too (``_from_local_no_grad``)."""
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=local.requires_grad)

@@ -3,11 +3,15 @@
 Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural
 networks", https://kellerjordan.github.io/posts/muon/; ``torch.optim.Muon``)
 replaces each 2-D weight's momentum update by its Newton–Schulz
-orthogonalization, which needs the whole matrix: every Muon parameter must
-be held whole by one rank (``Owned``; see :func:`muon_placement_fn`). The
-owner runs exactly ``torch.optim.Muon``'s single-tensor operations on the
-same matrix, so its result is bitwise the same as on one device; the next
-all-gather brings it to the other ranks.
+orthogonalization, which needs the whole matrix. A Muon parameter held
+whole by one rank (``Owned``; see :func:`muon_placement_fn`) is stepped by
+its owner, which runs exactly ``torch.optim.Muon``'s single-tensor
+operations on the same matrix, so its result is bitwise the same as on one
+device; the next all-gather brings it to the other ranks. A matrix whose
+rows are spread over ranks (``RowShard``, the only placement ``fully_shard``
+takes) costs one extra all-gather of its momentum update per step, and
+every rank of the shard group orthogonalizes the whole matrix: the same
+bits again, at N times the Newton–Schulz work.
 """
 from __future__ import annotations
 
@@ -17,11 +21,9 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from ..construct import clean_name
-from ..core import collectives
 from ..core.params import local_of
 from ..core.placement import Owned, shard_info
 from . import shards
@@ -98,9 +100,11 @@ class Muon(torch.optim.Optimizer):
     (as ``lerp``), ``U = g + mu B`` (nesterov) or ``B``, ``O = NS(U)``,
     ``x <- x (1 - lr wd) - adjust_lr(lr) O`` (torch's single-tensor code,
     bitwise). Groups with ``use_muon`` False run ``torch.optim.adamw.adamw``
-    (bitwise ``torch.optim.AdamW`` on the same tensors) with ``adamw_betas``,
-    ``adamw_eps``, ``adamw_lr`` (None: the group's ``lr``) and
-    ``adamw_weight_decay`` (None: the group's ``weight_decay``). See
+    (bitwise ``torch.optim.AdamW`` on the same tensors) with the group's
+    ``lr``, ``weight_decay``, ``adamw_betas`` and ``adamw_eps``; such a group
+    given without ``lr`` (``weight_decay``) takes ``adamw_lr``
+    (``adamw_weight_decay``) when set, so learning-rate schedulers and
+    ``lr = 0`` act on both kinds of group alike. See
     :func:`muon_param_groups` for the usual split.
 
     On shards, every Muon parameter must be whole on one rank: build the model
@@ -116,9 +120,10 @@ class Muon(torch.optim.Optimizer):
             0.95, True, (3.4445, -4.7750, 2.0315), 1e-7, 5, None).
         adamw_betas: AdamW's betas in ``use_muon=False`` groups (default (0.9, 0.95)).
         adamw_eps: AdamW's eps (default 1e-8).
-        adamw_lr: AdamW's learning rate (default None: the group's ``lr``).
-        adamw_weight_decay: AdamW's decoupled weight decay (default None: the
-            group's ``weight_decay``).
+        adamw_lr: ``lr`` of ``use_muon=False`` groups that name none
+            (default None: ``lr``).
+        adamw_weight_decay: ``weight_decay`` of ``use_muon=False`` groups that
+            name none (default None: ``weight_decay``).
 
     State (per parameter, shaped like its local rows, dtype of its grad):
         Muon: ``momentum_buffer``. AdamW: ``step`` (0-dim fp32 CPU tensor),
@@ -155,16 +160,22 @@ class Muon(torch.optim.Optimizer):
         defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
                     "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps,
                     "adjust_lr_fn": adjust_lr_fn, "use_muon": True, "adamw_betas": tuple(adamw_betas),
-                    "adamw_eps": adamw_eps, "adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay}
+                    "adamw_eps": adamw_eps}
+        self._adamw_defaults = {k: v for k, v in (("lr", adamw_lr), ("weight_decay", adamw_weight_decay))
+                                if v is not None}
         self._where = shards.WhereCache()
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's, then the 2-D check of ``torch.optim.Muon`` for ``use_muon`` groups.
+        """torch's (an AdamW group without ``lr`` / ``weight_decay`` takes
+        ``adamw_lr`` / ``adamw_weight_decay`` when set), then the 2-D check
+        of ``torch.optim.Muon`` for ``use_muon`` groups.
 
         Raises:
             ValueError: a parameter of a ``use_muon`` group is not 2-D.
         """
+        if not param_group.get("use_muon", True):
+            param_group = {**self._adamw_defaults, **param_group}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if group["use_muon"]:
@@ -178,26 +189,6 @@ class Muon(torch.optim.Optimizer):
         """How state ``key`` of ``param`` is laid out over its shard group (for
         fullshard's checkpoints): every tensor but ``step`` is the parameter's rows."""
         return None if key == "step" else ROWS
-
-    def _check_whole(self, wheres: dict) -> None:
-        """Raises ValueError naming every Muon parameter split over ranks (the same on every rank)."""
-        split = [wheres[id(p)] for g in self.param_groups if g["use_muon"] for p in g["params"]
-                 if wheres[id(p)].split]
-        if not split:
-            return
-        w = split[0]
-        lo, hi = w.info.row_range
-        more = f" and {len(split) - 1} more ({', '.join(s.name for s in split[1:4])}...)" if len(split) > 1 else ""
-        fix = ("build the model with shard_placement_fn=fullshard.optim.muon_placement_fn(model) (called on the "
-               "unwrapped model)")
-        if any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
-            fix = ("fully_shard holds torch.chunk rows only: wrap with FullyShardedDataParallel(..., "
-                   "shard_placement_fn=fullshard.optim.muon_placement_fn(model)) (called on the unwrapped model)")
-        raise ValueError(
-            f"[rank {collectives.rank()}] fullshard.optim.Muon: parameter {w.name} (shape {tuple(w.shape)}, "
-            f"placement {w.info.placement}) is split over {w.info.world} ranks (rows [{lo}, {hi}) here){more}; Muon "
-            f"orthogonalizes whole matrices, so each must live on one rank: {fix}, or put the parameter in a "
-            "use_muon=False group")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -213,7 +204,6 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         wheres = self._where.get(self)
-        self._check_whole(wheres)
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon(group, wheres)
@@ -233,14 +223,23 @@ class Muon(torch.optim.Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = like_param(
                     p, torch.zeros_like(local_of(p.grad), memory_format=torch.preserve_format), w.shape)
-            if not w.holds_all:
+            if not w.holds_all and not w.split:
                 continue  # zero rows of a parameter another rank owns
             grad, buf, param = local_of(p.grad), local_of(state["momentum_buffer"]), local_of(p)
-            if grad.ndim != 2:
+            if len(w.shape) != 2:
                 raise ValueError("Param gradient must be a 2D matrix")
+            # The momentum and Nesterov steps are element-wise: this rank's rows of them are the
+            # single-device rows, bit for bit.
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+            if w.split:
+                # Rows spread over ranks (fully_shard, RowShard): gather the whole update, and every
+                # rank of the shard group runs the same Newton-Schulz on it and keeps its rows.
+                update = shards.gather_rows(update, w.info, "fullshard.optim.Muon")
             update = zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            if w.split:
+                lo, hi = w.info.row_range
+                update = update[lo:hi]
             adjusted_lr = adjust_lr(lr, group["adjust_lr_fn"], w.shape)
             param.mul_(1 - lr * weight_decay)
             param.add_(update, alpha=-adjusted_lr)
@@ -265,12 +264,11 @@ class Muon(torch.optim.Optimizer):
             steps.append(state["step"])
         if not params:
             return
-        lr = group["adamw_lr"] if group["adamw_lr"] is not None else group["lr"]
-        wd = group["adamw_weight_decay"] if group["adamw_weight_decay"] is not None else group["weight_decay"]
         beta1, beta2 = group["adamw_betas"]
         adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, capturable=False, differentiable=False,
               fused=None, grad_scale=None, found_inf=None, has_complex=False, amsgrad=False, beta1=beta1,
-              beta2=beta2, lr=lr, weight_decay=wd, eps=group["adamw_eps"], maximize=False)
+              beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["adamw_eps"],
+              maximize=False)
 
 
 # ------------------------------------------------------------------ the recipe
