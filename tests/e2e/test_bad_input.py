@@ -95,8 +95,6 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
     (["{data}", "--optimizer", "muon", "--muon-momentum=-0.1"], "--muon-momentum must be >= 0"),
     (["{data}", "--optimizer", "muon", "--muon-adjust-lr-fn", "sqrt"], "invalid choice: 'sqrt'"),
     (["{data}", "--optimizer", "muon", "--muon-ns-coefficients", "(1,2)"], "expected three numbers"),
-    (["{data}", "--optimizer", "muon", "--fsdp-version", "2"], "which --fsdp-version 2 cannot present"),
-    (["{data}", "--optimizer", "adafactor", "--fsdp-version", "1"], "so its checkpoints would not resume"),
     (["{data}", "--optimizer", "adafactor", "--adafactor-eps", "(1e-3)"], "expected a pair like '(None,1e-3)'"),
     (["{data}", "--optimizer", "adafactor", "--adafactor-eps", "(None,-1)"], "--adafactor-eps must be"),
     (["{data}", "--optimizer", "adafactor", "--adafactor-d", "0.5"], "--adafactor-d must be >= 1"),

@@ -1,8 +1,9 @@
 """`fullshard train --optimizer muon | adafactor | lamb` (fullshard.optim): a few updates under
 fully_sharded give c10d's run (torch DDP: whole parameters, the single-device step) on 2 ranks, the
-run header names the optimizer and its groups, and checkpoints resume bit for bit: adafactor's (under
-fully_shard, its default) and muon's (its matrices Owned by one rank each), which also resumes on
-another number of ranks. Bad flags: test_bad_input.py."""
+run header names the optimizer and its groups, and checkpoints resume bit for bit: adafactor's (row
+factors per rank, column factors replicated) and muon's (its matrices Owned by one rank each under the
+wrapper), also under the other --fsdp-version and on another number of ranks. Bad flags:
+test_bad_input.py."""
 from __future__ import annotations
 
 import torch
@@ -35,10 +36,10 @@ def _train(cli, corpus_dir, save_dir, optimizer, *extra, nproc=2, updates=3):
 
 
 def test_fully_sharded_gives_c10d_run_for_each_optimizer(cli, corpus_dir, tmp_path):
-    """3 updates of each optimizer under fully_sharded (muon: its matrices Owned; adafactor: fully_shard)
-    against c10d: the same logged losses, and parameters bitwise equal for Muon, within fp32 reduction
-    order for Adafactor and LAMB; both headers name the optimizer. An Adafactor run resumed after 2
-    updates ends bit for bit as the straight one (its row factors, column factors and step come back)."""
+    """3 updates of each optimizer under fully_sharded (muon: its matrices Owned) against c10d: the same
+    logged losses, and parameters bitwise equal for Muon, within fp32 reduction order for Adafactor and
+    LAMB; both headers name the optimizer. An Adafactor run resumed after 2 updates ends bit for bit as
+    the straight one (its row factors, column factors and step come back)."""
     for optimizer in FLAGS:
         out, sharded = _train(cli, corpus_dir, tmp_path / optimizer / "fs", optimizer)
         out_ddp, ddp = _train(cli, corpus_dir, tmp_path / optimizer / "ddp", optimizer, "--ddp-backend", "c10d")
@@ -51,8 +52,7 @@ def test_fully_sharded_gives_c10d_run_for_each_optimizer(cli, corpus_dir, tmp_pa
         assert extra["args"]["optimizer"] == optimizer
         diff = max((a[k] - b[k]).abs().max().item() for k in a)
         assert diff <= TOLERANCE[optimizer], (optimizer, diff)
-        if optimizer == "adafactor":  # fsdp-version 2 (its default): 2 updates, save, resume, 1 == 3 straight
-            assert "fsdp-version 2" in out
+        if optimizer == "adafactor":  # 2 updates, save, resume, 1 == 3 straight (row and column factors)
             half = tmp_path / optimizer / "half"
             _train(cli, corpus_dir, half, optimizer, updates=2)
             _, resumed = _train(cli, corpus_dir, half, optimizer)
@@ -62,14 +62,15 @@ def test_fully_sharded_gives_c10d_run_for_each_optimizer(cli, corpus_dir, tmp_pa
 
 
 def test_muon_resumes_exactly_and_on_another_world_size(cli, corpus_dir, tmp_path):
-    """4 muon updates straight == 2, save, new processes, load, 2 (bit-identical parameters and the same
-    logged losses: the owners' momentum and the AdamW moments come back); the 2-rank checkpoint resumes on
-    1 rank, where every matrix is whole on the only rank."""
+    """4 muon updates straight == 2, save, new processes, load under --fsdp-version 2, 2 (bit-identical
+    parameters and the same logged losses: the owners' momentum and the AdamW moments come back, and
+    fully_shard's row-split matrices, each orthogonalized whole on every rank, step as their owner did);
+    the 2-rank checkpoint resumes on 1 rank, where every matrix is whole on the only rank."""
     _, straight = _train(cli, corpus_dir, tmp_path / "a", "muon", updates=4)
     half = tmp_path / "b"
     _train(cli, corpus_dir, half, "muon", "--save-interval-updates", "2", updates=2)
-    out, resumed = _train(cli, corpus_dir, half, "muon", updates=4)
-    assert "epoch 1 offset 2 @ 2 updates" in out
+    out, resumed = _train(cli, corpus_dir, half, "muon", "--fsdp-version", "2", updates=4)
+    assert "epoch 1 offset 2 @ 2 updates" in out and "fsdp-version 2" in out
     assert resumed == straight[2:]
     a, _ = checkpoint_params(corpus_dir, tmp_path / "a" / "checkpoint_last")
     b, _ = checkpoint_params(corpus_dir, half / "checkpoint_last")

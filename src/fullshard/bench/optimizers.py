@@ -5,8 +5,10 @@
 (``fullshard.core.placement.shard_info``) or take a parameter as whole when fullshard does not shard
 it: they run on the fullshard modes and on ``ddp`` (whole parameters: the single-device result each
 fullshard mode must match), not on torch FSDP or DeepSpeed, whose shards they cannot see. Every
-optimizer gets the job's lr and weight decay on every parameter; muon's fullshard modes place each
-Muon matrix whole on one rank (``shard_placement_fn=muon_placement_fn``), as ``fullshard train``.
+optimizer gets the job's lr and weight decay on every parameter; muon's wrapper modes place each Muon
+matrix whole on one rank (``shard_placement_fn=muon_placement_fn``), as ``fullshard train
+--fsdp-version 1``; its ``fully_shard`` modes keep torch.chunk rows, and every rank gathers each
+matrix's update and orthogonalizes all of it.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ def runs_on(optimizer: str, mode_key: str) -> bool:
 
 
 def placement_kwargs(job: Job, model: torch.nn.Module) -> dict:
-    """Keyword arguments for fullshard's wrapping of the unwrapped ``model``: muon's placement."""
+    """Keyword arguments for the FullyShardedDataParallel wrapping of the unwrapped ``model``: muon's
+    placement (``fully_shard`` keeps torch.chunk rows; Muon gathers each matrix's update there)."""
     if job.optimizer == "muon":
         return {"shard_placement_fn": fullshard_optim.muon_placement_fn(model)}
     return {}

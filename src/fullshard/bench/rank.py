@@ -263,10 +263,9 @@ def wrap(mode: Mode, model: torch.nn.Module, job: Job):
         mesh = init_device_mesh("cpu", (job.world_size,))
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode.bf16
                   else MixedPrecisionPolicy())
-        placement = optimizers.placement_kwargs(job, model)
         for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=policy, world_size_invariant=mode.invariant, **placement)
-        fully_shard(model, mesh=mesh, mp_policy=policy, world_size_invariant=mode.invariant, **placement)
+            fully_shard(block, mesh=mesh, mp_policy=policy, world_size_invariant=mode.invariant)
+        fully_shard(model, mesh=mesh, mp_policy=policy, world_size_invariant=mode.invariant)
         return _Trainer(model, optimizers.build(job, model), lambda: fullshard_no_sync(model), scale), None
     if mode.family == "fullshard":
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode.bf16 else None

@@ -112,13 +112,6 @@ step time in fp32 and 1.08x in bf16 (CPU seconds per step 1.04x, 1.03x): AdamW's
 ops on DTensor parameters cost about 8 ms more per step; forward and backward cost the same."""
 
 
-ADAFACTOR_FSDP_VERSION = 2
-"""``--fsdp-version`` when not given with ``--optimizer adafactor``: fully_shard's optimizer state is
-DTensors, which carry Adafactor's row factors (``row_var``, one row per parameter row, shape (n, 1))
-through checkpoints; the wrapper's optimizer state dict reshards only state shaped like the
-parameter and would keep one rank's factors (train/optimizers.py refuses that combination)."""
-
-
 class GlobalBatchError(ValueError):
     """A global batch that the micro-batch size and world size cannot make; the message is one line."""
 
@@ -199,15 +192,14 @@ class DistributedOptions:
     threads_per_rank: Optional[int] = flag(
         None, "intra-op CPU threads of each rank (default: the cores divided among this machine's ranks; "
         "1 under --world-size-invariant on a CPU, where sums depend on the thread count)", type=int, metavar="N")
-    # Hugging Face Accelerate's flag name. None: DEFAULT_FSDP_VERSION, ADAFACTOR_FSDP_VERSION with
-    # --optimizer adafactor (TrainConfig stores the resolved version). Both versions give the same
-    # losses and checkpoints (train/sharding.py).
+    # Hugging Face Accelerate's flag name. None: DEFAULT_FSDP_VERSION (TrainConfig stores the
+    # resolved version). Both versions give the same losses and checkpoints (train/sharding.py).
     fsdp_version: Optional[int] = flag(
         None, "fully_sharded: 1 = the FullyShardedDataParallel wrapper, one unit per transformer block by "
         "auto-wrap; 2 = fullshard.fully_shard on each transformer block, then the root (DTensor parameters). "
         "Same engine, losses and checkpoint format; a run saved with one resumes with the other "
-        f"(default: {DEFAULT_FSDP_VERSION}; {ADAFACTOR_FSDP_VERSION} with --optimizer adafactor, whose checkpoints "
-        "need it; muon needs 1)", type=int, choices=(1, 2))
+        f"(default: {DEFAULT_FSDP_VERSION}; --optimizer muon: 1 keeps each matrix on one rank, 2 orthogonalizes "
+        "every matrix on every rank)", type=int, choices=(1, 2))
     collective_timeout_s: float = flag(300.0, "a rank waiting longer in one collective exits naming it, its unit "
                                        "and the ranks that did not arrive (default: %(default)s)",
                                        option="--collective-timeout", metavar="SECONDS")
@@ -388,8 +380,7 @@ class TrainConfig(ModelOptions, DistributedOptions, PrecisionOptions, DatasetOpt
 
     def __post_init__(self) -> None:
         if self.fsdp_version is None:  # not given, or a checkpoint's args from before the flag
-            object.__setattr__(self, "fsdp_version", ADAFACTOR_FSDP_VERSION if self.optimizer == "adafactor"
-                               else DEFAULT_FSDP_VERSION)
+            object.__setattr__(self, "fsdp_version", DEFAULT_FSDP_VERSION)
         if self.update_freq is None and self.global_batch_size is None:
             object.__setattr__(self, "update_freq", 1)
 

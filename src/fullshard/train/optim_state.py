@@ -17,7 +17,9 @@ rank r, fp32 like the master parameters:
   columns, ``n_r + C`` on every rank of the group, also one holding no rows (factored second
   moment, Shazeer & Stern 2018, §3); a vector keeps its full variance, ``n_r``.
 
-Scalars (``step``) are not counted. Under NO_SHARD (N = 1) every rank holds everything.
+Scalars (``step``) are not counted. Under NO_SHARD (N = 1) every rank holds everything. Muon is
+counted as the wrapper places it (``--fsdp-version 1``); under ``fully_shard`` its momentum is
+row-sharded like Adam's moments (``n_r·c``, one moment).
 """
 from __future__ import annotations
 

@@ -8,11 +8,11 @@ adam        ``torch.optim.AdamW`` (foreach under --cpu-offload)       --adam-bet
 cpu_adam    ``torch.optim.AdamW(fused=True)`` on host shards          --adam-betas --adam-eps
 muon        ``fullshard.optim.Muon``: Muon on the 2-D weights of      --muon-* and, for the AdamW group,
             the transformer blocks, AdamW on the rest (one object,    --adam-betas --adam-eps
-            ``use_muon`` groups); fully_sharded places each Muon
-            matrix whole on one rank (``muon_placement_fn``)
-adafactor   ``fullshard.optim.Adafactor`` (torch.optim.Adafactor's);   --adafactor-*
-            fully_sharded: ``fully_shard`` (--fsdp-version 2), whose
-            DTensor state carries its row factors through checkpoints
+            ``use_muon`` groups); --fsdp-version 1 places each Muon
+            matrix whole on one rank (``muon_placement_fn``);
+            fully_shard's rows stay torch.chunk's, every rank
+            gathers the update and orthogonalizes the whole matrix
+adafactor   ``fullshard.optim.Adafactor`` (torch.optim.Adafactor's)  --adafactor-*
 lamb        ``fullshard.optim.Lamb``                                  --lamb-*
 ==========  =======================================================  =====================================
 
@@ -59,14 +59,6 @@ def check_flags(args, defaults: Dict[str, object]) -> Optional[str]:
     flag of another optimizer was given a value.
     """
     used = FAMILIES_OF[args.optimizer]
-    if args.optimizer == "muon" and args.ddp_backend == "fully_sharded" and args.fsdp_version == 2:
-        return ("--optimizer muon keeps each Muon matrix whole on one rank (Owned), which --fsdp-version 2 "
-                "cannot present (fully_shard's parameters are DTensor(Shard(0)), torch.chunk rows); use "
-                "--fsdp-version 1 or --ddp-backend c10d")
-    if args.optimizer == "adafactor" and args.ddp_backend == "fully_sharded" and args.fsdp_version == 1:
-        return ("--optimizer adafactor with --fsdp-version 1: the wrapper's optimizer state dict keeps one rank's "
-                "row factors (state not shaped like the parameter), so its checkpoints would not resume; use "
-                "--fsdp-version 2 (adafactor's default)")
     if args.world_size_invariant and args.optimizer in ("adafactor", "lamb"):
         return (f"--world-size-invariant with --optimizer {args.optimizer}: its per-tensor sums (norms"
                 f"{', column means' if args.optimizer == 'adafactor' else ''}) are added over the ranks holding each "
@@ -96,8 +88,9 @@ def check_flags(args, defaults: Dict[str, object]) -> Optional[str]:
 
 
 def placement_fn(cfg, model: torch.nn.Module) -> Optional[Callable]:
-    """The ``shard_placement_fn`` the optimizer needs on the unwrapped ``model`` (called before
-    sharding it), or None: muon keeps each Muon matrix whole on one rank (``Owned``)."""
+    """The ``shard_placement_fn`` the wrapper (``--fsdp-version 1``) takes for the optimizer on the
+    unwrapped ``model`` (called before sharding it), or None: muon keeps each Muon matrix whole on one
+    rank (``Owned``), so only its owner runs Newton-Schulz on it."""
     if cfg.optimizer == "muon":
         return fullshard_optim.muon_placement_fn(model)
     return None

@@ -29,10 +29,9 @@ no_sync micro-batches   ``model.no_sync()``                         ``set_requir
                                                                     engine's, summed in the same order)
 --world-size-invariant  ``world_size_invariant=True`` (propagated   ``world_size_invariant=True`` on every call
                         to the auto-wrapped units)
---optimizer muon        ``shard_placement_fn=muon_placement_fn``    refused (``Shard(0)`` DTensors hold torch.chunk
-                        (each Muon matrix ``Owned`` by one rank)    rows only)
---optimizer adafactor   refused (its optimizer state dict would     the default for adafactor (DTensor state
-                        keep one rank's row factors)                carries the row factors)
+--optimizer muon        ``shard_placement_fn=muon_placement_fn``    torch.chunk rows (``Shard(0)`` DTensors hold
+                        (each Muon matrix ``Owned`` by one rank:    no others): every rank gathers each matrix's
+                        its owner alone runs Newton-Schulz)         update and runs Newton-Schulz on all of it
 checkpoints             ``fullshard.checkpoint`` (by original name, DTensor ``Shard(0)`` values): one format
 ======================  ==========================================  ===============================================
 """
