@@ -80,7 +80,6 @@ def _full_matches_one_device(rank, world, cases):
     return out
 
 
-@pytest.mark.fast
 def test_full_optim_state_matches_one_device():
     cases = [("FULL_SHARD", "adafactor", None), ("FULL_SHARD", "adafactor", "owned"),
              ("SHARD_GRAD_OP", "adafactor", "block2"), (FULLY_SHARD, "adafactor", None),
@@ -128,7 +127,6 @@ def _load(rank, world, root):
     return out
 
 
-@pytest.mark.fast
 def test_checkpoint_round_trip_across_world_sizes(tmp_path):
     saved = run_ranks(_save, 2, str(tmp_path))[0]
     loaded = run_ranks(_load, 3, str(tmp_path))[0]

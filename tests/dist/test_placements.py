@@ -160,7 +160,7 @@ def _fully_shard_refuses(rank, world):
     out = []
     for fn in (lambda p: Owned(), lambda p: BlockShard(2)):
         try:
-            fully_shard(M.make_model("mlp"), shard_placement_fn=fn)
+            fully_shard(M.vector_scale(M.make_model("mlp")), shard_placement_fn=fn)
         except ValueError as e:
             out.append(str(e))
     model = fully_shard(M.vector_scale(M.make_model("mlp")), shard_placement_fn=lambda p: RowShard())
