@@ -6,7 +6,6 @@ across world sizes and placements, through both front doors."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
