@@ -333,8 +333,6 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     with torch.no_grad():
         unit = Unit(name, slots, cfg)
     construct.register_unit(unit)
-    if world_size_invariant:
-        invariant.mark(unit)
     # Backward prefetches the previous unit in forward order, as torch FSDP2 does by default.
     runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
                                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False,

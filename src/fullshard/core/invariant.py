@@ -35,12 +35,11 @@ each value to a grid fixed by a global maximum, so the additions are exact).
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Optional
 
 import torch
 
-from . import collectives, flat, grads, reduce
+from . import collectives, flat, grads, placement, reduce
 from .buffers import POOL
 
 # Bits of each integer limb of exact_sum: n values of up to 2**LIMB_BITS each
@@ -48,32 +47,10 @@ from .buffers import POOL
 LIMB_BITS = 31
 LIMBS = 3
 _LAYOUTS: dict = {}
-# id(sharded parameter) -> weakref of its world_size_invariant unit
-# (``clip_grad_norm_`` sums their norm exactly). The unit, not the
-# parameter, is held weakly: ``nn.Module._apply`` refuses to swap a tensor
-# that has weak references.
-_UNITS: dict[int, weakref.ref] = {}
-
-
-def mark(unit) -> None:
-    """Record ``unit`` (world_size_invariant) as the owner of its sharded parameters."""
-    keys = [id(slot.sharded) for slot in unit.slots]
-
-    def forget(ref, keys=keys):
-        for key in keys:
-            if _UNITS.get(key) is ref:
-                del _UNITS[key]
-
-    ref = weakref.ref(unit, forget)
-    for key in keys:
-        _UNITS[key] = ref
-
-
 def is_marked(param) -> bool:
     """Whether ``param`` is a sharded parameter of a live world_size_invariant unit."""
-    ref = _UNITS.get(id(param))
-    unit = ref() if ref is not None else None
-    return unit is not None and any(s.sharded is param for s in unit.slots)
+    found = placement.find(param)
+    return found is not None and found[0].cfg.invariant_layout is not None
 
 
 def check_layout(shard_group, replicate_group, where: str) -> tuple:

@@ -152,10 +152,7 @@ class Adafactor(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = shards.run_closure(closure)
         wheres = self._where.get(self)
         stats = GroupSums("fullshard.optim.Adafactor statistics")
         pending = []

@@ -77,10 +77,7 @@ class Lamb(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = shards.run_closure(closure)
         wheres = self._where.get(self)
         sums = GroupSums("fullshard.optim.Lamb norms")
         pending = []

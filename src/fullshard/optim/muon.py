@@ -199,10 +199,7 @@ class Muon(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = shards.run_closure(closure)
         wheres = self._where.get(self)
         for group in self.param_groups:
             if group["use_muon"]:

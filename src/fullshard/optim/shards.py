@@ -218,3 +218,12 @@ def gather_rows(local: torch.Tensor, info: ShardInfo, owner: str) -> torch.Tenso
     out = torch.empty((info.world * most, *tail), dtype=local.dtype, device=device)
     collectives.all_gather(out.view(-1), send.view(-1), info.group, async_op=False, tag=f"{owner} rows")
     return torch.cat([out[r * most:r * most + n] for r, n in enumerate(sizes)]).to(local.device)
+
+
+def run_closure(closure) -> Optional[torch.Tensor]:
+    """``closure()`` under grad mode (an optimizer's ``step`` runs under
+    ``no_grad``), or None without one: what ``torch.optim`` steps do first."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
