@@ -291,16 +291,6 @@ def rechunk(unit, si: int, local: torch.Tensor, src: tuple, dst: tuple) -> torch
     placements as ``torch.chunk`` rows in state dicts and back. ``local``
     may have other trailing dimensions than the parameter (a per-row
     optimizer state)."""
-    n = unit.world
-    trailing = local.shape[1:]
-    row_numel = trailing.numel()
-    sizes = [src[r + 1] - src[r] for r in range(n)]
-    most = max(sizes)
-    send = local.new_zeros((most, row_numel))
-    send[:local.shape[0]].copy_(local.reshape(-1, row_numel))
-    out = local.new_empty((n * most, row_numel))
-    collectives.all_gather(out.view(-1), send.view(-1), unit.cfg.shard_group, async_op=False,
-                           tag=f"unit '{unit.name}' state dict rows")
-    full = torch.cat([out[r * most:r * most + sizes[r]] for r in range(n)])
+    full = collectives.all_gather_rows(local, src, unit.cfg.shard_group, tag=f"unit '{unit.name}' state dict rows")
     rank = unit.rank
-    return full[dst[rank]:dst[rank + 1]].reshape(dst[rank + 1] - dst[rank], *trailing).clone()
+    return full[dst[rank]:dst[rank + 1]].clone()

@@ -331,6 +331,28 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
     return _finish(work, async_op, lambda: POOL.give(send))
 
 
+def all_gather_rows(local: torch.Tensor, bounds: tuple, group, tag: str = "") -> torch.Tensor:
+    """The whole tensor whose rows ``[bounds[r], bounds[r + 1])`` rank r of
+    ``group`` holds (this rank: ``local``), by one all-gather of the rows
+    padded to the largest rank's count; every rank of the group calls it.
+    A CPU ``local`` travels through the current CUDA device under NCCL.
+
+    Returns:
+        A new tensor of ``bounds[-1]`` rows, ``local``'s trailing shape,
+        dtype and device.
+    """
+    sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+    most, tail = max(sizes), tuple(local.shape[1:])
+    device = local.device
+    if device.type == "cpu" and backend(group) == "nccl":  # offloaded values
+        device = torch.device("cuda", torch.cuda.current_device())
+    send = torch.zeros((most, *tail), dtype=local.dtype, device=device)
+    send[:local.shape[0]].copy_(local)
+    out = torch.empty((len(sizes) * most, *tail), dtype=local.dtype, device=device)
+    all_gather(out.view(-1), send.view(-1), group, async_op=False, tag=tag)
+    return torch.cat([out[r * most:r * most + n] for r, n in enumerate(sizes)]).to(local.device)
+
+
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, async_op: bool = True, tag: str = ""):
     """Sum ``full`` (rank-major, ``group_size`` equal blocks) over the group and
     leave block ``rank`` in ``output``.

@@ -200,24 +200,14 @@ def like_param(param: torch.Tensor, local: torch.Tensor, shape, replicated: bool
 
 
 def gather_rows(local: torch.Tensor, info: ShardInfo, owner: str) -> torch.Tensor:
-    """The whole parameter-shaped tensor whose rows ``[lo, hi)`` (``info.row_range``)
-    this rank holds as ``local``: one all-gather over the shard group of the
-    rows padded to the largest rank's count (every rank of the group calls it
-    for the same parameter).
+    """The whole parameter-shaped tensor whose rows ``info.row_range`` this
+    rank holds as ``local`` (``collectives.all_gather_rows`` over the shard
+    group; every rank of the group calls it for the same parameter).
 
     Returns:
         A new tensor of shape ``info.shape``, ``local``'s dtype and device.
     """
-    sizes = [hi - lo for lo, hi in zip(info.bounds, info.bounds[1:])]
-    most, tail = max(sizes), tuple(info.shape[1:])
-    device = local.device
-    if device.type == "cpu" and collectives.backend(info.group) == "nccl":  # offloaded parameters
-        device = torch.device("cuda", torch.cuda.current_device())
-    send = torch.zeros((most, *tail), dtype=local.dtype, device=device)
-    send[:local.shape[0]].copy_(local)
-    out = torch.empty((info.world * most, *tail), dtype=local.dtype, device=device)
-    collectives.all_gather(out.view(-1), send.view(-1), info.group, async_op=False, tag=f"{owner} rows")
-    return torch.cat([out[r * most:r * most + n] for r, n in enumerate(sizes)]).to(local.device)
+    return collectives.all_gather_rows(local, info.bounds, info.group, tag=f"{owner} rows")
 
 
 def run_closure(closure) -> Optional[torch.Tensor]:
