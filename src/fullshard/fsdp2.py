@@ -24,6 +24,7 @@ from .core import backward_guard, casting, collectives, deferred_init, invariant
 from .core.module import UnitModule, unit_modules
 from .core.tree import map_tensors
 from .core.unit import ShardedState, Unit, UnitConfig
+from .fsdp2_comm import CommMethods
 
 _CLASSES: dict[type, type] = {}
 _NO_MP, _NO_OFFLOAD = MixedPrecisionPolicy(), OffloadPolicy()  # frozen: safe to share as defaults
@@ -41,10 +42,11 @@ class _UnitState:
         self.before: Optional[set[int]] = None
 
 
-class FSDPModule(UnitModule):
+class FSDPModule(CommMethods, UnitModule):
     """Base added to the class of every module :func:`fully_shard` was
     applied to (``isinstance(model, FSDPModule)``), with torch FSDP2's
-    methods. ``type(model)`` becomes ``FSDP<Original>``, a subclass of both.
+    methods (the communication ones in fsdp2_comm.py). ``type(model)``
+    becomes ``FSDP<Original>``, a subclass of both.
     """
 
     dtensor_params = True

@@ -425,15 +425,32 @@ def barrier(group=None, tag: str = "") -> None:
         _run("barrier", tag, group, None, False, lambda: dist.barrier(group=group))
 
 
-def new_group(ranks: list[int], timeout_s: Optional[float] = None):
+def new_group(ranks: list[int], timeout_s: Optional[float] = None, local: bool = False):
     """Create a process group over ``ranks``; every rank must call it in the same order.
 
     Args:
         timeout_s: deadline of each collective on the group (None: the default group's).
+        local: only the members of ``ranks`` call it (``use_local_synchronization``).
     """
+    kw = {"use_local_synchronization": True} if local else {}
     if timeout_s is None:
-        return dist.new_group(ranks=ranks)
-    return dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s))
+        return dist.new_group(ranks=ranks, **kw)
+    return dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s), **kw)
+
+
+def pg_of(group):
+    """The ``ProcessGroup`` object of ``group`` (None: the world)."""
+    return group if group is not None else dist.group.WORLD
+
+
+def call_custom(op: str, tag: str, group, t: torch.Tensor, fn) -> None:
+    """Run a user's collective ``fn(process_group, ReduceOp.SUM)`` (see
+    core/comm.py [Note: custom collectives]) as ``op``: counted, under the
+    debug check and one-line errors; a work handle it returns is waited on."""
+    _count(op, t)
+    handle = _run(op, tag, group, t, False, lambda: fn(pg_of(group), dist.ReduceOp.SUM))
+    if handle is not None:
+        Work(handle, op, tag, group, 0, t).wait()
 
 
 def is_initialized() -> bool:

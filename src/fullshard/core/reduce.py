@@ -14,17 +14,17 @@ from typing import Optional
 
 import torch
 
-from . import collectives, flat, grads
-from .buffers import POOL
+from . import collectives, comm, flat, grads
 
 
-def reduce_input(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> tuple[torch.Tensor, int]:
-    """The pooled reduce input of ``unit``: ``unit.world`` rank-major blocks,
-    each this rank's gradient for that block's owner followed by one used
-    flag per layout parameter; and the block's numel."""
+def reduce_input(unit, full_grad: Optional[torch.Tensor], used: list[bool], alloc=None) -> tuple[torch.Tensor, int]:
+    """The reduce input of ``unit`` (from ``alloc``, core/comm.py; None: the
+    pool): ``unit.world`` rank-major blocks, each this rank's gradient for
+    that block's owner followed by one used flag per layout parameter; and
+    the block's numel."""
     n_grad, n_flags = unit.layout.grad_shard_numel, len(unit.layout.params)
     block = n_grad + n_flags
-    reduce_in = POOL.take(unit.world * block, unit.reduce_dtype, unit.cfg.compute_device)
+    reduce_in = comm.take(alloc, unit.world * block, unit.reduce_dtype, unit.cfg.compute_device)
     # copy_in writes every gradient element (padding rows included), so
     # only a missing gradient needs the buffer zeroed.
     if full_grad is None:
@@ -41,21 +41,38 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
     ``full_grad`` (param-major, ``N·S`` elements; None = zeros) with the used
     flags ``used`` (one per layout parameter); the gradient reaches ``.grad``
     at :meth:`PendingReduce.finish`."""
-    cfg = unit.cfg
-    reduce_in, block = reduce_input(unit, full_grad, used)
-    reduce_in.div_(unit.grad_divide_factor or cfg.dp_world_size)  # pre-divide, as DDP does
-    out = torch.empty(block, dtype=unit.reduce_dtype, device=cfg.compute_device)
-    work = collectives.reduce_scatter(out, reduce_in, cfg.shard_group, async_op=True, tag=f"unit '{unit.name}'")
-    return PendingReduce(unit, work, reduce_in, out)
+    cfg, settings, tag = unit.cfg, unit.comm, f"unit '{unit.name}'"
+    group = settings.reduce_scatter_group or cfg.shard_group
+    pre, post = settings.divide_factors(unit.grad_divide_factor or cfg.dp_world_size, unit.reduce_dtype)
+    if settings.reduce_scatter is not None and collectives.group_size(group) > 1:
+        out = comm.custom_reduce_scatter(unit, full_grad, used, group, pre, tag)
+        return PendingReduce(unit, None, None, out, post)
+    # Symmetric memory serves the reduce-scatter only with force_sum (torch FSDP2: NCCL's
+    # symmetric reduce-scatter sums only).
+    alloc = settings.allocator
+    if isinstance(alloc, comm.SymmMemAllocator) and not settings.force_sum:
+        alloc = None
+    reduce_in, block = reduce_input(unit, full_grad, used, alloc)
+    reduce_in.div_(pre)  # DDP pre-divides; see CommSettings.divide_factors
+    out = comm.take(alloc, block, unit.reduce_dtype, cfg.compute_device) if alloc is not None and \
+        not alloc.pooled else torch.empty(block, dtype=unit.reduce_dtype, device=cfg.compute_device)
+    if alloc is not None:
+        alloc.prepare(reduce_in, group)
+        alloc.prepare(out, group)
+    work = collectives.reduce_scatter(out, reduce_in, group, async_op=True, tag=tag)
+    return PendingReduce(unit, work, reduce_in, out, post, alloc)
 
 
 def _accumulate(unit, out: torch.Tensor, skip: frozenset = frozenset()) -> None:
     """Add a reduced block (gradient shard, then one used flag per
     parameter) into the sharded parameters' ``.grad``. Parameters no rank
-    used are left alone (``grad None`` stays None), and so are the layout
-    indices in ``skip``."""
+    used are left alone (``grad None`` stays None) unless
+    ``set_reduce_scatter_unused_params(True)`` asks for their zero gradient
+    (torch FSDP2's result), and so are the layout indices in ``skip``."""
     n_grad = unit.layout.grad_shard_numel
     used = (out[n_grad:] > 0).tolist()
+    if unit.comm.reduce_scatter_unused_params:
+        used = [True] * len(used)  # frozen parameters have no view below
     master, reduced = unit.flat_shard, out[:n_grad]
     # Stored in grad_dtype; added to an existing gradient in the master
     # dtype (keep_low_precision_grads: rounded once per backward).
@@ -82,14 +99,17 @@ def _accumulate(unit, out: torch.Tensor, skip: frozenset = frozenset()) -> None:
 class PendingReduce:
     """An in-flight reduce-scatter (and, with replicas, its all-reduce)."""
 
-    def __init__(self, unit, work, reduce_in: torch.Tensor, out: torch.Tensor):
+    def __init__(self, unit, work, reduce_in: Optional[torch.Tensor], out: torch.Tensor, post: float = 1.0,
+                 alloc=None):
         self.unit, self.work, self.reduce_in, self.out = unit, work, reduce_in, out
+        self.post, self.alloc = post, alloc  # division after the sum (force_sum); reduce_in's allocator
 
     def finish(self) -> None:
-        """Wait, sum over replicas, and accumulate into the gradient shards."""
+        """Wait, sum over replicas, run the all-reduce hook, divide what is
+        left to divide, and accumulate into the gradient shards."""
         if self.work is not None:
             self.work.wait()
-        POOL.give(self.reduce_in)
+        comm.give(self.alloc, self.reduce_in)
         self.reduce_in = None
         unit, rep = self.unit, self.unit.cfg.replicate_group
         if rep is not None:
@@ -100,11 +120,15 @@ class PendingReduce:
                 unit.partial_out = self.out
                 return
             collectives.all_reduce(self.out, rep, "sum", tag=f"unit '{unit.name}' replicas")
+        grad = self.out[:unit.layout.grad_shard_numel]
+        comm.run_hook(unit, grad)
+        if self.post != 1:
+            grad.div_(self.post)
         _accumulate(unit, self.out)
 
     def abandon(self) -> None:
         """Wait for the collective (its buffers must outlive it) and drop the result."""
         if self.work is not None:
             self.work.wait()
-        POOL.give(self.reduce_in)
+        comm.give(self.alloc, self.reduce_in)
         self.reduce_in = self.out = None

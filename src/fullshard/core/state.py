@@ -53,11 +53,6 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = "POST_BACKWARD"
 
 
-# Reduce-scatters allowed in flight before the oldest is waited on: each holds
-# a unit-sized input buffer, so an unbounded queue would keep a full model's
-# worth of gradients alive until the end of backward.
-MAX_INFLIGHT_REDUCES = 2
-
 _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 _LEGAL = {
     TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.PRE_BACKWARD,
@@ -94,6 +89,8 @@ class RootRuntime:
         # FSDPModule.set_is_last_backward: recorded; every backward still
         # finishes its reduce-scatters (see end_of_backward).
         self.is_last_backward = True
+        # FSDPModule.set_post_optim_event: waited on by the next root pre-forward, then dropped.
+        self.post_optim_event = None
 
     def position(self, rt: "UnitRuntime", order: list["UnitRuntime"]) -> int:
         for i, other in enumerate(order):
@@ -202,13 +199,15 @@ def require_idle(root: RootRuntime, what: str) -> None:
                            f"(units busy: {busy}); call it between iterations")
 
 
-def start_iteration(root: RootRuntime) -> None:
+def start_iteration(root: RootRuntime, discard: bool = False) -> None:
     """Begin a clean iteration: clear whatever an interrupted one left behind
     (see [Note: one iteration]) and adopt changes the user made between
-    iterations (``requires_grad_()``, gradients zeroed after ``no_sync``)."""
+    iterations (``requires_grad_()``, gradients zeroed after ``no_sync``).
+    ``discard`` (``FSDPModule.reset_iter_state``): also drop every
+    accumulation in progress (``no_sync`` stashes, HSDP partial sums)."""
     for rt in root.runtimes:  # before anything is cleared: the user must fix this first
         rt.unit.check_views()
-    broken = backward_broken(root)
+    broken = discard or backward_broken(root)
     for pending in root.pending:
         pending.abandon()
     root.pending = []
@@ -223,6 +222,8 @@ def start_iteration(root: RootRuntime) -> None:
         unit.release_full_grad(unit.take_full_grad()[0])  # a partial gradient of a backward that raised
         if broken:
             unit.drop_stash()
+        if discard:
+            unit.partial_out = None
         unit.restore_all_params()  # a state-dict call that raised between install and restore
         if unit.state is not ShardedState.SHARDED and (broken or not unit.kept_fresh()):
             # Gathered by a forward with no backward, or kept gathered
@@ -258,6 +259,10 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
     root = rt.root
     if rt.is_root or (not in_bwd and backward_broken(root)):
         start_iteration(root)
+    if rt.is_root and root.post_optim_event is not None:
+        # The all-gathers run on the current stream: it waits on the event before they are issued.
+        event, root.post_optim_event = root.post_optim_event, None
+        event.wait()
     rt.transition(TrainingState.FORWARD)
     if root.position(rt, root.order) < 0:
         root.order.append(rt)
@@ -405,7 +410,10 @@ class PostBackwardHook:
             else:
                 root.pending.append(unit.reduce_grads(*unit.pop_stashed(grad, used, agreed=root.stash_window)))
                 unit.release_full_grad(grad)  # reduce_grads copied it into the reduce-scatter input
-                while len(root.pending) > MAX_INFLIGHT_REDUCES:
+                # Each in flight holds a unit-sized input buffer: bounded
+                # (set_reduce_scatter_max_input_buffers), else a full model's
+                # worth of gradients would stay alive until the end of backward.
+                while len(root.pending) > unit.comm.max_input_buffers:
                     root.pending.pop(0).finish()
         else:
             unit.release_full_grad(None)

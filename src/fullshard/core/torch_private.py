@@ -172,3 +172,33 @@ def dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placements, shape, stride)
     its DTensors this way too (``_from_local_no_grad``)."""
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=local.requires_grad)
+
+
+def process_group_backend(group, device: torch.device):
+    """The backend object serving ``group`` on ``device``
+    (``ProcessGroup._get_backend``); its ``supports_tensor_alloc(device)``
+    and ``allocate_tensor(numel, dtype=, device=)`` are the process group's
+    own allocator (what torch FSDP2's ``ProcessGroupAllocMixin`` uses)."""
+    return group._get_backend(device)
+
+
+def symm_mem_set_backend(backend: str) -> None:
+    """Choose the symmetric-memory backend (``torch.distributed._symmetric_memory``)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    symm_mem.set_backend(backend)
+
+
+def symm_mem_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor from the symmetric-memory pool of ``device`` (CUDA)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
+def symm_mem_rendezvous(t: torch.Tensor, group) -> None:
+    """Register symmetric-memory tensor ``t`` with every rank of ``group``."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    symm_mem.rendezvous(t, group=group.group_name)

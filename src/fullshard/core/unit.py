@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import collectives, flat, grads, optim_guard, placement, torch_private
+from . import collectives, comm, flat, grads, optim_guard, placement, torch_private
 from .buffers import POOL
 from .params import ParamSlot
 from .unit_grads import UnitGrads
@@ -133,6 +133,7 @@ class Unit(UnitGrads, UnitValues):
         self._gather_buf: Optional[torch.Tensor] = None
         self._partial: Optional[torch.Tensor] = None  # see reshard_partial
         self._gather_work = None
+        self._gather_alloc = None  # where _gather_buf came from (core/comm.py)
         self.summoned = False  # inside summon_full_params
         # Shard versions when the unit was deliberately left unsharded
         # (FSDPModule.unshard, reshard_after_backward=False); see kept_fresh.
@@ -143,6 +144,7 @@ class Unit(UnitGrads, UnitValues):
         self.grad_divide_factor: Optional[float] = None
         self.requires_all_reduce = True
         self.partial_out: Optional[torch.Tensor] = None
+        self.comm = comm.CommSettings()  # custom collectives, hooks, memory strategy (core/comm.py)
         # Stack of install_params records: (module, attr, previous value).
         self._installed: list[list[tuple[nn.Module, str, object]]] = []
         self._stash: Optional[grads.GradStash] = None
@@ -287,9 +289,19 @@ class Unit(UnitGrads, UnitValues):
             send, group = self._partial, self.cfg.post_forward_group
         elif send.dtype != self.compute_dtype or send.device != self.cfg.compute_device:
             send = send.to(self.cfg.compute_device, self.compute_dtype, non_blocking=True)
-        self._gather_buf = POOL.take(self.layout.unsharded_numel, self.compute_dtype, self.cfg.compute_device)
-        self._gather_work = collectives.all_gather(self._gather_buf, send, group, async_op=True,
-                                                   tag=f"unit '{self.name}'")
+        numel, dtype, device, tag = self.layout.unsharded_numel, self.compute_dtype, self.cfg.compute_device, \
+            f"unit '{self.name}'"
+        custom = self.comm.all_gather if collectives.group_size(group) > 1 else None
+        if custom is not None:
+            self._gather_buf = comm.custom_all_gather(custom, send, group, numel, dtype, device,
+                                                      collectives.group_rank(group), tag)
+            self._gather_alloc = comm.FOREIGN
+            return
+        self._gather_alloc = self.comm.allocator
+        self._gather_buf = comm.take(self._gather_alloc, numel, dtype, device)
+        if self.comm.allocator is not None:
+            self.comm.allocator.prepare(self._gather_buf, group)
+        self._gather_work = collectives.all_gather(self._gather_buf, send, group, async_op=True, tag=tag)
 
     def wait_unshard(self) -> None:
         """Finish the all-gather and lay out full parameters. UNSHARDING → UNSHARDED."""
@@ -304,7 +316,7 @@ class Unit(UnitGrads, UnitValues):
             # .data: a write with its own version counter, so tensors autograd
             # saved in forward (views of this storage) stay valid for backward.
             flat.copy_out(self.flat_full.data, self._gather_buf, self.layout)
-            POOL.give(self._gather_buf)
+            comm.give(self._gather_alloc, self._gather_buf)
             self._gather_buf = None
         self.drop_partial()
         self.state = ShardedState.UNSHARDED
