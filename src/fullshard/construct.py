@@ -110,20 +110,24 @@ def materialize(own: list[nn.Module], param_init_fn, device: torch.device, buffe
 
 
 def prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, device: torch.device,
-                   sync_module_states: bool, name: str, groups: tuple) -> None:
+                   sync_module_states: bool, name: str, groups: tuple, defer: bool = False) -> list[str]:
     """Attach row initializers to meta slots; make the other values agree
     across the ranks of the unit's ``groups`` = (shard_group, replicate_group):
     broadcast the unit's first rank's parameters and buffers, or check the
     parameters and name the first that differs. Ranks outside the groups
-    take no part (see ``consistency.broadcast_from_first``)."""
+    take no part (see ``consistency.broadcast_from_first``).
+
+    Returns:
+        With ``defer`` (fully_shard), the names of the parameters that
+        differ, for ``consistency.defer``; otherwise they raise here."""
     for s in slots:
         if s.param.is_meta:  # only reachable with row-wise init
             s.init_rows = functools.partial(param_init_fn.init_rows, s.param, device=device)
     real = [s for s in slots if not s.param.is_meta]  # deferred rows are identical by construction
     if sync_module_states:
         consistency.broadcast_from_first([s.param for s in real] + deferred_init.buffers_of(own), *groups)
-    else:
-        consistency.check_same_across_ranks([(s.fqn, s.param) for s in real], *groups, name)
+        return []
+    return consistency.check_same_across_ranks([(s.fqn, s.param) for s in real], *groups, name, defer=defer)
 
 
 def check_not_wrapped(module: nn.Module, name: str, is_unit) -> None:

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import construct, dtensor_specs, wrap
 from .api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .core import backward_guard, casting, collectives, deferred_init, invariant, state
+from .core import backward_guard, casting, collectives, consistency, deferred_init, invariant, state
 from .core.module import UnitModule, unit_modules
 from .core.tree import map_tensors
 from .core.unit import ShardedState, Unit, UnitConfig
@@ -288,9 +288,11 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             ``FullyShardedDataParallel``; a mesh of more than 2 dimensions;
             a ``reshard_after_forward`` int that does not divide the shard
             group size; policies of
-            the wrong type; parameters that differ across the ranks of the
-            mesh; a DTensor parameter placed other than ``Shard``/``Replicate``
+            the wrong type; a DTensor parameter placed other than ``Shard``/``Replicate``
             or on a mesh that is not a disjoint slice of ``mesh``'s root.
+            At the first forward (not here, so a full state dict loaded
+            after ``fully_shard`` can fix them): parameters that differed
+            across the ranks of the mesh and were not written since.
     """
     if not collectives.is_initialized():
         raise RuntimeError("fully_shard needs an initialized process group: launch with `torchrun "
@@ -319,7 +321,9 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     if not any(b.is_meta for o in own for b in o.buffers(recurse=False)):  # meta: to_empty moves them
         deferred_init.move_buffers(own, device, None)
     real = [s for s in slots if not s.param.is_meta]
-    construct.prepare_values(real, own, None, device, False, name, (shard_group, replicate_group))
+    # Values that differ across ranks are refused at the first forward unless a load writes them first
+    # (core/consistency.py): fully_shard has no sync_module_states; torch's remedy loads after it.
+    differ = construct.prepare_values(real, own, None, device, False, name, (shard_group, replicate_group), True)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     cfg = UnitConfig(
         shard_group=shard_group, replicate_group=replicate_group,
@@ -335,6 +339,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     with torch.no_grad():
         unit = Unit(name, slots, cfg)
     construct.register_unit(unit)
+    consistency.defer(unit, differ)
     # Backward prefetches the previous unit in forward order, as torch FSDP2 does by default.
     runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
                                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False,
@@ -370,6 +375,8 @@ def _pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, 
         rt.forward_depth += 1
         return args, kwargs
     module._lazy_init()
+    if consistency.PENDING and rt.is_root:
+        consistency.verify([r.unit for r in rt.root.runtimes])
     out = state.pre_forward(rt, args, kwargs)
     if rt.state is state.TrainingState.FORWARD:
         shared.before = _stored_ids(shared.own) if torch.is_grad_enabled() else None

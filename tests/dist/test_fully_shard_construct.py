@@ -220,17 +220,39 @@ def _errors_case(rank, world):
     scalar = FP.make()
     scalar.temperature = nn.Parameter(torch.tensor(1.0))
     _raises(f"{where} fully_shard.*'temperature' is 0-dimensional", lambda: fully_shard(scalar))
-    # Different weights on different ranks: torch FSDP2 would shard each
-    # rank's own values (a model no rank holds); DDP broadcasts rank 0's.
-    _raises(f"{where} unit 'Block': parameter 'lin1.weight' differs across ranks",
-            lambda: fully_shard(FP.make(seed=rank).layers[0]))
     # After all these refusals, sharding and training still match DDP.
     return {"after_errors": FP.parity(rank, _train)}
 
 
+def _per_rank_values_case(rank, world):
+    """Different weights on different ranks: torch FSDP2 would shard each
+    rank's own values (a model no rank holds); DDP broadcasts rank 0's.
+    fully_shard refuses at the first forward, naming what works for its
+    users; torch's remedy (rank 0's full state dict broadcast after
+    fully_shard) then trains as DDP from rank 0's weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model = FP.shard(FP.make(seed=rank))
+    remedies = r"same seed.*set_model_state_dict\(.*broadcast_from_rank0=True"
+    for _ in range(2):  # refused again until something writes the parameters
+        _raises(rf"\[rank \d\] unit '.*': parameter '.*' differed across ranks \[0, 1\].*{remedies}",
+                lambda: FP.loss_of(model, rank, 0))
+    _raises("differs across ranks.*sync_module_states=True",  # the wrapper's own remedy
+            lambda: fullshard.FullyShardedDataParallel(FP.make(seed=rank)))
+
+    def load_from_rank0(plain):  # plain: rank 0's weights, built on every rank for the DDP reference
+        model = FP.shard(FP.make(seed=rank))
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, plain.state_dict() if rank == 0 else {}, options=options)
+        return model
+
+    return {"broadcast_from_rank0_vs_ddp": FP.parity(rank, _train, shard_fn=load_from_rank0)}
+
+
 def _group_two(rank, world):
     out = {}
-    for case in (_identity_case, _tied_case, _deferred_case, _convert_case, _late_optimizer_case, _errors_case):
+    for case in (_identity_case, _tied_case, _deferred_case, _convert_case, _late_optimizer_case, _errors_case,
+                 _per_rank_values_case):
         out.update(case(rank, world))
     return out
 

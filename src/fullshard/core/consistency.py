@@ -8,9 +8,16 @@ construct independently.
 """
 from __future__ import annotations
 
+import weakref
+from typing import Optional
+
 import torch
 
-from . import collectives
+from . import collectives, torch_private
+
+# fully_shard units whose parameters differed across ranks at construction, until a
+# load writes them (see :func:`defer`); keyed weakly so a deleted model leaves.
+PENDING: "weakref.WeakKeyDictionary[object, _Unwritten]" = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
@@ -32,18 +39,22 @@ def broadcast_from_first(tensors: list[torch.Tensor], shard_group, replicate_gro
 
 @torch.no_grad()
 def check_same_across_ranks(named: list[tuple[str, torch.Tensor]], shard_group, replicate_group,
-                            unit: str) -> None:
+                            unit: str, defer: bool = False) -> list[str]:
     """Compare three strided fp64 checksums per parameter across the ranks
     that hold the unit with one small all-reduce (max of [v, -v]) per group
     (replicate, then shard: the maximum over a HYBRID_SHARD layout). Every
     such rank reaches the same verdict.
 
+    Returns:
+        With ``defer``, the names of the parameters that differ (raising is
+        left to :func:`verify`); else [].
     Raises:
-        ValueError: naming the first parameter whose checksums differ.
+        ValueError: (without ``defer``) naming the first parameter whose
+            checksums differ.
     """
     groups = collectives.multi_rank_groups(shard_group, replicate_group)
     if not named or not groups:
-        return
+        return []
     sums = []
     for _, p in named:
         # Strided sums: position-sensitive without allocating a copy.
@@ -56,6 +67,8 @@ def check_same_across_ranks(named: list[tuple[str, torch.Tensor]], shard_group, 
         collectives.all_reduce(both, group, "max", tag=f"unit '{unit}' construction check")
     hi, lo = both[:v.numel()], -both[v.numel():]
     bad = (hi != lo).nonzero()
+    if defer:
+        return list(dict.fromkeys(named[int(i) // 3][0] for i in bad.flatten().tolist()))
     if bad.numel():
         name = named[int(bad[0]) // 3][0]
         ranks = sorted({r for g in groups for r in collectives.group_ranks(g)})
@@ -63,3 +76,62 @@ def check_same_across_ranks(named: list[tuple[str, torch.Tensor]], shard_group, 
             f"[rank {collectives.rank()}] unit '{unit}': parameter '{name}' differs across ranks {ranks} (the "
             "unit's process group) at construction; initialize with the same seed on each of them or pass "
             "sync_module_states=True")
+
+
+class _Unwritten:
+    """Parameters of one unit that differed across ranks at construction,
+    with the version counters they had once sharded: a write since (a
+    ``load_state_dict``, ``set_model_state_dict``, ``copy_``) bumps one."""
+
+    def __init__(self, unit, names: list[str]):
+        self.slots = [s for s in unit.slots if s.fqn in set(names)]
+        self.versions = [self._versions(s) for s in self.slots]
+
+    @staticmethod
+    def _versions(slot) -> tuple:
+        return (id(slot.sharded), torch_private.version_counter(slot.sharded),
+                torch_private.version_counter(slot.registered_local()))
+
+    def first_unwritten(self) -> Optional[str]:
+        """The first parameter not written since construction (None: all were)."""
+        return next((s.fqn for s, v in zip(self.slots, self.versions) if self._versions(s) == v), None)
+
+
+def defer(unit, names: list[str]) -> None:
+    """``fully_shard``: the parameters ``names`` of ``unit`` differed across
+    its ranks at construction; :func:`verify` refuses to run the unit until
+    each has been written (torch's remedy: a full state dict loaded after
+    ``fully_shard``, broadcast from rank 0)."""
+    if names:
+        PENDING[unit] = _Unwritten(unit, names)
+
+
+def verify(units: list) -> None:
+    """Before a forward under the root of ``units`` (in the same order on
+    every rank): refuse to run while a parameter that differed across ranks
+    at construction has not been written since. One small all-reduce per
+    pending unit (max over its groups), so every rank reaches one verdict.
+
+    Raises:
+        ValueError: naming the first such parameter and what to do.
+    """
+    for unit in units:
+        record = PENDING.get(unit)
+        if record is None:
+            continue
+        name = record.first_unwritten()
+        flag = torch.tensor([0.0 if name is None else 1.0])
+        groups = collectives.multi_rank_groups(unit.cfg.shard_group, unit.cfg.replicate_group)
+        for group in groups:
+            collectives.all_reduce(flag, group, "max", tag=f"unit '{unit.name}' construction check")
+        if not flag.item():
+            del PENDING[unit]
+            continue
+        ranks = sorted({r for g in groups for r in collectives.group_ranks(g)})
+        raise ValueError(
+            f"[rank {collectives.rank()}] unit '{unit.name}': parameter '{name or record.slots[0].fqn}' differed "
+            f"across ranks {ranks} (the unit's process group) when fully_shard sharded it, and nothing has "
+            "written it since; each rank would train its own rows of different models (DDP starts from rank "
+            "0's). Initialize every rank with the same seed before building the model, or load one full state "
+            "dict after fully_shard: torch.distributed.checkpoint.state_dict.set_model_state_dict(model, sd, "
+            "options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))")
