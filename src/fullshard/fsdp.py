@@ -17,7 +17,7 @@ from . import construct, wrap
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .checkpoint import module_hooks, optim as optim_state, state_dict as state_dicts
 from .construct import _PREFIX
-from .core import casting, collectives, convert, deferred_init, gather, invariant, norms, state
+from .core import casting, collectives, convert, deferred_init, extensions, gather, invariant, norms, state
 from .core.module import UnitModule, unit_modules
 from .core.unit import Unit, UnitConfig
 from .forward_methods import _hook_direct_calls, register_fsdp_forward_method  # noqa: F401 (public here too)
@@ -132,6 +132,7 @@ class FullyShardedDataParallel(UnitModule):
         construct.materialize(own, param_init_fn, device, mp.buffer_dtype)
         skip = _skip_param_ids | {id(p) for p in ignored_params}
         slots = construct.collect_slots(module, ignored, skip, name, is_unit)
+        extensions.refuse([(s.fqn, s.param) for s in slots], where)
         construct.apply_placements(slots, shard_placement_fn, where)
         construct.prepare_values(slots, own, param_init_fn, device, sync_module_states, name,
                          (shard_group, replicate_group))

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import construct, dtensor_specs, wrap
 from .api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .core import backward_guard, casting, collectives, consistency, deferred_init, invariant, state
+from .core import backward_guard, casting, collectives, consistency, deferred_init, extensions, invariant, state
 from .core.module import UnitModule, unit_modules
 from .core.tree import map_tensors
 from .core.unit import ShardedState, Unit, UnitConfig
@@ -314,6 +314,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             raise ValueError(f"{where}: parameter '{s.fqn}' is 0-dimensional, which a Shard(0) DTensor cannot "
                              "hold; make it a 1-element 1-D tensor, pass it in ignored_params, or use "
                              "FullyShardedDataParallel")
+        extensions.check_new(s.fqn, s.param, where)
     construct.apply_placements(slots, shard_placement_fn, where, ragged_ok=False)
     originals = [s.param for s in slots]
     dtensor_specs.assign_specs(slots, mesh, placements, where)  # DTensor (TP) slots now hold their local part
@@ -333,7 +334,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
         offload_params=offload, pin_memory=offload and offload_policy.pin_memory,
         reshard_after_forward=reshard_after_forward is not False, post_forward_group=post_forward_group,
         invariant_layout=invariant.check_layout(shard_group, replicate_group, where) if world_size_invariant
-        else None)
+        else None, mp_policy=mp_policy)
     for p in originals:
         construct.register(construct.TAKEN, p, name)
     with torch.no_grad():

@@ -89,6 +89,9 @@ class ParamSlot:
     view_ptr: Optional[int] = None
     placement: Placement = RowShard()
     """Requested placement (``shard_placement_fn``); the unit resolves owners."""
+    own_local: bool = False
+    """``local`` is a tensor subclass kept apart from the flat shard (an
+    all-gather extension; core/extensions.py [Note: all-gather extensions])."""
 
     def make_sharded(self, view: torch.Tensor, requires_grad: bool) -> None:
         """Register ``view`` (a view of the flat shard) as this parameter on

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import collectives, comm, flat, grads, optim_guard, placement, torch_private
+from . import collectives, comm, extensions, flat, grads, optim_guard, placement, torch_private
 from .buffers import POOL
 from .params import ParamSlot
 from .unit_grads import UnitGrads
@@ -98,6 +98,7 @@ class UnitConfig:
     pin_memory: bool = True
     post_forward_group: object = None
     invariant_layout: Optional[tuple] = None
+    mp_policy: object = None  # fully_shard's MixedPrecisionPolicy, for all-gather extension hooks
 
 
 class UnitStateError(RuntimeError):
@@ -155,6 +156,7 @@ class Unit(UnitGrads, UnitValues):
         # Zero gradients a stash installed on sharded parameters (index ->
         # weakref); see core/grads.py [Note: no_sync and zero_grad].
         self.sentinels: dict[int, weakref.ref] = {}
+        self.ext: dict = {}  # layout index -> gather state; core/extensions.py [Note: all-gather extensions]
         self._shard()
         placement.register(self)
 
@@ -173,6 +175,9 @@ class Unit(UnitGrads, UnitValues):
             flat.shard_into(self.flat_shard, self.layout,
                             [s.init_rows if s.param.is_meta else s.param for s in self.slots], self.rank)
         for slot, view in zip(self.slots, flat.shard_views(self.flat_shard, self.layout, self.rank)):
+            slot.own_local = extensions.defines(type(slot.param))  # a subclass shard cannot view the flat one
+            if slot.own_local:
+                view = extensions.local_shard(slot.param, self.world, self.rank)
             slot.make_sharded(view, slot.param.requires_grad)
             slot.param = None  # the full tensor is no longer ours to keep
         self._make_full()
@@ -216,14 +221,17 @@ class Unit(UnitGrads, UnitValues):
         object, so an optimizer holding it keeps working) views it."""
         self.flat_shard = new
         for slot, view in zip(self.slots, flat.shard_views(new, self.layout, self.rank)):
-            slot.rebind(view)
+            if slot.own_local:  # its subclass shard lives apart; _apply may have replaced it
+                slot.local = slot.registered_local()
+            else:
+                slot.rebind(view)
         self._make_full()
         self._views = None
 
     def _record_view_ptrs(self) -> None:
         """Where each sharded parameter's memory must stay (see :meth:`check_views`)."""
         for slot in self.slots:
-            meta = slot.local.is_meta or not slot.local.numel()
+            meta = slot.own_local or slot.local.is_meta or not slot.local.numel()
             slot.view_ptr = None if meta else slot.local.data_ptr()
 
     def check_views(self) -> None:
@@ -282,6 +290,7 @@ class Unit(UnitGrads, UnitValues):
         """Issue the all-gather of this unit (asynchronous). SHARDED → UNSHARDING."""
         self._check((ShardedState.SHARDED,), "unshard")
         self.state = ShardedState.UNSHARDING
+        extensions.start(self)
         if self.aliased or not self.slots:
             return
         send, group = self.flat_shard, self.cfg.shard_group
@@ -318,6 +327,7 @@ class Unit(UnitGrads, UnitValues):
             flat.copy_out(self.flat_full.data, self._gather_buf, self.layout)
             comm.give(self._gather_alloc, self._gather_buf)
             self._gather_buf = None
+        extensions.finish(self)
         self.drop_partial()
         self.state = ShardedState.UNSHARDED
 
@@ -345,19 +355,20 @@ class Unit(UnitGrads, UnitValues):
                 self._views = self._grad_views()
             views = self._views
         else:
-            views = flat.unsharded_views(self.flat_full.detach(), self.layout)
+            views = extensions.module_views(self, flat.unsharded_views(self.flat_full.detach(), self.layout), False)
         for slot, view in zip(self.slots, views):
             view = slot.full_view(view)
             for module, attr in slot.owners:
                 module.__dict__[attr] = view
 
     def _grad_views(self) -> list[torch.Tensor]:
+        frozen = flat.unsharded_views(self.flat_full.detach(), self.layout)
         if not self.needs_grad:
-            return flat.unsharded_views(self.flat_full.detach(), self.layout)
+            return extensions.module_views(self, frozen, False)
         with torch.enable_grad():  # also when called from a backward hook
             live = grads.UnflattenFull.apply(self.flat_full, weakref.ref(self), self.layout)
-        frozen = flat.unsharded_views(self.flat_full.detach(), self.layout)
-        return [v if p.requires_grad else fz for v, fz, p in zip(live, frozen, self.layout.params)]
+            views = [v if p.requires_grad else fz for v, fz, p in zip(live, frozen, self.layout.params)]
+            return extensions.module_views(self, views, True)
 
     def mark_used(self, index: int) -> None:
         """Layout parameter ``index``'s full view received a gradient in the
@@ -454,6 +465,7 @@ class Unit(UnitGrads, UnitValues):
         if self.state is ShardedState.UNSHARDING:  # prefetched but never used
             self.wait_unshard()
         self.hide_full_params()
+        extensions.free(self)
         if not self.aliased:
             self._free_full()
         self.state = ShardedState.SHARDED
