@@ -321,5 +321,5 @@ def apply_placements(slots: list[ParamSlot], shard_placement_fn, where: str, rag
         if not ragged_ok and not isinstance(s.placement, (placement.RowShard, placement.DimShard)):
             raise ValueError(
                 f"{where}: shard_placement_fn returned {s.placement} for '{s.fqn}', but fully_shard presents "
-                "parameters as DTensor(Shard(d)), which holds torch.chunk chunks only; return None/Shard(d) here, or "
-                "wrap with FullyShardedDataParallel(..., shard_placement_fn=...) for block or owned placements")
+                "parameters as DTensor(Shard(0)) (or Shard(d)), which holds torch.chunk chunks only; return "
+                "None/Shard(d) here, or wrap with FullyShardedDataParallel(..., shard_placement_fn=...) for block or owned placements")
