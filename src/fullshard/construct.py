@@ -322,4 +322,5 @@ def apply_placements(slots: list[ParamSlot], shard_placement_fn, where: str, rag
             raise ValueError(
                 f"{where}: shard_placement_fn returned {s.placement} for '{s.fqn}', but fully_shard presents "
                 "parameters as DTensor(Shard(0)) (or Shard(d)), which holds torch.chunk chunks only; return "
-                "None/Shard(d) here, or wrap with FullyShardedDataParallel(..., shard_placement_fn=...) for block or owned placements")
+                "None/Shard(d) here, or wrap with FullyShardedDataParallel(..., shard_placement_fn=...) for block or "
+                "owned placements")
