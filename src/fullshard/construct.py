@@ -308,15 +308,23 @@ def apply_placements(slots: list[ParamSlot], shard_placement_fn, where: str, rag
 
     Raises:
         ValueError: the function returned something that is not a placement,
-            ``Shard(d)`` with d != 0, or (``ragged_ok=False``: ``fully_shard``)
-            a ``BlockShard``/``Owned``, which a ``Shard(0)`` DTensor cannot present.
+            ``Shard(d)`` with d out of range, ``Shard(d)`` with d != 0 on the
+            wrapper (``ragged_ok=True``: its state dicts hold dim-0 rows), or
+            (``ragged_ok=False``: ``fully_shard``) a ``BlockShard``/``Owned``,
+            which a ``Shard(d)`` DTensor cannot present.
     """
     if shard_placement_fn is None:
         return
     for s in slots:
-        s.placement = placement.normalize(shard_placement_fn(s.param), s.fqn)
-        if not ragged_ok and not isinstance(s.placement, placement.RowShard):
+        s.placement = placement.normalize(shard_placement_fn(s.param), s.fqn, s.param.ndim)
+        if ragged_ok and isinstance(s.placement, placement.DimShard):
+            raise ValueError(
+                f"{where}: shard_placement_fn returned Shard({s.placement.dim}) for '{s.fqn}'; "
+                "FullyShardedDataParallel shards dim 0 only (Shard(0), RowShard, BlockShard, Owned); "
+                "use fully_shard(..., shard_placement_fn=...) to shard another dim")
+        if not ragged_ok and not isinstance(s.placement, (placement.RowShard, placement.DimShard)):
             raise ValueError(
                 f"{where}: shard_placement_fn returned {s.placement} for '{s.fqn}', but fully_shard presents "
-                "parameters as DTensor(Shard(0)), which holds torch.chunk rows only; return None/Shard(0) here, or "
-                "wrap with FullyShardedDataParallel(..., shard_placement_fn=...) for block or owned placements")
+                "parameters as DTensor(Shard(0)) (or Shard(d)), which holds torch.chunk chunks only; return "
+                "None/Shard(d) here, or wrap with FullyShardedDataParallel(..., shard_placement_fn=...) for block or "
+                "owned placements")

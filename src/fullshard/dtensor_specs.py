@@ -41,19 +41,26 @@ def assign_specs(slots: list[ParamSlot], mesh, placements: tuple, where: str) ->
         slots: the unit's records; ``slot.param`` the original parameter.
         mesh: the data-parallel mesh (1-D shard, or 2-D (replicate, shard)).
         placements: the data-parallel placements (``(Shard(0),)`` or
-            ``(Replicate(), Shard(0))``).
+            ``(Replicate(), Shard(0))``); a slot placed ``DimShard(d)`` gets
+            ``Shard(d)`` in place of the last.
         where: ``"[rank r] fully_shard(Name)"`` for errors.
     Raises:
         ValueError: a DTensor parameter with a placement other than ``Shard``
             or ``Replicate`` (``Partial``, already strided), or whose mesh is
-            not disjoint from ``mesh`` within one root mesh.
+            not disjoint from ``mesh`` within one root mesh; ``Shard(d)``,
+            d != 0, for a DTensor parameter.
     """
     concatenated: dict = {}
     for slot in slots:
         p = slot.param
+        dim = getattr(slot.placement, "dim", 0)  # DimShard: fully_shard's Shard(d), d != 0
         if not isinstance(p, DTensor):
-            slot.spec = DTensorSpec(mesh, placements, p.shape, contiguous_stride(p.shape))
+            slot.spec = DTensorSpec(mesh, (*placements[:-1], Shard(dim)), p.shape, contiguous_stride(p.shape))
             continue
+        if dim:
+            raise ValueError(f"{where}: shard_placement_fn returned Shard({dim}) for the tensor-parallel parameter "
+                             f"'{slot.fqn}'; fully_shard shards tensor-parallel parameters on dim 0 only: return "
+                             "None or Shard(0) for it")
         tp_mesh = p.device_mesh
         if tp_mesh not in concatenated:
             concatenated[tp_mesh] = _concatenate(mesh, tp_mesh, slot.fqn, where)

@@ -68,8 +68,9 @@ class FullyShardedDataParallel(UnitModule):
             parameter (torch FSDP2's name): ``RowShard()`` (default; also
             None or ``Shard(0)``), ``BlockShard(rows)``, or ``Owned(rank=None)``
             (the whole parameter on one rank, for optimizers that need whole
-            matrices; core/placement.py [Note: placements]). Applies to every
-            unit this call creates.
+            matrices; core/placement.py [Note: placements]); ``Shard(d)``,
+            d != 0, is ``fully_shard``'s only. Applies to every unit this
+            call creates.
 
     Raises:
         RuntimeError: no initialized process group.

@@ -274,11 +274,11 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
             global micro-batch ``j·W + r``, and the loss is divided by the
             global count (gradients are summed, not averaged). Needs a mesh
             over the whole world (core/invariant.py, docs/invariance.md).
-        shard_placement_fn: ``fn(param) -> None | Shard(0) | RowShard()``
-            per original parameter (torch FSDP2's name). fully_shard presents
-            parameters as ``DTensor(Shard(0))``, so only ``torch.chunk`` rows
-            are accepted; ``BlockShard``/``Owned`` need
-            :class:`~fullshard.FullyShardedDataParallel`.
+        shard_placement_fn: ``fn(param) -> None | Shard(d) | RowShard()``
+            per original parameter (torch FSDP2's name): ``Shard(d)`` (any
+            d, negative too) keeps ``torch.chunk(param, N, dim=d)[rank]``,
+            contiguous, as ``DTensor(Shard(d))``; ``BlockShard``/``Owned``
+            need :class:`~fullshard.FullyShardedDataParallel`.
 
     Returns:
         ``module`` (its class now a subclass of :class:`FSDPModule`), or the list.

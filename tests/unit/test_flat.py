@@ -131,3 +131,80 @@ def test_row_deferred_init():
 def test_bad_world_size():
     with pytest.raises(ValueError, match="shard group size must be >= 1"):
         flat.make_layout([("w", torch.Size((2,)), True)], 0)
+
+
+DIM_SHAPES = [(3, 7), (4, 2, 5), (2, 1), (6, 0), (5, 9)]
+
+
+def _dim_layout(world):
+    """Mixed unit: Shard(1), Shard(-1) of a 3-D, a dim smaller than the world, an empty one, and a RowShard."""
+    dims = [1, -1, 1, 1, 0]
+    placed = [placement.normalize(type("Shard", (), {"dim": d})(), f"p{i}", len(s))
+              for i, (d, s) in enumerate(zip(dims, DIM_SHAPES))]
+    assert placed[1] == placement.DimShard(2) and placed[4] == placement.RowShard()
+    return flat.make_layout([(f"p{i}", torch.Size(s), i != 2) for i, s in enumerate(DIM_SHAPES)], world, placed)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_dim_shard_layout(world):
+    """DimShard: each rank's view is torch.chunk(p, N, dim=d)[r], contiguous; the all-gather
+    output copies out to the params; copy_in hands each rank its chunk of the summed
+    gradient with zeroed padding; copy_rank_rows parts rebuild the all-gather output."""
+    params = _params(DIM_SHAPES)
+    layout = _dim_layout(world)
+    shards = _flat_shards(params, layout)
+    for r, s in enumerate(shards):
+        assert not torch.isnan(s).any()
+        for p, lay, view in zip(params, layout.params, flat.shard_views(s, layout, r)):
+            chunks = torch.chunk(p, world, dim=lay.dim) if p.numel() or p.shape[lay.dim] else ()
+            want = chunks[r] if r < len(chunks) else p.narrow(lay.dim, 0, 0)
+            assert view.shape == want.shape and view.is_contiguous() and torch.equal(view, want), (lay.fqn, r)
+    gathered = torch.cat(shards)
+    full = torch.full((layout.unsharded_numel,), float("nan"))
+    flat.copy_out(full, gathered, layout)
+    for p, v in zip(params, flat.unsharded_views(full, layout)):
+        assert torch.equal(v, p)
+    for k in [k for k in range(1, world + 1) if world % k == 0]:
+        parts = []
+        for first in range(0, world, k):
+            part = torch.full((k * layout.shard_numel,), float("nan"))
+            flat.copy_rank_rows(part, full, layout, first, k)
+            parts.append(part)
+        assert torch.equal(torch.cat(parts), gathered), k
+    grads = [_params(DIM_SHAPES, seed=10 + r) for r in range(world)]
+    total = 0
+    for r in range(world):
+        fg = torch.zeros(layout.unsharded_numel)
+        for v, g in zip(flat.unsharded_views(fg, layout), grads[r]):
+            v.copy_(g)
+        reduce_in = torch.full((world * layout.grad_shard_numel,), float("nan"))
+        flat.copy_in(reduce_in, fg, layout)
+        assert not torch.isnan(reduce_in).any()
+        total = total + reduce_in
+    for r in range(world):
+        block = total.view(world, layout.grad_shard_numel)[r]
+        for i, (lay, view) in enumerate(zip(layout.params, flat.grad_shard_views(block, layout, r))):
+            if i == 2:
+                assert view is None
+                continue
+            want = sum(g[i] for g in grads)
+            lo, hi = lay.local_row_range(r)
+            assert torch.allclose(view, want.narrow(lay.dim, lo, hi - lo)), (lay.fqn, r)
+
+
+def test_shard_dim_out_of_range():
+    shard = type("Shard", (), {"dim": 2})()
+    with pytest.raises(ValueError, match=r"Shard\(2\) for 'w', which has 2 dimension"):
+        placement.normalize(shard, "w", 2)
+
+
+def test_dim_shard_row_initializer():
+    """``shard_into`` with ``fn(row_start, row_end)`` (dim-0 rows) for a DimShard slot keeps the chunk of dim d."""
+    p = torch.arange(15.0).reshape(3, 5)
+    layout = flat.make_layout([("w", p.shape, True)], 2, [placement.DimShard(1)])
+    for r, want in enumerate(torch.chunk(p, 2, dim=1)):
+        s = torch.full((layout.shard_numel,), float("nan"))
+        flat.shard_into(s, layout, [lambda lo, hi: p[lo:hi]], r)
+        assert torch.equal(flat.shard_views(s, layout, r)[0], want) and not torch.isnan(s).any()
+    with pytest.raises(ValueError, match=r"needs 0 < dim < 2"):
+        flat.make_layout([("w", p.shape, True)], 2, [placement.DimShard(2)])

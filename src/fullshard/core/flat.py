@@ -23,6 +23,17 @@ of the same padded elements:
 
 All-gather output (N, S) → param-major is a per-parameter transpose of
 blocks (``copy_out``); the reverse for gradients is ``copy_in``.
+
+A :class:`DimShard` parameter (dim d != 0) takes a ``RowShard`` slot whose
+"rows" are slices of dim d (``rows = shape[d]``, ``row_numel = numel /
+shape[d]``): rank r's slot holds ``torch.chunk(p, N, dim=d)[r]``
+contiguously (its local tensor, a view) and then padding. Its param-major
+region holds the parameter contiguously, then the padding of all N slots,
+so the full view is still zero-copy. The copies between the two are
+strided instead of block transposes: the ranks with whole chunks move as one
+copy into ``p.unflatten(d, (k, chunk)).movedim(d, 0)``, the one rank with a
+partial chunk as a second; slot padding is skipped on the way out and
+zeroed on the way in (:func:`_strided_pairs`).
 """
 from __future__ import annotations
 
@@ -42,8 +53,10 @@ class ParamLayout:
     Attributes:
         fqn: original (unwrapped) name of the parameter's first occurrence.
         shape: full shape of the parameter.
-        rows: ``shape[0]`` (1 for a 0-dim parameter).
-        row_numel: elements per dim-0 row, ``prod(shape[1:])``.
+        rows: ``shape[0]`` (1 for a 0-dim parameter); ``shape[d]`` for
+            :class:`DimShard` (d).
+        row_numel: elements per dim-0 row, ``prod(shape[1:])``; per slice of
+            dim d for ``DimShard``.
         chunk_rows: rows of this parameter's slot on a rank that holds it:
             ``ceil(rows / N)`` for :class:`RowShard`, whole blocks for
             :class:`BlockShard`, all rows (on the owner only) for :class:`Owned`.
@@ -81,6 +94,16 @@ class ParamLayout:
         return isinstance(self.placement, placements.Owned)
 
     @property
+    def dim(self) -> int:
+        """The sharded dimension: 0, or d for :class:`DimShard`."""
+        return placements.shard_dim(self.placement)
+
+    @property
+    def strided(self) -> bool:
+        """Whether the layouts' copies are strided (a :class:`DimShard`), not block transposes."""
+        return self.dim != 0
+
+    @property
     def shard_numel(self) -> int:
         """Padded elements of the slot on a rank that holds it."""
         return self.chunk_rows * self.row_numel
@@ -90,8 +113,14 @@ class ParamLayout:
         return self.bounds[rank + 1] - self.bounds[rank]
 
     def local_shape(self, rank: int) -> torch.Size:
-        """Shape of ``rank``'s shard: ``(local_rows, *shape[1:])``; 1-D for scalars."""
-        return torch.Size((self.local_rows(rank), *self.shape[1:]))
+        """Shape of ``rank``'s shard: ``(local_rows, *shape[1:])`` (``shape``
+        with ``local_rows`` at dim d for ``DimShard``); 1-D for scalars."""
+        return self.chunk_shape(self.local_rows(rank))
+
+    def chunk_shape(self, rows: int) -> torch.Size:
+        """``shape`` with ``rows`` slices of the sharded dimension."""
+        d = self.dim
+        return torch.Size((*self.shape[:d], rows, *self.shape[d + 1:]))
 
     def local_row_range(self, rank: int) -> tuple[int, int]:
         return self.bounds[rank], self.bounds[rank + 1]
@@ -154,8 +183,11 @@ def make_layout(named_shapes: Sequence[tuple[str, torch.Size, bool]], world: int
     shapes = []
     for (fqn, shape, requires_grad), pl in zip(named_shapes, placed):
         shape = torch.Size(shape)
-        rows = shape[0] if len(shape) > 0 else 1
-        row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+        d = placements.shard_dim(pl)
+        if d and not 0 < d < len(shape):
+            raise ValueError(f"parameter '{fqn}': {pl} needs 0 < dim < {len(shape)} (its dimensions)")
+        rows = shape[d] if len(shape) > 0 else 1
+        row_numel = math.prod(shape[:d]) * math.prod(shape[d + 1:]) if len(shape) > 1 else 1
         if isinstance(pl, placements.Owned) and (pl.rank is None or pl.rank >= world):
             raise ValueError(f"parameter '{fqn}': Owned(rank={pl.rank}) needs a resolved rank below {world}")
         shapes.append((fqn, shape, requires_grad, pl, rows, row_numel))
@@ -203,9 +235,15 @@ def shard_into(flat_shard: torch.Tensor, layout: FlatLayout,
     flat_shard.zero_()
     for p, t in zip(layout.params, full):
         lo, hi = p.local_row_range(rank)
-        if hi > lo:
+        if hi <= lo:
+            continue
+        dst = flat_shard[p.shard_offset:p.shard_offset + (hi - lo) * p.row_numel]
+        if p.strided:  # a row initializer gives dim-0 rows: take them all, keep the chunk of dim d
+            whole = t(0, p.shape[0]) if callable(t) else t.detach()
+            dst.view(p.local_shape(rank)).copy_(whole.reshape(p.shape).narrow(p.dim, lo, hi - lo))
+        else:
             rows = t(lo, hi) if callable(t) else t.detach().reshape(p.rows, p.row_numel)[lo:hi]
-            flat_shard[p.shard_offset:p.shard_offset + (hi - lo) * p.row_numel].copy_(rows.reshape(-1))
+            dst.copy_(rows.reshape(-1))
 
 
 def shard_views(flat_shard: torch.Tensor, layout: FlatLayout, rank: int) -> list[torch.Tensor]:
@@ -266,7 +304,7 @@ def _rank_major_blocks(buf: torch.Tensor, layout: FlatLayout, numel: int, grad: 
     two_d = buf.view(layout.world, numel)
     out = []
     for p in layout.params:
-        if grad and not p.requires_grad:
+        if (grad and not p.requires_grad) or p.strided:
             continue
         off = p.grad_offset if grad else p.shard_offset
         if p.owned:
@@ -281,7 +319,7 @@ def _param_major_blocks(flat_full: torch.Tensor, layout: FlatLayout, grad: bool)
     the owned parameter itself."""
     out = []
     for p in layout.params:
-        if grad and not p.requires_grad:
+        if (grad and not p.requires_grad) or p.strided:
             continue
         region = flat_full[p.full_offset:p.full_offset + p.full_span]
         out.append(region if p.owned else region.view(layout.world, p.shard_numel))
@@ -303,10 +341,48 @@ def _owned_tails(buf: torch.Tensor, layout: FlatLayout, numel: int, grad: bool) 
     return [two_d[r, used[r]:end] for r in range(layout.world) if used[r] < end]
 
 
+def _strided_pairs(buf: torch.Tensor, flat_full: torch.Tensor, layout: FlatLayout, numel: int, grad: bool,
+                   first: int = 0, count: Optional[int] = None) -> tuple[list, list, list]:
+    """For each :class:`DimShard` parameter (trainable ones if ``grad``) and
+    ranks ``first .. first+count-1`` (default all) of a rank-major buffer
+    (``count`` blocks of ``numel``): matching rank-major and param-major
+    views, and the slot padding of those ranks (see [Note: flat layouts]).
+
+    Returns:
+        ``(rank-major views, param-major views, padding views)``.
+    """
+    count = layout.world if count is None else count
+    two_d = buf.view(count, numel)
+    rank_side, param_side, pads = [], [], []
+    for p in layout.params:
+        if not p.strided or (grad and not p.requires_grad) or p.chunk_rows == 0:
+            continue
+        off = p.grad_offset if grad else p.shard_offset
+        c, d, sn = p.chunk_rows, p.dim, p.shard_numel
+        whole = flat_full[p.full_offset:p.full_offset + p.numel].view(p.shape)
+        k = min(p.rows // c, first + count)  # ranks below k hold whole chunks
+        if k > first:
+            n = k - first
+            rank_side.append(two_d[:n, off:off + sn].view(n, *p.chunk_shape(c)))
+            param_side.append(whole.narrow(d, first * c, n * c).unflatten(d, (n, c)).movedim(d, 0))
+        for r in range(max(k, first), first + count):
+            rr = p.local_rows(r)
+            if rr:  # the one rank with a partial chunk
+                rank_side.append(two_d[r - first, off:off + rr * p.row_numel].view(p.local_shape(r)))
+                param_side.append(whole.narrow(d, p.bounds[r], rr))
+                pads.append(two_d[r - first, off + rr * p.row_numel:off + sn])
+            else:  # the rest hold nothing
+                pads.append(two_d[r - first:, off:off + sn])
+                break
+    return rank_side, param_side, pads
+
+
 def copy_out(flat_full: torch.Tensor, gathered: torch.Tensor, layout: FlatLayout) -> None:
     """All-gather output (rank-major, N·S) → unsharded flat (param-major, N·S)."""
     dst = _param_major_blocks(flat_full, layout, grad=False)
     src = _rank_major_blocks(gathered, layout, layout.shard_numel, grad=False)
+    strided_src, strided_dst, _ = _strided_pairs(gathered, flat_full, layout, layout.shard_numel, grad=False)
+    dst, src = dst + strided_dst, src + strided_src
     if dst:  # a unit without parameters (a root holding only nested units) moves nothing
         torch_private.foreach_copy_(dst, src)
 
@@ -321,9 +397,11 @@ def copy_in(reduce_in: torch.Tensor, full_grad: torch.Tensor, layout: FlatLayout
     block = block_numel or layout.grad_shard_numel
     dst = _rank_major_blocks(reduce_in, layout, block, grad=True)
     src = _param_major_blocks(full_grad, layout, grad=True)
+    strided_dst, strided_src, pads = _strided_pairs(reduce_in, full_grad, layout, block, grad=True)
+    dst, src = dst + strided_dst, src + strided_src
     if dst:
         torch_private.foreach_copy_(dst, src)
-    tails = _owned_tails(reduce_in, layout, block, grad=True)
+    tails = _owned_tails(reduce_in, layout, block, grad=True) + pads
     if tails:
         torch_private.foreach_zero_(tails)
 
@@ -335,8 +413,11 @@ def copy_rank_rows(dst: torch.Tensor, flat_full: torch.Tensor, layout: FlatLayou
     (``reshard_after_forward=int``), so that an all-gather of the members'
     parts rebuilds the whole output."""
     rows = dst.view(count, layout.shard_numel)
-    dst_blocks, src = [], []
-    for p, block in zip(layout.params, _param_major_blocks(flat_full, layout, grad=False)):
+    dst_blocks, src, pads = _strided_pairs(dst, flat_full, layout, layout.shard_numel, False, first, count)
+    if pads:  # nobody reads them; zero for the same bits as an all-gather of shards
+        torch_private.foreach_zero_(pads)
+    uniform = [p for p in layout.params if not p.strided]
+    for p, block in zip(uniform, _param_major_blocks(flat_full, layout, grad=False)):
         if not p.owned:
             dst_blocks.append(rows[:, p.shard_offset:p.shard_offset + p.shard_numel])
             src.append(block[first:first + count])

@@ -93,7 +93,7 @@ def _spread(info) -> bool:
     """Some rank of the shard group holds fewer than all rows (rank-independent)."""
     if info is None or info.world == 1:
         return False
-    rows = info.shape[0] if len(info.shape) else 1
+    rows = info.rows
     return any(hi - lo != rows for lo, hi in zip(info.bounds, info.bounds[1:]))
 
 
@@ -115,7 +115,7 @@ def _problem(optimizer: torch.optim.Optimizer) -> Optional[str]:
                "(Muon, Adafactor, Lamb)")
     return (f"[rank {collectives.rank()}] {name} is not element-wise and steps on parameters sharded by fullshard: "
             f"{describe(param, first)} (shape {tuple(first.shape)}) is sharded over {first.world} ranks (this rank "
-            f"holds rows [{lo}, {hi}) of {first.shape[0] if len(first.shape) else 1})"
+            f"holds rows [{lo}, {hi}) of {first.rows} along dim {first.dim})"
             f"{more}, so its step would differ from one device's; {fix}; if {cls.__qualname__} updates each element "
             f"from that element's gradient and state only, call fullshard.optim.allow_elementwise({name})")
 

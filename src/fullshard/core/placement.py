@@ -13,6 +13,11 @@ each rank of the shard group keeps (dim 0, in rank order):
 * :class:`Owned`: one rank keeps every row, the others none; an optimizer
   that needs the whole matrix (Muon's Newton–Schulz iteration) runs on the
   owner, and the next all-gather brings the result to everyone.
+* :class:`DimShard` (``fully_shard``'s ``Shard(d)``, d != 0): ``torch.chunk``
+  semantics along dim d, each rank's chunk stored contiguously in its slot;
+  its "rows" are the slices of dim d (``bounds`` index dim d). Only the
+  copies between the rank-major and param-major layouts differ (strided,
+  ``flat.py`` [Note: flat layouts]).
 
 Row- and block-sharded parameters take the same padded slot on every rank
 (``chunk_rows`` rows), as before. Owned parameters are packed after them on
@@ -79,15 +84,26 @@ class Owned:
             raise ValueError(f"Owned(rank) needs a shard-group rank >= 0 or None, got {self.rank!r}")
 
 
-Placement = Union[RowShard, BlockShard, Owned]
+@dataclasses.dataclass(frozen=True)
+class DimShard:
+    """``torch.chunk(p, N, dim=dim)`` chunks, each stored contiguously: what
+    ``fully_shard``'s ``Shard(dim)`` with ``dim != 0`` becomes (``dim`` is
+    resolved to ``0 < dim < p.ndim``; dim 0 is :class:`RowShard`)."""
+
+    dim: int
 
 
-def normalize(result, fqn: str) -> Placement:
-    """A ``shard_placement_fn`` result as a placement: None and ``Shard(0)``
-    mean :class:`RowShard`.
+Placement = Union[RowShard, BlockShard, Owned, DimShard]
+
+
+def normalize(result, fqn: str, ndim: int = 1) -> Placement:
+    """A ``shard_placement_fn`` result as a placement for a parameter of
+    ``ndim`` dimensions: None and ``Shard(0)`` (or ``Shard(-ndim)``) mean
+    :class:`RowShard`, ``Shard(d)`` for another d :class:`DimShard` (d
+    made non-negative).
 
     Raises:
-        ValueError: ``Shard(d)`` with d != 0, or anything else.
+        ValueError: ``Shard(d)`` with d out of range for ``ndim``, or anything else.
     """
     if result is None:
         return RowShard()
@@ -95,12 +111,18 @@ def normalize(result, fqn: str) -> Placement:
         return result
     dim = getattr(result, "dim", None)
     if type(result).__name__ == "Shard" and isinstance(dim, int):
-        if dim == 0:
-            return RowShard()
-        raise ValueError(f"shard_placement_fn returned Shard({dim}) for '{fqn}': fullshard shards dim 0 only; return "
-                         "None/Shard(0)/RowShard(), BlockShard(rows) or Owned(rank)")
-    raise ValueError(f"shard_placement_fn returned {result!r} for '{fqn}'; return None, Shard(0), "
+        if not -max(ndim, 1) <= dim < max(ndim, 1):
+            raise ValueError(f"shard_placement_fn returned Shard({dim}) for '{fqn}', which has {ndim} dimension(s); "
+                             f"return Shard(d) with -{max(ndim, 1)} <= d < {max(ndim, 1)}")
+        dim %= max(ndim, 1)
+        return RowShard() if dim == 0 else DimShard(dim)
+    raise ValueError(f"shard_placement_fn returned {result!r} for '{fqn}'; return None, Shard(d), "
                      "fullshard.RowShard(), fullshard.BlockShard(rows) or fullshard.Owned(rank=None)")
+
+
+def shard_dim(placement: Placement) -> int:
+    """The dimension whose slices a placement spreads over ranks."""
+    return placement.dim if isinstance(placement, DimShard) else 0
 
 
 def chunk_rows(placement: Placement, rows: int, world: int) -> int:
@@ -192,8 +214,18 @@ class ShardInfo:
     invariant: bool
 
     @property
+    def dim(self) -> int:
+        """The dimension ``bounds`` index: 0, or d for :class:`DimShard`."""
+        return shard_dim(self.placement)
+
+    @property
+    def rows(self) -> int:
+        """Slices of the sharded dimension (``shape[dim]``; 1 for a 0-dim parameter)."""
+        return self.shape[self.dim] if len(self.shape) else 1
+
+    @property
     def row_range(self) -> tuple[int, int]:
-        """This rank's rows ``[lo, hi)`` of dim 0."""
+        """This rank's rows ``[lo, hi)`` of dim :attr:`dim` (0 but for ``DimShard``)."""
         return self.bounds[self.rank], self.bounds[self.rank + 1]
 
     @property
@@ -205,7 +237,7 @@ class ShardInfo:
     def whole(self) -> bool:
         """Whether this rank holds every row of the parameter."""
         lo, hi = self.row_range
-        return hi - lo == (self.shape[0] if len(self.shape) else 1)
+        return hi - lo == self.rows
 
 
 # id(registered parameter) -> weakref of its unit. The unit, not the
@@ -245,7 +277,8 @@ def shard_info(param) -> Optional[ShardInfo]:
     door) keeps its rows, or None for a parameter fullshard does not shard.
 
     The local rows are ``param``'s own tensor (its ``to_local()`` for a
-    DTensor), shape ``(hi - lo, *shape[1:])``; its ``.grad`` has the same shape.
+    DTensor), shape ``(hi - lo, *shape[1:])`` (``shape`` with ``hi - lo`` at
+    ``info.dim`` for :class:`DimShard`); its ``.grad`` has the same shape.
     """
     found = find(param)
     if found is None:

@@ -59,7 +59,7 @@ class Lamb(torch.optim.Optimizer):
             raise ValueError(f"eps should be >= 0 but is: {eps}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"weight_decay should be >= 0 but is: {weight_decay}")
-        self._where = shards.WhereCache()
+        self._where = shards.WhereCache(any_dim=True)  # norms only: any sharded dim will do
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
 
     def state_kind(self, param: torch.Tensor, key: str) -> Optional[str]:

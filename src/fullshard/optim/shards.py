@@ -3,7 +3,9 @@ and the batched cross-rank sums of its statistics.
 
 [Note: optimizers on shards]
 Every optimizer here computes on ``local_of(p)`` and ``local_of(p.grad)``:
-this rank's rows ``[lo, hi)`` of dim 0 (all of them on one device, or for a
+this rank's rows ``[lo, hi)`` of dim 0 (Lamb, which only sums whole-tensor
+norms, also takes ``fully_shard``'s ``Shard(d)`` chunks; Muon and Adafactor
+refuse a parameter split on another dim) (all of them on one device, or for a
 parameter fullshard does not shard). :func:`fullshard.core.placement.shard_info`
 says where the other rows are. A parameter is *split* when some rank of its
 shard group holds a proper, non-empty part of its rows; otherwise one rank
@@ -34,8 +36,8 @@ REPLICATED = "replicated"
 
 
 def full_rows(info: ShardInfo) -> int:
-    """Rows of the full parameter (1 for a 0-dim one)."""
-    return info.shape[0] if len(info.shape) else 1
+    """Rows of the full parameter along its sharded dim (1 for a 0-dim one)."""
+    return info.rows
 
 
 def is_split(info: Optional[ShardInfo]) -> bool:
@@ -81,15 +83,25 @@ class Where:
         return self.shape.numel()
 
 
-def where(param: torch.Tensor, index: int, owner: str) -> Where:
+def where(param: torch.Tensor, index: int, owner: str, any_dim: bool = False) -> Where:
     """The :class:`Where` of ``param`` (#``index`` in ``owner``'s order).
+
+    Args:
+        any_dim: the optimizer only sums whole-tensor statistics, so a
+            parameter split on a dim other than 0 (``Shard(d)``) is fine.
 
     Raises:
         ValueError: ``param`` is a DTensor fullshard does not shard, or a
             tensor-parallel one (its local rows are not dim-0 rows of the
-            whole parameter; the step would be silently wrong).
+            whole parameter; the step would be silently wrong), or (without
+            ``any_dim``) one split on a dim other than 0.
     """
     info = shard_info(param)
+    if not any_dim and info is not None and info.dim and is_split(info):
+        raise ValueError(f"[rank {collectives.rank()}] {owner}: parameter {describe(param, info)} (shape "
+                         f"{tuple(info.shape)}) is sharded on dim {info.dim} (Shard({info.dim})), but {owner} steps "
+                         "on dim-0 rows; return Shard(0) (or None) from shard_placement_fn for it, or use "
+                         "fullshard.optim.Lamb or an element-wise optimizer")
     if isinstance(param, DTensor):
         if info is None:
             raise ValueError(f"[rank {collectives.rank()}] {owner}: parameter #{index} (shape {tuple(param.shape)}) "
@@ -108,7 +120,8 @@ def where(param: torch.Tensor, index: int, owner: str) -> Where:
 class WhereCache:
     """``Where`` of every parameter of an optimizer, rebuilt when its groups change."""
 
-    def __init__(self):
+    def __init__(self, any_dim: bool = False):
+        self.any_dim = any_dim
         self._key = None
         self._by_id: dict[int, Where] = {}
 
@@ -117,7 +130,7 @@ class WhereCache:
         if key != self._key:
             order = [p for g in optimizer.param_groups for p in g["params"]]
             owner = type(optimizer).__name__
-            self._by_id = {id(p): where(p, i, f"fullshard.optim.{owner}") for i, p in enumerate(order)}
+            self._by_id = {id(p): where(p, i, f"fullshard.optim.{owner}", self.any_dim) for i, p in enumerate(order)}
             self._key = key
         return self._by_id
 
