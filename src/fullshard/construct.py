@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
 from .core import collectives, consistency, deferred_init, placement
+from .core.module import UnitModule
 from .core.params import ParamSlot
 
 _PREFIX = "_fsdp_wrapped_module."
@@ -96,17 +97,41 @@ def check_policies(name: str, strategy, mp, offload):
     return strategy, mp, offload
 
 
-def materialize(own: list[nn.Module], param_init_fn, device: torch.device, buffer_dtype) -> None:
+def check_param_init_fn(param_init_fn, where: str) -> None:
+    """Raises ValueError: ``param_init_fn`` given but not callable."""
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise ValueError(f"{where}: expected param_init_fn to be callable, fn(module) materializing the module's "
+                         f"meta tensors, but got {type(param_init_fn).__name__} {param_init_fn!r}")
+
+
+def materialize(own: list[nn.Module], param_init_fn, device: torch.device,
+                buffer_dtype) -> dict[tuple[int, str], torch.dtype]:
     """Materialize this unit's meta tensors and place its buffers.
 
     Row-wise init (see ``deferred_init.rowwise_init``) leaves meta parameters to the
     unit, which creates only this rank's rows; modules with meta buffers are
     then still materialized whole.
+
+    Returns:
+        The buffers' dtypes before the cast to ``buffer_dtype``, by
+        ``(id(module), name)`` (see :func:`place_buffers`).
     """
     rowwise = deferred_init.rowwise_init(param_init_fn)
     deferred_init.materialize([m for m in own if deferred_init.has_meta_buffers(m)] if rowwise else own,
                               param_init_fn, device)
+    return place_buffers(own, device, buffer_dtype)
+
+
+def place_buffers(own: list[nn.Module], device: torch.device, buffer_dtype) -> dict[tuple[int, str], torch.dtype]:
+    """Move ``own``'s buffers to ``device`` and cast floating ones to
+    ``buffer_dtype``; returns their dtypes before the cast by ``(id(module),
+    name)``: full and sharded state dicts hold buffers in these dtypes, as
+    torch FSDP1's do (empty without ``buffer_dtype``: state dicts then hold
+    the buffers themselves)."""
+    dtypes = {} if buffer_dtype is None else {
+        (id(m), name): b.dtype for m in own for name, b in m._buffers.items() if b is not None}
     deferred_init.move_buffers(own, device, buffer_dtype)
+    return dtypes
 
 
 def prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, device: torch.device,
@@ -175,13 +200,47 @@ def collect_slots(module: nn.Module, ignored: set[int], skip: frozenset, unit: s
     return list(by_id.values())
 
 
-def ignored_ids(module: nn.Module, ignored_modules) -> set[int]:
+def ignored_ids(module: nn.Module, ignored_modules, where: str) -> set[int]:
+    """Ids of the ignored modules and their descendants, with those the units
+    already inside ``module`` ignore (as in torch FSDP1, so an enclosing unit
+    does not take what a nested one left alone).
+
+    Raises:
+        TypeError: an entry is not an ``nn.Module``.
+        ValueError: an entry is a unit (ignore the module it wraps instead).
+    """
     out: set[int] = set()
     for m in ignored_modules or ():
         if not isinstance(m, nn.Module):
-            raise ValueError(f"ignored_modules must hold nn.Module objects, got {type(m).__name__}")
+            raise TypeError(f"{where}: ignored_modules must hold nn.Module objects, got {type(m).__name__}")
+        if isinstance(m, UnitModule):
+            raise ValueError(f"{where}: ignored_modules holds unit '{m.unit.name}' (a FullyShardedDataParallel "
+                             "or fully_shard module); pass modules that are not wrapped")
         out.update(id(s) for s in m.modules())
+    for u in module.modules():
+        if isinstance(u, UnitModule):
+            out.update(id(m) for m in getattr(u, "_ignored_modules", ()))
     return out
+
+
+def nested_ignored_params(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters the units already inside ``module`` ignore (``ignored_states``)."""
+    return [p for u in module.modules() if isinstance(u, UnitModule) for p in getattr(u, "_ignored_params", ())]
+
+
+def check_no_units(module: nn.Module, where: str) -> None:
+    """``auto_wrap_policy`` on a model that already holds units (torch FSDP1
+    refuses it too: the policy would nest new units around or beside them
+    without knowing them).
+
+    Raises:
+        ValueError: naming the first unit found.
+    """
+    for path, m in module.named_modules():
+        if isinstance(m, UnitModule):
+            raise ValueError(f"{where}: auto_wrap_policy needs a model without units, but '{clean_name(path)}' is "
+                             "already a FullyShardedDataParallel/fully_shard unit; either wrap the plain model with "
+                             "auto_wrap_policy, or nest by hand (wrap children, then the parent without a policy)")
 
 
 def split_ignored(ignored_modules, ignored_states, where: str) -> tuple[list[nn.Module], list[nn.Parameter]]:

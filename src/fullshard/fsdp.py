@@ -8,6 +8,8 @@ PyTorch FSDP (Zhao et al., "PyTorch FSDP", VLDB 2023, §3).
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -15,15 +17,17 @@ import torch.nn as nn
 
 from . import construct, wrap
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .checkpoint import module_hooks, optim as optim_state, state_dict as state_dicts
+from .checkpoint import module_hooks
+from .checkpoint.fsdp1_methods import StateDictMethods
 from .construct import _PREFIX
 from .core import casting, collectives, convert, deferred_init, extensions, gather, invariant, norms, state
 from .core.module import UnitModule, unit_modules
 from .core.unit import Unit, UnitConfig
 from .forward_methods import _hook_direct_calls, register_fsdp_forward_method  # noqa: F401 (public here too)
+from .fsdp_settings import UnitSettings, check_prefetch
 
 
-class FullyShardedDataParallel(UnitModule):
+class FullyShardedDataParallel(UnitSettings, StateDictMethods, UnitModule):
     """Shard a module's parameters, gradients and optimizer state over ranks.
 
     Args:
@@ -72,11 +76,19 @@ class FullyShardedDataParallel(UnitModule):
             d != 0, is ``fully_shard``'s only. Applies to every unit this
             call creates.
 
+    Each unit exposes the settings it runs with as torch FSDP1's do
+    (``sharding_strategy``, ``mixed_precision``, ``cpu_offload``,
+    ``backward_prefetch``, ``forward_prefetch``, ``process_group``, ``rank``,
+    ``world_size``, ``compute_device``; see ``fsdp_settings.py``).
+
     Raises:
         RuntimeError: no initialized process group.
-        ValueError: module wrapped twice; parameters differ across ranks;
-            a process group that does not fit the sharding strategy; a tied
-            parameter split between units by manual wrapping.
+        TypeError: ``ignored_modules`` holds something that is not a module.
+        ValueError: module wrapped twice; ``auto_wrap_policy`` on a model
+            already holding units; a unit in ``ignored_modules``; a
+            ``param_init_fn`` that is not callable; parameters differ across
+            ranks; a process group that does not fit the sharding strategy; a
+            tied parameter split between units by manual wrapping.
     """
 
     def __init__(self, module: nn.Module, process_group=None,
@@ -102,12 +114,17 @@ class FullyShardedDataParallel(UnitModule):
         where = f"[rank {collectives.rank()}] unit '{name}'"
         is_unit = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
         construct.check_not_wrapped(module, name, is_unit)
+        if auto_wrap_policy is not None:
+            construct.check_no_units(module, where)
+        construct.check_param_init_fn(param_init_fn, where)
+        check_prefetch(backward_prefetch, forward_prefetch, where)
         strategy, mp, offload = construct.check_policies(name, sharding_strategy, mixed_precision, cpu_offload)
         process_group = construct.group_from_mesh(device_mesh, process_group, strategy, where)
         shard_group, replicate_group = construct.resolve_groups(strategy, process_group, where)
         device = construct.resolve_device(device_id, module)
         ignored_modules, ignored_params = construct.split_ignored(ignored_modules, ignored_states, where)
-        ignored = construct.ignored_ids(module, ignored_modules)
+        ignored = construct.ignored_ids(module, ignored_modules, where)
+        ignored_params += construct.nested_ignored_params(module)
         kwargs = dict(process_group=process_group, sharding_strategy=strategy,
                       backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
                       device_id=device, sync_module_states=sync_module_states,
@@ -130,7 +147,7 @@ class FullyShardedDataParallel(UnitModule):
         if auto_wrap_policy is not None:
             wrap.recursive_wrap(module, auto_wrap_policy, unit_fn(), ignored, is_unit)
         own = list(wrap._unwrapped_modules(module, is_unit, ignored))
-        construct.materialize(own, param_init_fn, device, mp.buffer_dtype)
+        self._orig_buffer_dtypes = construct.materialize(own, param_init_fn, device, mp.buffer_dtype)
         skip = _skip_param_ids | {id(p) for p in ignored_params}
         slots = construct.collect_slots(module, ignored, skip, name, is_unit)
         extensions.refuse([(s.fqn, s.param) for s in slots], where)
@@ -154,6 +171,9 @@ class FullyShardedDataParallel(UnitModule):
         construct.register(construct.WRAPPED, module, name)
         self._fsdp_wrapped_module = module
         self._strategy = strategy
+        self._mixed_precision = mp
+        self._ignored_modules = tuple(m for m in module.modules() if id(m) in ignored)  # for enclosing units
+        self._ignored_params = tuple(ignored_params)
         self.use_orig_params = use_orig_params  # informational: original parameters are always exposed
         self._own_modules = own
         self._buffer_dtype = mp.buffer_dtype
@@ -172,10 +192,6 @@ class FullyShardedDataParallel(UnitModule):
     def module(self) -> nn.Module:
         """The wrapped module."""
         return self._fsdp_wrapped_module
-
-    @property
-    def sharding_strategy(self) -> ShardingStrategy:
-        return self._strategy
 
     def __getattr__(self, name: str):
         try:
@@ -294,9 +310,12 @@ class FullyShardedDataParallel(UnitModule):
         groups clip independently).
 
         Returns:
-            The total norm before clipping (0-dim fp32 tensor), identical on
-            all ranks of the root unit's groups and equal to
-            ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+            The total norm before clipping (0-dim tensor), identical on all
+            ranks of the root unit's groups and equal to
+            ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. It is
+            computed in fp32 and returned, as by torch FSDP1, in the promoted
+            dtype of this rank's gradients (bf16 gradients: a bf16 norm), or
+            fp32 with a warning when this rank holds no gradient.
         Raises:
             RuntimeError: not the root, or called during forward or backward.
         """
@@ -307,7 +326,13 @@ class FullyShardedDataParallel(UnitModule):
         total = norms.global_norm(counted, local, cfg.shard_group, cfg.replicate_group, norm_type,
                                   exact=cfg.invariant_layout is not None)
         torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total)
-        return total
+        dtypes = [p.grad.dtype for p in self.parameters() if p.grad is not None]
+        if not dtypes:
+            warnings.warn(f"[rank {collectives.rank()}] FSDP.clip_grad_norm_() called on rank {collectives.rank()} "
+                          "with no gradients -- returning the total norm in the default dtype torch.float32 "
+                          "(run a backward first)", stacklevel=2)
+            return total
+        return total.to(functools.reduce(torch.promote_types, dtypes))
 
     @contextlib.contextmanager
     def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
@@ -345,6 +370,23 @@ class FullyShardedDataParallel(UnitModule):
             u._require_root_idle("summon_full_params()", root_only=False)
         with gather.full_params([u.unit for u in units], writeback, rank0_only, offload_to_cpu, with_grads):
             yield
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
+        """``nn.Module.apply`` with full parameters, as torch FSDP1's: ``fn``
+        runs on every module with this unit's full parameters registered
+        (nested units gather theirs as the recursion reaches them) and what it
+        writes is copied back into the shards, so ``model.apply(init_weights)``
+        initializes the whole model as on the unsharded one.
+
+        Raises:
+            ValueError: called inside ``summon_full_params`` of this unit.
+            RuntimeError: called during forward or backward.
+        """
+        if self.unit.summoned:
+            raise ValueError(f"[rank {collectives.rank()}] apply() inside summon_full_params() of unit "
+                             f"'{self.unit.name}': apply gathers full parameters itself; call it outside the context")
+        with FullyShardedDataParallel.summon_full_params(self, recurse=False):
+            return super().apply(fn)
 
     # ------------------------------------------------- torch FSDP1 helpers
     @staticmethod
@@ -386,96 +428,12 @@ class FullyShardedDataParallel(UnitModule):
             self._full_precision = casting.FullPrecisionRun(self.unit.flat_shard.dtype)
         with convert.sharded_params_hidden(self._runtime):
             super()._apply(fn, recurse)  # nested units convert themselves in this recursion
-        if self._buffer_dtype is not None:
-            deferred_init.move_buffers(self._own_modules, self.unit.cfg.compute_device, self._buffer_dtype)
+        if self._buffer_dtype is not None:  # the state-dict dtypes follow the conversion
+            dev = self.unit.cfg.compute_device
+            self._orig_buffer_dtypes = {k: fn(torch.empty(0, dtype=d, device=dev)).dtype
+                                        for k, d in self._orig_buffer_dtypes.items()}
+            deferred_init.move_buffers(self._own_modules, dev, self._buffer_dtype)
         return self
 
-    # ----------------------------------------------------------- state dicts
-    # [fullshard.checkpoint] Everything below delegates to fullshard/checkpoint/.
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """``nn.Module.state_dict`` of the unwrapped model: full tensors under
-        the original names (default), DTensor shards under
-        ``FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)``, or
-        each unit's flat shard under LOCAL_STATE_DICT. Extra state, state-dict
-        hooks and ``keep_vars`` behave as on the plain model. On a nested unit:
-        that unit's subtree, under names relative to it. See
-        ``checkpoint/module_hooks.py`` [Note: state dicts through nn.Module].
-
-        Raises:
-            RuntimeError: during forward or backward.
-            NotImplementedError: SHARDED_STATE_DICT of a HYBRID_SHARD unit.
-        """
-        try:
-            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        finally:
-            self._restore_registered()
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict`` of the unwrapped model: a plain model's
-        (full), a sharded or a local state dict, per the state-dict type.
-        Each rank copies its own rows into its shards; a load that raises
-        changes no shard.
-
-        Raises:
-            RuntimeError: with ``strict``, missing or unexpected keys; any
-                shape mismatch (as ``nn.Module.load_state_dict`` words them,
-                prefixed with the rank); during forward or backward.
-            ValueError: ``assign=True``; a LOCAL_STATE_DICT of another world size.
-        """
-        if assign:
-            raise ValueError("FullyShardedDataParallel.load_state_dict: assign=True is not supported "
-                             "(values are copied into the shards); call it without assign")
-        try:
-            with module_hooks.deferred_row_copies():
-                return super().load_state_dict(state_dict, strict)
-        except RuntimeError as e:
-            if str(e).startswith("[rank"):
-                raise
-            raise RuntimeError(f"[rank {collectives.rank()}] {e}") from None
-        finally:
-            self._restore_registered()
-
-    def _restore_registered(self) -> None:
-        """Register the sharded parameters again on every unit a state-dict
-        call that raised left with other values (see module_hooks' Note)."""
-        for u in self.units():
-            module_hooks.forget_load(u)
-            u.unit.restore_all_params()
-
-    @staticmethod
-    @contextlib.contextmanager
-    def state_dict_type(module: nn.Module, state_dict_type, state_dict_config=None,
-                        optim_state_dict_config=None):
-        """Context: every unit in ``module`` uses ``state_dict_type`` (a
-        :class:`StateDictType`) and the configs, then the previous setting."""
-        prev = state_dicts.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
-        try:
-            yield
-        finally:
-            state_dicts.restore(module, prev)
-
-    @staticmethod
-    def set_state_dict_type(module: nn.Module, state_dict_type, state_dict_config=None,
-                            optim_state_dict_config=None):
-        """Set the state-dict type of every unit in ``module``; returns the previous settings."""
-        return state_dicts.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
-
-    def _fqn_modifiers(self) -> dict:
-        """torch.distributed.checkpoint.state_dict's hook for modules whose
-        state-dict names skip a child (none: names are cleaned already); it
-        refuses that API's optimizer calls (see
-        ``state_dict.refuse_torch_optimizer_api``)."""
-        state_dicts.refuse_torch_optimizer_api(self)
-        return {}
-
-    @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
-        """Optimizer state by original parameter name, full or sharded per the state-dict type."""
-        return optim_state.optim_state_dict(model, optim)
-
-    @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict) -> dict:
-        """A by-name optimizer state dict (any world size) as ``optim.load_state_dict`` input."""
-        return optim_state.optim_state_dict_to_load(model, optim, optim_state_dict)
 
 FSDP = FullyShardedDataParallel

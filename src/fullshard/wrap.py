@@ -160,8 +160,9 @@ def recursive_wrap(module: nn.Module, policy: Callable, wrap_fn: Callable[..., n
 
 
 def _unwrapped_modules(m: nn.Module, is_wrapped: Callable[[nn.Module], bool], ignored: set[int]):
-    """``m`` and its descendants, not descending into units or ignored modules."""
-    stack = [m]
+    """``m`` and its descendants, not descending into units or ignored modules
+    (nothing when ``m`` itself is ignored)."""
+    stack = [] if id(m) in ignored else [m]
     while stack:
         cur = stack.pop()
         yield cur

@@ -310,6 +310,25 @@ def _summon(rank, world):
     # The model still trains after all of the above.
     x, y = P.batch(rank, 0)
     P.mse(model(x), y).backward()
+
+    # apply() runs fn on full parameters and writes them back (torch FSDP1's apply).
+    seen = {}
+
+    def fill(m):
+        if isinstance(m, nn.Linear):
+            seen[id(m)] = tuple(m.weight.shape)
+            with torch.no_grad():
+                m.weight.copy_(torch.arange(m.weight.numel(), dtype=torch.float32).view_as(m.weight))
+
+    model = FSDP(P.make(), auto_wrap_policy=P.policy())
+    assert model.apply(fill) is model
+    plain = P.make()
+    assert sorted(seen.values()) == sorted(tuple(m.weight.shape) for m in plain.modules()
+                                           if isinstance(m, nn.Linear)), seen
+    with model.summon_full_params():
+        for n, m in model.named_modules():
+            if isinstance(m, nn.Linear):
+                assert torch.equal(m.weight, torch.arange(m.weight.numel(), dtype=torch.float32).view_as(m.weight)), n
     return True
 
 

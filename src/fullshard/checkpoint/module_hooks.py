@@ -148,6 +148,27 @@ def _save_post(unit_module: nn.Module, state_dict: dict, prefix: str, local_meta
     if st.type is StateDictType.LOCAL_STATE_DICT and unit.slots:
         flat = unit.flat_shard.detach()
         state_dict[prefix + FLAT_PARAM_KEY] = flat.to("cpu", copy=True) if st.config.offload_to_cpu else flat
+    elif not drop:
+        _buffers_in_saved_dtype(unit_module, state_dict, prefix)
+
+
+def _buffers_in_saved_dtype(unit_module: nn.Module, state_dict: dict, prefix: str) -> None:
+    """Full and sharded state dicts hold the unit's buffers in their dtypes
+    before ``MixedPrecision.buffer_dtype`` cast them (copies, as torch FSDP1
+    makes them), so a checkpoint loads into the plain model without loss.
+    Without ``buffer_dtype``, and for ignored modules, the entries stay the
+    buffers themselves."""
+    dtypes = unit_module._orig_buffer_dtypes
+    if not dtypes:
+        return
+    own = {id(m) for m in unit_module._own_modules}
+    for mprefix, m in state_dicts.walk(unit_module._fsdp_wrapped_module, prefix):
+        if id(m) not in own:
+            continue
+        for name in m._buffers:
+            key, dtype = mprefix + name, dtypes.get((id(m), name))
+            if dtype is not None and torch.is_tensor(state_dict.get(key)):
+                state_dict[key] = state_dict[key].to(dtype, copy=True)
 
 
 # ----------------------------------------------------------------------- load

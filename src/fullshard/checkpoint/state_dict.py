@@ -76,9 +76,10 @@ def set_state_dict_type(model: nn.Module, sd_type: StateDictType, config=None, o
     """Set the state-dict type of every unit in ``model``; returns the previous one (of the first unit).
 
     Raises:
-        ValueError: ``sd_type`` is not a StateDictType, a config of the wrong
-            kind, ``model`` holds no FullyShardedDataParallel unit, or a
-            ``fully_shard`` unit (see :func:`refuse_fully_shard`).
+        RuntimeError: a config of another state-dict type (torch FSDP1's type).
+        ValueError: ``sd_type`` is not a StateDictType, ``model`` holds no
+            FullyShardedDataParallel unit, or a ``fully_shard`` unit (see
+            :func:`refuse_fully_shard`).
     """
     if not isinstance(sd_type, StateDictType):
         raise ValueError(f"state_dict_type must be a fullshard.StateDictType, got {sd_type!r}")
@@ -86,8 +87,8 @@ def set_state_dict_type(model: nn.Module, sd_type: StateDictType, config=None, o
     config = config if config is not None else want[0]()
     optim_config = optim_config if optim_config is not None else want[1]()
     if not isinstance(config, want[0]) or not isinstance(optim_config, want[1]):
-        raise ValueError(f"{sd_type.value} takes {want[0].__name__} and {want[1].__name__}; got "
-                         f"{type(config).__name__} and {type(optim_config).__name__}")
+        raise RuntimeError(f"{sd_type.value} takes {want[0].__name__} and {want[1].__name__}; got "
+                           f"{type(config).__name__} and {type(optim_config).__name__}")
     units = unit_modules(model)
     if not units:
         raise ValueError("set_state_dict_type: the module holds no FullyShardedDataParallel unit")
