@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, flat, grads
+from . import collectives, flat, grads, post_accumulate
 from .buffers import POOL
 
 
@@ -71,6 +71,7 @@ def _accumulate(unit, out: torch.Tensor, skip: frozenset = frozenset()) -> None:
             if ref is not None and sp.grad is not None and sp.grad is ref():
                 sp.grad = None  # a zero we installed, never a gradient
             continue
+        post_accumulate.mark(unit, i)
         if sp.grad is None:
             grads.set_grad(slot, view)
             continue
@@ -86,7 +87,8 @@ class PendingReduce:
         self.unit, self.work, self.reduce_in, self.out = unit, work, reduce_in, out
 
     def finish(self) -> None:
-        """Wait, sum over replicas, and accumulate into the gradient shards."""
+        """Wait, sum over replicas, accumulate into the gradient shards and
+        run the parameters' post-accumulate-grad hooks (core/post_accumulate.py)."""
         if self.work is not None:
             self.work.wait()
         POOL.give(self.reduce_in)
@@ -101,6 +103,7 @@ class PendingReduce:
                 return
             collectives.all_reduce(self.out, rep, "sum", tag=f"unit '{unit.name}' replicas")
         _accumulate(unit, self.out)
+        post_accumulate.run(unit)
 
     def abandon(self) -> None:
         """Wait for the collective (its buffers must outlive it) and drop the result."""
@@ -108,3 +111,4 @@ class PendingReduce:
             self.work.wait()
         POOL.give(self.reduce_in)
         self.reduce_in = self.out = None
+        post_accumulate.forget(self.unit)

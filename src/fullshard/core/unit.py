@@ -153,6 +153,9 @@ class Unit(UnitGrads, UnitValues):
         # Zero gradients a stash installed on sharded parameters (index ->
         # weakref); see core/grads.py [Note: no_sync and zero_grad].
         self.sentinels: dict[int, weakref.ref] = {}
+        # Layout indices whose reduced gradient awaits its post-accumulate-grad
+        # hooks; see core/post_accumulate.py.
+        self.hooks_due: set[int] = set()
         self._shard()
         placement.register(self)
 
