@@ -134,12 +134,15 @@ def _same(got: dict, want: dict, what: str) -> float:
     return worst
 
 
-def _fully_shard(lib, options: dict):
+def _fully_shard(lib, options: dict, keep_after_backward: bool = False):
     def make():
         model = _build()
         for layer in model.layers:
             lib.fully_shard(layer, **options)
-        return lib.fully_shard(model, **options)
+        model = lib.fully_shard(model, **options)
+        if keep_after_backward:  # the hooks' steps must make the next forward gather again
+            model.set_reshard_after_backward(False)
+        return model
     return make
 
 
@@ -157,6 +160,7 @@ def _hooks(rank, world):
     cases = {
         "fully_shard": (_fully_shard(fullshard, {}), True),
         "fully_shard reshard_after_forward=False": (_fully_shard(fullshard, dict(reshard_after_forward=False)), True),
+        "fully_shard reshard_after_backward=False": (_fully_shard(fullshard, {}, keep_after_backward=True), True),
         "fully_shard cpu_offload": (_fully_shard(fullshard, dict(
             offload_policy=fullshard.CPUOffloadPolicy(pin_memory=False))), True),
         "fully_shard HSDP": (_fully_shard(fullshard, dict(mesh=hsdp)), True),
@@ -202,6 +206,7 @@ def test_post_accumulate_grad_hooks_optimizer_in_backward():
     """Hooks run once per parameter per synchronizing backward, as torch
     FSDP2's; the optimizer-in-backward pattern trains the same model as a
     normal optimizer, torch FSDP2 and one process, under both front doors,
-    reshard_after_forward=False, CPU offload, HSDP and world_size_invariant."""
+    reshard_after_forward=False, set_reshard_after_backward(False), CPU offload,
+    HSDP and world_size_invariant."""
     report = run_ranks(_hooks, 2)[0]
     print(report)

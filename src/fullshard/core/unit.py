@@ -392,8 +392,12 @@ class Unit(UnitGrads, UnitValues):
 
     def keep_unsharded(self) -> None:
         """Leave the unit gathered past the end of this iteration; the next
-        iteration reuses the full parameters only if no shard changed since."""
-        self._kept_version = self._shard_versions()
+        iteration reuses the full parameters only if no shard changed since.
+        A record made earlier since the gather stays: a shard stepped in the
+        meantime (an optimizer stepped from a post-accumulate-grad hook before
+        the end of backward keeps the unit again) made the full parameters stale."""
+        if self._kept_version is None:
+            self._kept_version = self._shard_versions()
 
     def kept_fresh(self) -> bool:
         """Whether the unit was kept gathered and its shards are unchanged
