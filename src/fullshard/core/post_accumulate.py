@@ -24,8 +24,10 @@ the step writes the flat shard in place while other units are still in
 backward. Each unit's reduce finishes after its own backward, and its shard
 is read again only by its next all-gather; should one be in flight (a unit
 used again later in the same backward), it is finished before the hooks
-run, so no all-gather reads a half-written shard. The optimizer guard
-(core/optim_guard.py) checks these steps like any other.
+run, so no all-gather reads a half-written shard. A unit kept gathered
+after backward (``set_reshard_after_backward(False)``) is gathered again by
+the next forward, as after any step (``Unit.keep_unsharded``). The
+optimizer guard (core/optim_guard.py) checks these steps like any other.
 """
 from __future__ import annotations
 
