@@ -1,5 +1,5 @@
 """all_gather and reduce_scatter give the same result with gloo's native
-collectives and with the all-to-all variants (core/collectives.py [Note:
+collectives and with the all-to-all variants (core/algorithms.py [Note:
 collective algorithms]), at odd sizes, 3 ranks, fp32 and bf16; pooled
 buffers are all returned."""
 from __future__ import annotations

@@ -59,7 +59,7 @@ def test_parity_with_ddp(world):
 
 
 def test_parity_with_ddp_native_collectives(monkeypatch):
-    # gloo defaults to the all-to-all variants (core/collectives.py [Note:
+    # gloo defaults to the all-to-all variants (core/algorithms.py [Note:
     # collective algorithms]); the native reduce-scatter and all-gather, which
     # NCCL uses, must give DDP's result too.
     monkeypatch.setenv("FULLSHARD_COLLECTIVES", "native")

@@ -3,7 +3,8 @@
 Every function takes an explicit process group, checks sizes in Python before
 calling into the backend (so a mismatch reads clearly instead of a C++
 ``Check failed``), and returns the work handle (or ``None`` when the group has
-one rank and nothing needs to travel). Backend quirks live here only.
+one rank and nothing needs to travel). Backend quirks live here only (the
+choice of algorithm per backend: core/algorithms.py).
 
 ``COUNTS`` counts issued collectives by name; tests use it to assert the
 per-step choreography (e.g. two all-gathers and one reduce-scatter per unit
@@ -23,26 +24,8 @@ collective is preceded by a small all-gather of its fingerprint (op, tag,
 numel, dtype) and fails at once with a per-rank diff when ranks disagree.
 The messages are made in core/postmortem.py; the collectives stay here.
 
-[Note: collective algorithms]
-On the host, gloo's reduce-scatter and all-gather are slower than an
-all-to-all that moves the same bytes. At 2 ranks with one thread each
-(2-core machine, torch 2.13, fp32, median of 7):
-
-    MiB  reduce-scatter  all-to-all + sum of N blocks   all-gather  N copies + all-to-all
-      1        2.0 ms              0.5 ms                  1.1 ms          0.5 ms
-      7        8.7 ms              3.6 ms                  5.7 ms          4.3 ms
-     28       28.3 ms             14.6 ms                 15.2 ms         19.9 ms
-     64       86.9 ms             34.0 ms                 65.1 ms         45.5 ms
-
-gloo's all-gather also allocates two output-sized temporaries per call,
-which under glibc's default settings fragment the heap (see core/buffers.py
-[Note: buffer reuse]); the all-to-all writes straight into our buffers. Each
-variant sends (N-1)/N of the full tensor per rank, as the ring algorithms
-do, so the volume is unchanged; the extra full-size buffer (received blocks,
-or N copies of the shard) comes from the pool. gloo therefore uses
-all-to-all for both at every size; NCCL keeps its native collectives.
-``FULLSHARD_COLLECTIVES`` = ``native`` or ``all_to_all`` overrides the
-choice on host tensors (tests run both).
+How :func:`all_gather` and :func:`reduce_scatter` run on each backend is
+chosen in core/algorithms.py ([Note: collective algorithms]).
 """
 from __future__ import annotations
 
@@ -56,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import postmortem
+from .algorithms import algorithm, native_fn
 from .buffers import POOL
 
 COUNTS: collections.Counter = collections.Counter()
@@ -63,12 +47,6 @@ COUNTS: collections.Counter = collections.Counter()
 nothing travels, are not counted)."""
 BYTES: collections.Counter = collections.Counter()
 """Bytes this rank put on the wire per op name (input bytes of each call)."""
-
-# Newer torch renamed the tensor-in/tensor-out collectives; older ones only
-# have the *_tensor names.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 class _SelfGroup:
     """A group of just this rank: nothing travels (NO_SHARD's shard group)."""
@@ -191,30 +169,13 @@ def _sum_blocks(recv: torch.Tensor, output: torch.Tensor) -> None:
     POOL.give(recv)
 
 
-def algorithm(group, device: torch.device) -> str:
-    """``"all_to_all"`` or ``"native"``: how :func:`all_gather` and
-    :func:`reduce_scatter` run on ``group`` for tensors on ``device``; see
-    [Note: collective algorithms] (measured on host tensors only, so other
-    devices keep the native collectives).
-
-    Raises:
-        ValueError: ``FULLSHARD_COLLECTIVES`` is set to something else.
-    """
-    forced = os.environ.get("FULLSHARD_COLLECTIVES", "").strip().lower()
-    if forced:
-        if forced not in ("native", "all_to_all"):
-            raise ValueError(f"FULLSHARD_COLLECTIVES={forced!r}: use 'native' or 'all_to_all'")
-        return forced
-    return "all_to_all" if backend(group) == "gloo" and device.type == "cpu" else "native"
-
-
 def _check_same(op: str, tag: str, t: Optional[torch.Tensor], group, seq: int) -> None:
     """Debug mode: all-gather this collective's fingerprint and raise on any difference."""
     mine = postmortem.fingerprint(postmortem.describe(op, tag, t))
     ranks = _group_ranks(group)
     every = torch.zeros(len(ranks) * mine.numel(), dtype=torch.uint8)
     try:
-        _ALL_GATHER(every, mine, group=group)
+        native_fn("all_gather")(every, mine, group=group)
     except RuntimeError as e:
         raise _failure(e, "debug fingerprint check before " + op, tag, group, seq, None) from None
     problem = postmortem.fingerprint_mismatch(every, ranks, dist.get_rank(), seq)
@@ -321,9 +282,9 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
         output.copy_(shard)
         return None
     _count("all_gather", shard)
-    if algorithm(group, output.device) == "native":
+    if algorithm(group, output.device, "all_gather") == "native":
         return _run("all_gather", tag, group, shard, async_op,
-                    lambda: _ALL_GATHER(output, shard, group=group, async_op=async_op))
+                    lambda: native_fn("all_gather")(output, shard, group=group, async_op=async_op))
     send = POOL.take(output.numel(), output.dtype, output.device)
     send.view(n, -1).copy_(shard.reshape(1, -1).expand(n, -1))  # block r goes to rank r
     work = _run("all_gather", tag, group, shard, async_op,
@@ -369,9 +330,10 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, async_op: bo
         output.copy_(full)
         return None
     _count("reduce_scatter", full)
-    if algorithm(group, full.device) == "native":
+    if algorithm(group, full.device, "reduce_scatter") == "native":
         return _run("reduce_scatter", tag, group, full, async_op,
-                    lambda: _REDUCE_SCATTER(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op))
+                    lambda: native_fn("reduce_scatter")(output, full, op=dist.ReduceOp.SUM, group=group,
+                                                        async_op=async_op))
     recv = POOL.take(full.numel(), full.dtype, full.device)
     work = _run("reduce_scatter", tag, group, full, async_op,
                 lambda: dist.all_to_all_single(recv, full, group=group, async_op=async_op))

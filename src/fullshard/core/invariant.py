@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, flat, grads, placement, reduce
+from . import collectives, flat, grads, placement, post_accumulate, reduce
 from .buffers import POOL
 
 # Bits of each integer limb of exact_sum: n values of up to 2**LIMB_BITS each
@@ -135,9 +135,11 @@ class PendingFold:
         POOL.give(self.send)
         self.send = None
 
-    def finish(self) -> None:
+    def finish(self, run_hooks: bool = True) -> None:
         """Fold the received pieces in world-rank order onto the gradient
-        shard and write it to the parameters' ``.grad``."""
+        shard and write it to the parameters' ``.grad``; then run their
+        post-accumulate-grad hooks, unless ``run_hooks`` is False (a stashed
+        micro-batch: the synchronizing backward's fold runs them once)."""
         self._wait()
         unit = self.unit
         n_grad = unit.layout.grad_shard_numel
@@ -158,12 +160,15 @@ class PendingFold:
                                    tag=f"unit '{unit.name}' (world_size_invariant replicas)")
             acc = gathered
         _write_grad(unit, acc[:self.block])
+        if run_hooks:
+            post_accumulate.run(unit)
 
     def abandon(self) -> None:
         """Wait for the collective (its buffers must outlive it) and drop the result."""
         self._wait()
         POOL.give(self.recv)
         self.recv = None
+        post_accumulate.forget(self.unit)
 
 
 def _current_grad(unit) -> torch.Tensor:
@@ -197,6 +202,7 @@ def _write_grad(unit, folded: torch.Tensor) -> None:
             if ref is not None and cur is not None and slot.sharded.grad is ref():
                 slot.sharded.grad = None  # a zero we installed, never a gradient
             continue
+        post_accumulate.mark(unit, i)
         if cur is not None and cur.dtype == view.dtype:
             cur.copy_(view.reshape(cur.shape))  # keeps the .grad object (the optimizer may hold it)
         else:

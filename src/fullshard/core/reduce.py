@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, comm, flat, grads
+from . import collectives, comm, flat, grads, post_accumulate
 
 
 def reduce_input(unit, full_grad: Optional[torch.Tensor], used: list[bool], alloc=None) -> tuple[torch.Tensor, int]:
@@ -88,6 +88,7 @@ def _accumulate(unit, out: torch.Tensor, skip: frozenset = frozenset()) -> None:
             if ref is not None and sp.grad is not None and sp.grad is ref():
                 sp.grad = None  # a zero we installed, never a gradient
             continue
+        post_accumulate.mark(unit, i)
         if sp.grad is None:
             grads.set_grad(slot, view)
             continue
@@ -106,7 +107,8 @@ class PendingReduce:
 
     def finish(self) -> None:
         """Wait, sum over replicas, run the all-reduce hook, divide what is
-        left to divide, and accumulate into the gradient shards."""
+        left to divide, accumulate into the gradient shards and run the
+        parameters' post-accumulate-grad hooks (core/post_accumulate.py)."""
         if self.work is not None:
             self.work.wait()
         comm.give(self.alloc, self.reduce_in)
@@ -125,6 +127,7 @@ class PendingReduce:
         if self.post != 1:
             grad.div_(self.post)
         _accumulate(unit, self.out)
+        post_accumulate.run(unit)
 
     def abandon(self) -> None:
         """Wait for the collective (its buffers must outlive it) and drop the result."""
@@ -132,3 +135,4 @@ class PendingReduce:
             self.work.wait()
         comm.give(self.alloc, self.reduce_in)
         self.reduce_in = self.out = None
+        post_accumulate.forget(self.unit)

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 
 # ---------------------------------------------------------------- storages
@@ -65,6 +66,24 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     (``Variable._execution_engine.queue_callback``; must be called during a
     backward; no public equivalent, torch FSDP1 and DDP use it)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def post_accumulate_grad_hooks(param: torch.Tensor) -> list[Callable]:
+    """The hooks ``param.register_post_accumulate_grad_hook`` registered, in
+    registration order (``param._post_accumulate_grad_hooks``, an
+    OrderedDict or None; torch FSDP2 reads it the same way). No public API
+    runs them: autograd does only for a gradient it accumulated itself, and
+    a sharded parameter's gradient is written by the reduce-scatter."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` (``CommDebugMode``, a user's op
+    counter) is active on this thread
+    (``torch.utils._python_dispatch._get_current_dispatch_mode_stack``; no
+    public query)."""
+    return bool(_get_current_dispatch_mode_stack())
 
 
 # --------------------------------------------------------- foreach kernels

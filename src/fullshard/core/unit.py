@@ -157,6 +157,9 @@ class Unit(UnitGrads, UnitValues):
         # weakref); see core/grads.py [Note: no_sync and zero_grad].
         self.sentinels: dict[int, weakref.ref] = {}
         self.ext: dict = {}  # layout index -> gather state; core/extensions.py [Note: all-gather extensions]
+        # Layout indices whose reduced gradient awaits its post-accumulate-grad
+        # hooks; see core/post_accumulate.py.
+        self.hooks_due: set[int] = set()
         self._shard()
         placement.register(self)
 
@@ -412,8 +415,12 @@ class Unit(UnitGrads, UnitValues):
 
     def keep_unsharded(self) -> None:
         """Leave the unit gathered past the end of this iteration; the next
-        iteration reuses the full parameters only if no shard changed since."""
-        self._kept_version = self._shard_versions()
+        iteration reuses the full parameters only if no shard changed since.
+        A record made earlier since the gather stays: a shard stepped in the
+        meantime (an optimizer stepped from a post-accumulate-grad hook before
+        the end of backward keeps the unit again) made the full parameters stale."""
+        if self._kept_version is None:
+            self._kept_version = self._shard_versions()
 
     def kept_fresh(self) -> bool:
         """Whether the unit was kept gathered and its shards are unchanged

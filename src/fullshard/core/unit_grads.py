@@ -127,7 +127,7 @@ class UnitGrads:
                 f"no_sync backwards must reach the unit equally often (ranks stashed {-int(counts[1])} to "
                 f"{int(counts[0])} micro-batches); reach it on every rank or do not use no_sync")
         for grad, used in parts:
-            invariant.start_fold(self, grad, used).finish()
+            invariant.start_fold(self, grad, used).finish(run_hooks=False)
 
     def check_stash(self) -> None:
         """Drop the parts of the stash whose gradients the user zeroed."""
