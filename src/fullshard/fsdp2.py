@@ -279,7 +279,8 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     Raises:
         RuntimeError: no initialized process group.
         ValueError: a module already passed to ``fully_shard`` or wrapped by
-            ``FullyShardedDataParallel``; a mesh of more than 2 dimensions;
+            ``FullyShardedDataParallel``; an ``nn.ModuleList``/``ModuleDict``
+            (no forward); a mesh of more than 2 dimensions;
             a ``reshard_after_forward`` int that does not divide the shard
             group size; policies of
             the wrong type; parameters that differ across the ranks of the
