@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import construct, dtensor_specs, wrap
+from . import construct, dtensor_specs, fsdp2_state, wrap
 from .api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .core import backward_guard, casting, collectives, consistency, deferred_init, extensions, invariant, state
 from .core.module import UnitModule, unit_modules
@@ -30,18 +30,6 @@ _CLASSES: dict[type, type] = {}
 _NO_MP, _NO_OFFLOAD = MixedPrecisionPolicy(), OffloadPolicy()  # frozen: safe to share as defaults
 
 
-class _UnitState:
-    """What the modules of one ``fully_shard`` call share: the runtime, the
-    modules whose stored tensors count as outputs, the output dtype, and the
-    ids of tensors stored on them before the current forward."""
-
-    def __init__(self, runtime: state.UnitRuntime, own: list[nn.Module], output_dtype):
-        self.runtime = runtime
-        self.own = own
-        self.output_dtype = output_dtype
-        self.before: Optional[set[int]] = None
-
-
 class FSDPModule(CommMethods, UnitModule):
     """Base added to the class of every module :func:`fully_shard` was
     applied to (``isinstance(model, FSDPModule)``), with torch FSDP2's
@@ -50,12 +38,20 @@ class FSDPModule(CommMethods, UnitModule):
     """
 
     dtensor_params = True
+    __deepcopy__ = fsdp2_state.refuse_deepcopy
+
+    def __new__(cls, *args, **kwargs):
+        # Only a container's ``type(self)(...)`` (a slice) constructs this class.
+        return fsdp2_state.new_original(cls, args, kwargs)
 
     # ------------------------------------------------------------ schedule
     def _lazy_init(self) -> None:
         rt = self._runtime
         if rt.root is None:
             runtimes = list({id(m._runtime): m._runtime for m in unit_modules(self)}.values())
+            for other in runtimes:  # parameters replaced since fully_shard (torch: reset_sharded_param)
+                if other.root is None:
+                    fsdp2_state.adopt_replaced(other)
             state.lazy_init_root(rt, runtimes)
 
     def _run_as_forward(self, fn, args: tuple, kwargs: dict) -> Any:
@@ -285,7 +281,8 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     Raises:
         RuntimeError: no initialized process group.
         ValueError: a module already passed to ``fully_shard`` or wrapped by
-            ``FullyShardedDataParallel``; a mesh of more than 2 dimensions;
+            ``FullyShardedDataParallel``; an ``nn.ModuleList``/``ModuleDict``
+            (no forward); a mesh of more than 2 dimensions;
             a ``reshard_after_forward`` int that does not divide the shard
             group size; policies of
             the wrong type; a DTensor parameter placed other than ``Shard``/``Replicate``
@@ -345,7 +342,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
                                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False,
                                 forward_input_caster=casting.input_caster(mp_policy))
-    shared = _UnitState(runtime, own, mp_policy.output_dtype)
+    shared = fsdp2_state.FSDPState(runtime, modules, own, mp_policy, mesh)
     for m in modules:
         construct.register(construct.WRAPPED, m, name)
         m.__class__ = _fsdp_class(type(m))
@@ -446,7 +443,8 @@ def _fsdp_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):
         return cls
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
+                             {"__module__": cls.__module__, "_fsdp_original": cls})
     return _CLASSES[cls]
 
 
@@ -454,6 +452,7 @@ def _check_args(modules: list[nn.Module], reshard_after_forward, mp_policy, offl
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise ValueError(f"{where}: takes an nn.Module or a non-empty list of them")
     for m in modules:
+        fsdp2_state.check_module(m, where)
         if isinstance(m, UnitModule):
             raise ValueError(f"{where}: {type(m).__name__} is already sharded (fully_shard or "
                              "FullyShardedDataParallel); apply fully_shard once per module")
@@ -487,3 +486,6 @@ def _runtimes_of(modules: Iterable, what: str) -> list[state.UnitRuntime]:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"{what}: {type(m).__name__} is not a fully_shard module")
     return [m._runtime for m in modules]
+
+
+fully_shard.state = fsdp2_state.state_of  # torch FSDP2's fully_shard.state(module)

@@ -198,6 +198,36 @@ def _reshard_case(rank, world):
     }
 
 
+# ------------------------------------- what is registered while gathered
+def _registered_case(rank, world):
+    """Pinned difference from torch FSDP2 (docs/migration.md): while a unit
+    is gathered (after a forward that keeps it, after unshard()), torch
+    registers full nn.Parameters; fullshard keeps the DTensor shards
+    registered and modules read full plain tensors by attribute."""
+    from torch.distributed.tensor import DTensor
+
+    model = FP.shard(FP.make(), reshard_after_forward=False)
+    lin1 = model.layers[0].lin1
+    shards = dict(model.named_parameters())
+    shard = shards["layers.0.lin1.weight"]
+
+    def gathered(grad_fn: bool):
+        w = lin1.weight
+        assert type(w) is torch.Tensor and w.shape == (FP.HIDDEN, FP.DIM) and (w.grad_fn is not None) == grad_fn
+        assert all(v is shards[k] for k, v in model.named_parameters()) and lin1._parameters["weight"] is shard
+        assert isinstance(shard, DTensor) and shard.to_local().shape[0] < FP.HIDDEN
+
+    loss = FP.loss_of(model, rank, 0)
+    gathered(grad_fn=True)  # the view autograd differentiates through
+    loss.backward()
+    assert lin1.weight is shard
+    model.layers[0].unshard()
+    gathered(grad_fn=False)
+    model.layers[0].reshard()
+    assert lin1.weight is shard
+    return {}
+
+
 # ------------------------------------------------------------ prefetching
 def _prefetch_loop(model, opt, rank, sharded):
     seen = []
@@ -422,7 +452,7 @@ def _forward_method_case(rank, world):
 def _group_two(rank, world):
     out = {}
     for case in (_unshard_case, _grad_sync_case, _reshard_case, _prefetch_case, _divide_case,
-                 _unshard_in_backward_case, _last_backward_case, _forward_method_case):
+                 _unshard_in_backward_case, _last_backward_case, _forward_method_case, _registered_case):
         out.update(case(rank, world))
     return out
 

@@ -249,10 +249,130 @@ def _per_rank_values_case(rank, world):
     return {"broadcast_from_rank0_vs_ddp": FP.parity(rank, _train, shard_fn=load_from_rank0)}
 
 
+# ------------------------------------------- parameters replaced before the first forward
+def _new_values(seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(FP.HIDDEN, FP.DIM, generator=gen), torch.randn(FP.VOCAB, FP.DIM, generator=gen)
+
+
+def _shard_of(value, like):
+    """``value`` (full) as this rank's shard of a parameter placed like ``like``."""
+    return distribute_tensor(value, like.device_mesh, like.placements)
+
+
+def _replace(model, sharded: bool) -> None:
+    """Two trained parameters and a frozen one, replaced (as shards under fully_shard)."""
+    w1, w2 = _new_values()
+    gate = torch.tensor([0.5, 0.2])
+    news = [(model.layers[1].lin1, "weight", w1, True), (model.output, "weight", w2, True),
+            (model.layers[2], "gate", gate, False)]
+    for mod, attr, value, trained in news:
+        value = _shard_of(value, getattr(mod, attr)) if sharded else value
+        setattr(mod, attr, nn.Parameter(value, requires_grad=trained))
+
+
+def _replaced_case(rank, world):
+    """Parameters replaced between fully_shard and the first forward are
+    adopted (torch FSDP2's lazy init); the optimizer made after trains them, as DDP's."""
+    res = {}
+    plain = FP.make()
+    _replace(plain, False)
+    ref = DDP(plain)
+    want = _train(ref, FP.sgd(ref), rank, False)
+    model = FP.shard(FP.make())
+    _replace(model, True)
+    new = model.layers[1].lin1.weight
+    got = _train(model, FP.sgd(model), rank, True)
+    assert model.layers[1].lin1.weight is new and not model.layers[2].gate.requires_grad
+    FP.assert_same(got, want)
+    res["replaced_before_forward"] = FP.max_diff(got, want)
+    # to_empty, then every parameter replaced (an init that assigns).
+    model = _meta_model()
+    model.to_empty(device="cpu")
+    for (_, value), (mod, attr) in zip(FP.make(seed=5).named_parameters(), _owners(model)):
+        setattr(mod, attr, nn.Parameter(_shard_of(value.detach(), getattr(mod, attr))))
+    opt = FP.sgd(model)
+    FP.loss_of(model, rank, 0)  # lazy init adopts
+    for name, value in FP.make(seed=5).named_parameters():
+        torch.testing.assert_close(FP.full(dict(model.named_parameters())[name]), value.detach(), rtol=0, atol=0)
+    res["to_empty_replaced"] = _parity_on(rank, model, opt)
+    # One clear error each: a plain tensor (torch: AttributeError), another
+    # shape (torch: ignored), weights tied after sharding, a replacement
+    # after the first forward (torch: ignored).
+    where = r"\[rank \d\] unit 'Block': parameter 'lin1.weight'"
+    bad = {"plain tensor": lambda lin: nn.Parameter(_new_values()[0]),
+           r"tensor of shape \(10, 7\).*must keep the shape \(9, 7\)":
+               lambda lin: nn.Parameter(_shard_of(torch.zeros(FP.HIDDEN + 1, FP.DIM), lin.weight)),
+           "another sharded parameter": lambda lin: model.layers[1].lin1.weight}
+    for what, value in bad.items():
+        model = FP.shard(FP.make())
+        model.layers[0].lin1.weight = value(model.layers[0].lin1)
+        _raises(f"{where} was replaced by a {what}" if "shape" in what else f"{where} was replaced by (a )?{what}",
+                lambda: FP.loss_of(model, rank, 0))
+    model = FP.shard(FP.make())
+    FP.loss_of(model, rank, 0).backward()
+    model.layers[0].lin1.weight = nn.Parameter(_shard_of(_new_values()[0], model.layers[0].lin1.weight))
+    with pytest.raises(RuntimeError, match=f"{where} was replaced .* after sharding"):
+        FP.loss_of(model, rank, 1)
+    return res
+
+
+def _owners(model):
+    """(module, attribute) of each parameter, in named_parameters() order."""
+    return [(model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n, _ in model.named_parameters()]
+
+
+# ------------------------------------------------ torch FSDP2's module contract
+def _contract_case(rank, world):
+    import copy
+
+    model = FP.shard(FP.make())
+    st = fully_shard.state(model.layers[0])
+    assert fully_shard.state(model.layers[0].lin1) is None and fully_shard.state(nn.Linear(2, 2)) is None
+    assert st.modules == (model.layers[0],)
+    assert sorted(st.param_names) == sorted(n for n, _ in FP.Block().named_parameters())
+    assert st.is_root is None and fully_shard.state(model).is_root is None  # before lazy init
+    FP.loss_of(model, rank, 0).backward()
+    assert st.is_root is False and fully_shard.state(model).is_root is True
+    assert st.training_state.value == "IDLE" and st.sharded_state.value == "SHARDED" and st.reshard_after_forward
+    model.layers[0].set_reshard_after_forward(False)
+    assert not st.reshard_after_forward and st.mesh.size() == world and st.unit is model.layers[0].unit
+    other = FP.make()
+    fully_shard([other.tok_embeddings, other.output])
+    assert fully_shard.state(other.tok_embeddings) is fully_shard.state(other.output)
+    # Containers without a forward: torch FSDP2's ValueError.
+    for container in (nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleDict({"a": nn.Linear(2, 2)})):
+        _raises("does not support containers that do not implement forward", lambda: fully_shard(container))
+    # deepcopy: torch FSDP2's AssertionError (it crashed in copy_ on an invalid storage).
+    for target in (model, model.layers[0]):
+        with pytest.raises(AssertionError, match="deepcopy of a fully_shard module .* not supported"):
+            copy.deepcopy(target)
+    # A slice of a sharded nn.Sequential is a plain Sequential (torch's);
+    # called on sharded children alone it computes as the plain model does.
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3), nn.Linear(3, 2))
+    ref = copy.deepcopy(seq)
+    for i in (0, 2):
+        fully_shard(seq[i])
+    fully_shard(seq)
+    part = seq[0:3]
+    assert type(part) is nn.Sequential and not isinstance(part, fullshard.FSDPModule)
+    assert isinstance(part[0], fullshard.FSDPModule) and type(seq[1:]) is nn.Sequential
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    seq(x).sum().backward()
+    out = part(x)
+    out.sum().backward()
+    want = ref[0:3](x)
+    want.sum().backward()
+    torch.testing.assert_close(out, want)
+    seq(x).sum().backward()  # the whole model runs on
+    return {}
+
+
 def _group_two(rank, world):
     out = {}
     for case in (_identity_case, _tied_case, _deferred_case, _convert_case, _late_optimizer_case, _errors_case,
-                 _per_rank_values_case):
+                 _per_rank_values_case, _replaced_case, _contract_case):
         out.update(case(rank, world))
     return out
 

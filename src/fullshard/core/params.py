@@ -111,6 +111,27 @@ class ParamSlot:
         else:
             torch_private.set_local_tensor(self.sharded, view)
 
+    def take_over(self, new: nn.Parameter) -> None:
+        """Register ``new`` (a parameter in the registered one's form: same
+        type, placements, local shape, dtype and device) in place of
+        ``sharded``: its values go into ``local`` and it views them. The old
+        object keeps a copy of its values, so whoever still holds it (an
+        optimizer made before) no longer writes the flat shard, as a
+        parameter replaced under DDP is disconnected from the model."""
+        old = self.sharded
+        with torch.no_grad():
+            if not self.local.is_meta:
+                self.local.copy_(local_of(new))
+                kept = self.local.clone()
+                if self.spec is None:
+                    old.data = kept
+                else:
+                    torch_private.set_local_tensor(old, kept)
+        self.sharded = new
+        self.rebind(self.local)
+        for module, attr in self.owners:
+            module._parameters[attr] = new
+
     def assigned_mismatch(self, value: torch.Tensor) -> Optional[str]:
         """Why ``value`` (assigned in place of the registered parameter,
         ``load_state_dict(assign=True)``) cannot be this rank's shard, or None."""

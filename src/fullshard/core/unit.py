@@ -240,13 +240,20 @@ class Unit(UnitGrads, UnitValues):
     def check_views(self) -> None:
         """Raise if a sharded parameter's memory is no longer its view of
         ``flat_shard`` (``.half()`` / ``.to()`` called on a module inside the
-        unit instead of on the wrapper, or ``p.data = ...``): the all-gather
-        would read values the optimizer no longer updates."""
+        unit instead of on the wrapper, or ``p.data = ...``), or a module's
+        registered parameter is no longer the sharded one (replaced): the
+        all-gather would read values the optimizer no longer updates."""
         if self.flat_shard.is_meta:
             raise RuntimeError(
                 f"[rank {collectives.rank()}] unit '{self.name}': its parameters are still on the meta device; "
                 "call model.to_empty(device=...) and initialize them before running the model")
         for slot in self.slots:
+            if not self._installed and any(m._parameters.get(a) is not slot.sharded for m, a in slot.owners):
+                raise RuntimeError(
+                    f"[rank {collectives.rank()}] unit '{self.name}': parameter '{slot.fqn}' was replaced "
+                    "(module.<name> = ...) after sharding; the unit computes from its own shard and would ignore "
+                    "it. Replace parameters before wrapping (fully_shard: before the first forward), or write "
+                    "values in place with p.copy_() under torch.no_grad()")
             sp = slot.registered_local()
             if slot.view_ptr is not None and (sp.data_ptr() != slot.view_ptr or sp.dtype != self.flat_shard.dtype):
                 raise RuntimeError(
