@@ -16,11 +16,10 @@ import torch.nn as nn
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
 from .core import collectives, consistency, deferred_init, placement
 from .core.module import UnitModule
+from .core.names import WRAPPER_SEGMENTS, clean_name  # noqa: F401 (re-exported: the names' old home)
 from .core.params import ParamSlot
 
 _PREFIX = "_fsdp_wrapped_module."
-WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-"""Module-path segments of our wrappers, absent from the names users see."""
 # Original parameters already taken by a unit, and modules already wrapped:
 # id -> (weakref, unit name). Kept here, never as attributes on foreign objects.
 TAKEN: dict[int, tuple[weakref.ref, str]] = {}
@@ -34,11 +33,6 @@ SHARDED: dict[int, tuple[weakref.ref, str]] = {}
 # again after destroy_process_group gets new groups) and (local, world) size.
 HYBRID_GROUPS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int], tuple[Any, Any]]]" = weakref.WeakKeyDictionary()
 HYBRID_CHECKED: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id shard, id replicate) -> the groups
-
-
-def clean_name(path: str) -> str:
-    """A module path as the unwrapped model names it: wrapper segments dropped."""
-    return ".".join(s for s in path.split(".") if s not in WRAPPER_SEGMENTS)
 
 
 def registered(reg: dict, obj) -> Optional[str]:

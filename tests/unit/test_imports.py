@@ -38,7 +38,7 @@ ALLOW: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "construct": {"api", "core"},
     "amp": {"core"},
     "memory": {"core", "construct"},
-    "optim": {"core"},                  # core's contract (placement.shard_info); see EXCEPTIONS
+    "optim": {"core"},                  # core's contract (placement.shard_info, names)
     "checkpoint": {"api", "core", "construct", "digest"},  # never train/, bench/, a front door
     "fsdp_settings": {"api", "core"},
     "forward_methods": {"core"},
@@ -61,10 +61,7 @@ ALLOW: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
 # Single edges against the documented layering, allowed by name until they are
 # fixed; each must still exist (test_exceptions_are_live), so a fixed one is
 # removed here too.
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("fullshard.optim.muon", "fullshard.construct"):
-        "clean_name lives in construct.py (a unit builder); optim/ should read core's contract only",
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.optim.adamw import adamw
 
-from ..construct import clean_name
+from ..core.names import clean_name
 from ..core.params import local_of
 from ..core.placement import Owned, shard_info
 from . import shards
