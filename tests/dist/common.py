@@ -57,6 +57,8 @@ def shard(base: nn.Module, how, policy=None, **kwargs) -> nn.Module:
         return FSDP(base, sharding_strategy=ShardingStrategy(how), auto_wrap_policy=policy, **kwargs)
 
     def shard_child(child, name, skip_param_ids):
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            return child  # no forward to hook: fully_shard refuses it, as torch's does; the parent's unit takes it
         # A weight tied to a module outside ``child`` goes to an enclosing unit, as under auto-wrap.
         skip = {p for p in child.parameters() if id(p) in skip_param_ids}
         return fully_shard(child, ignored_params=skip or None, **kwargs)

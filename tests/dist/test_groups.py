@@ -231,10 +231,11 @@ class MoE(nn.Module):
 
 def _wrap_moe(moe, single, sync, strategy):
     from fullshard import FSDP
-    from fullshard.wrap import ModuleWrapPolicy
 
+    # Nested by hand: auto_wrap_policy refuses a model that already holds a unit (as torch FSDP1 does).
     moe.expert = FSDP(moe.expert, process_group=single, sync_module_states=sync)
-    return FSDP(moe, auto_wrap_policy=ModuleWrapPolicy({Block}), sync_module_states=sync, sharding_strategy=strategy)
+    moe.block = FSDP(moe.block, sync_module_states=sync, sharding_strategy=strategy)
+    return FSDP(moe, sync_module_states=sync, sharding_strategy=strategy)
 
 
 def _reference_moe(rank, world):
