@@ -55,12 +55,16 @@ def check_same_across_ranks(named: list[tuple[str, torch.Tensor]], shard_group, 
     groups = collectives.multi_rank_groups(shard_group, replicate_group)
     if not named or not groups:
         return []
-    sums = []
-    for _, p in named:
-        # Strided sums: position-sensitive without allocating a copy.
-        t = p.detach().reshape(-1)
-        sums += [t.sum(dtype=torch.float64), t[::7].sum(dtype=torch.float64),
-                 t[1::3].sum(dtype=torch.float64)]
+    sums, owner = [], []
+    for i, (_, p) in enumerate(named):
+        for part in _plain_parts(p.detach()):
+            # Strided sums: position-sensitive without allocating a copy.
+            t = part.reshape(-1)
+            sums += [t.sum(dtype=torch.float64), t[::7].sum(dtype=torch.float64),
+                     t[1::3].sum(dtype=torch.float64)]
+            owner += [i] * 3
+    if not sums:
+        return []
     v = torch.stack(sums).cpu()
     both = torch.cat([v, -v])
     for group in groups:
@@ -68,14 +72,25 @@ def check_same_across_ranks(named: list[tuple[str, torch.Tensor]], shard_group, 
     hi, lo = both[:v.numel()], -both[v.numel():]
     bad = (hi != lo).nonzero()
     if defer:
-        return list(dict.fromkeys(named[int(i) // 3][0] for i in bad.flatten().tolist()))
+        return list(dict.fromkeys(named[owner[i]][0] for i in bad.flatten().tolist()))
     if bad.numel():
-        name = named[int(bad[0]) // 3][0]
+        name = named[owner[int(bad[0])]][0]
         ranks = sorted({r for g in groups for r in collectives.group_ranks(g)})
         raise ValueError(
             f"[rank {collectives.rank()}] unit '{unit}': parameter '{name}' differs across ranks {ranks} (the "
             "unit's process group) at construction; initialize with the same seed on each of them or pass "
             "sync_module_states=True")
+
+
+def _plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s values: ``t`` itself, or the inner
+    tensors of a traceable tensor subclass (``__tensor_flatten__``: torchao's
+    float8 and NF4 weights, all-gather extensions), whose own reductions may
+    return the subclass again."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [x for n in names for x in _plain_parts(getattr(t, n))]
 
 
 class _Unwritten:
