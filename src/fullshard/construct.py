@@ -1,7 +1,8 @@
 """Construction helpers of ``FullyShardedDataParallel``: policy and group
 resolution, which parameters a unit takes, their values across ranks, and
 the registries that keep a module or parameter from being wrapped twice
-(held by id with weak references, never as attributes on foreign objects).
+(held by id with weak references, never as attributes on foreign objects;
+the sharded parameters live units registered are in ``core/registry.py``).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .api import CPUOffload, MixedPrecision, ShardingStrategy
-from .core import collectives, consistency, deferred_init, placement
+from .core import collectives, consistency, deferred_init, placement, registry
 from .core.module import UnitModule
 from .core.names import WRAPPER_SEGMENTS, clean_name  # noqa: F401 (re-exported: the names' old home)
 from .core.params import ParamSlot
@@ -24,11 +25,6 @@ _PREFIX = "_fsdp_wrapped_module."
 # id -> (weakref, unit name). Kept here, never as attributes on foreign objects.
 TAKEN: dict[int, tuple[weakref.ref, str]] = {}
 WRAPPED: dict[int, tuple[weakref.ref, str]] = {}
-# Parameters a live unit registered in place of the originals: id -> (weakref
-# to the unit, unit name). A module inside another unit holds them; sharding
-# them again would shard shards. Parameters are never held weakly here
-# (torch.utils.swap_tensors refuses tensors with weak references).
-SHARDED: dict[int, tuple[weakref.ref, str]] = {}
 # The default HYBRID_SHARD groups, per world group (held weakly: a world made
 # again after destroy_process_group gets new groups) and (local, world) size.
 HYBRID_GROUPS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int], tuple[Any, Any]]]" = weakref.WeakKeyDictionary()
@@ -50,29 +46,6 @@ def register(reg: dict, obj, name: str) -> None:
             del reg[key]
 
     reg[key] = (weakref.ref(obj, forget), name)
-
-
-def register_unit(unit) -> None:
-    """Record ``unit``'s sharded parameters (see ``SHARDED``) until it is freed."""
-    keys = [id(s.sharded) for s in unit.slots]
-
-    def forget(ref, keys=keys):
-        for key in keys:
-            if SHARDED.get(key, (None,))[0] is ref:
-                del SHARDED[key]
-
-    ref = weakref.ref(unit, forget)
-    for key in keys:
-        SHARDED[key] = (ref, unit.name)
-
-
-def sharded_by(param) -> Optional[str]:
-    """The name of the live unit that registered ``param`` as a sharded parameter, or None."""
-    entry = SHARDED.get(id(param))
-    unit = entry[0]() if entry is not None else None
-    if unit is None or not any(s.sharded is param for s in unit.slots):
-        return None
-    return entry[1]
 
 
 def check_policies(name: str, strategy, mp, offload):
@@ -173,7 +146,7 @@ def collect_slots(module: nn.Module, ignored: set[int], skip: frozenset, unit: s
             if p is None or id(p) in sharded or id(p) in skip:
                 continue
             fqn = f"{mname}.{attr}".replace(_PREFIX, "") if mname else attr
-            holder = sharded_by(p)
+            holder = registry.holder(p)  # a sharded parameter of a live unit
             if holder is not None:
                 raise ValueError(
                     f"[rank {collectives.rank()}] parameter '{fqn}' of unit '{unit}' is already a sharded parameter "

@@ -167,7 +167,6 @@ class FullyShardedDataParallel(UnitSettings, StateDictMethods, UnitModule):
             construct.register(construct.TAKEN, s.param, name)
         with torch.no_grad():
             unit = Unit(name, slots, cfg)
-        construct.register_unit(unit)
         construct.register(construct.WRAPPED, module, name)
         self._fsdp_wrapped_module = module
         self._strategy = strategy

@@ -336,7 +336,6 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
         construct.register(construct.TAKEN, p, name)
     with torch.no_grad():
         unit = Unit(name, slots, cfg)
-    construct.register_unit(unit)
     consistency.defer(unit, differ)
     # Backward prefetches the previous unit in forward order, as torch FSDP2 does by default.
     runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .api import MixedPrecisionPolicy
-from .core import collectives, placement, state
+from .core import collectives, registry, state
 from .core.unit import ShardedState, Unit
 
 
@@ -168,7 +168,7 @@ def adopt_replaced(rt: state.UnitRuntime) -> bool:
         if any(v is not new for v in got) or new is None:
             raise ValueError(f"{where} was replaced (or deleted) on some of the modules that share it "
                              f"({[a for _, a in slot.owners]}); replace it on all of them with one tensor")
-        if placement.find(new) is not None:  # another sharded parameter: a tie made after sharding
+        if registry.find(new) is not None:  # another sharded parameter: a tie made after sharding
             raise ValueError(f"{where} was replaced by another sharded parameter (weights tied after "
                              "fully_shard); tie them before fully_shard, or shard the modules that share "
                              "them as one unit (fully_shard([a, b]))")
@@ -194,5 +194,5 @@ def adopt_replaced(rt: state.UnitRuntime) -> bool:
         unit.reshard()
     for slot, new in todo:
         slot.take_over(new)
-    placement.register(unit)
+    registry.register(unit)  # the registry follows the adopted objects
     return True

@@ -23,6 +23,7 @@ from fullshard import (
     fully_shard,
     memory_stats,
 )
+from fullshard.core import registry
 from fullshard.core.module import unit_modules
 from fullshard.fsdp import register_fsdp_forward_method
 from fullshard.memory import memory_totals
@@ -191,8 +192,12 @@ def _memory(rank, world):
 
 
 def _memory_of(rank, how):
-    # A deleted model is freed (no cycle through hooks keeps the shards).
+    # A deleted model is freed (no cycle through hooks keeps the shards), and so
+    # are its entries in the sharded-parameter registry (core/registry.py).
+    gc.collect()
+    entries = registry.size()
     model = shard(P.make(), how, P.policy())
+    assert registry.size() == entries + len(list(model.parameters()))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = P.batch(rank, 0)
     P.mse(model(x), y).backward()
@@ -201,6 +206,7 @@ def _memory_of(rank, how):
     del model, opt
     gc.collect()
     assert all(r() is None for r in refs), [r() is None for r in refs]
+    assert registry.size() == entries
 
     # Frozen-only units are resharded right after their own backward.
     for keep in (False, True):

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fullshard
 from fullshard import fully_shard
+from fullshard.core import registry
 from tests.dist import fsdp2_parity as FP
 from tests.dist.harness import run_ranks
 
@@ -280,10 +281,15 @@ def _replaced_case(rank, world):
     ref = DDP(plain)
     want = _train(ref, FP.sgd(ref), rank, False)
     model = FP.shard(FP.make())
+    old = model.layers[1].lin1.weight
     _replace(model, True)
     new = model.layers[1].lin1.weight
     got = _train(model, FP.sgd(model), rank, True)
     assert model.layers[1].lin1.weight is new and not model.layers[2].gate.requires_grad
+    # The sharded-parameter registry follows the adopted object (core/registry.py).
+    assert fullshard.shard_info(new).fqn == "lin1.weight" and fullshard.shard_info(old) is None
+    assert registry.holder(new) == registry.holder(model.layers[1].lin2.weight) is not None
+    assert registry.holder(old) is None
     FP.assert_same(got, want)
     res["replaced_before_forward"] = FP.max_diff(got, want)
     # to_empty, then every parameter replaced (an init that assigns).

@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, flat, grads, placement, post_accumulate, reduce
+from . import collectives, flat, grads, post_accumulate, reduce, registry
 from .buffers import POOL
 
 # Bits of each integer limb of exact_sum: n values of up to 2**LIMB_BITS each
@@ -49,7 +49,7 @@ LIMBS = 3
 _LAYOUTS: dict = {}
 def is_marked(param) -> bool:
     """Whether ``param`` is a sharded parameter of a live world_size_invariant unit."""
-    found = placement.find(param)
+    found = registry.find(param)
     return found is not None and found[0].cfg.invariant_layout is not None
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import collectives, invariant, placement
+from . import collectives, invariant, registry
 from .params import local_of
 
 
@@ -151,7 +151,7 @@ def _plain_groups(param) -> tuple:
     shards; replicas of HSDP hold the same rows), else none."""
     if isinstance(param, DTensor):
         return ()
-    found = placement.find(param)
+    found = registry.find(param)
     if found is None or found[0].world == 1:
         return ()
     return (found[0].cfg.shard_group,)

@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import collectives
-from .placement import ShardInfo, find, shard_info
+from . import collectives, registry
+from .placement import ShardInfo, shard_info
 
 ELEMENTWISE = frozenset({
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
@@ -85,8 +85,8 @@ def install() -> None:
 
 def describe(param: torch.Tensor, info: ShardInfo) -> str:
     """``'<name>' of unit '<unit>'`` for messages (``info.fqn`` is relative to its unit)."""
-    found = find(param)
-    return f"'{info.fqn}' of unit '{found[0].name}'" if found is not None else f"'{info.fqn}'"
+    unit = registry.holder(param)
+    return f"'{info.fqn}' of unit '{unit}'" if unit is not None else f"'{info.fqn}'"
 
 
 def _spread(info) -> bool:

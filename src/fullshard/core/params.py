@@ -3,8 +3,8 @@ shard and full views take under ``fully_shard``.
 
 [Note: parameter records]
 A unit keeps one :class:`ParamSlot` per original parameter: its name, every
-``(module, attribute)`` that holds it (tied weights), its place in the flat
-layout (the slot's index), the registered sharded parameter, the plain view
+``(module, attribute)`` that holds it (tied weights), its entry in the
+flat layout, the registered sharded parameter, the plain view
 of the flat shard that parameter's values live in, whether the current
 backward used it, and how it is presented. The engine computes on plain
 tensors only (``local``, the flat buffers); a :class:`DTensorSpec` on the
@@ -14,6 +14,8 @@ module reads are wrapped as ``torch.distributed.tensor.DTensor``
 parameter is an ``nn.Parameter`` over the view itself. Either way the
 registered parameter's memory *is* the view: an optimizer step writes the
 flat shard directly, and the next all-gather reads it (no copy-in).
+``core/registry.py`` finds the slot of a registered parameter
+([Note: sharded-parameter registry]).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import torch_private
+from .flat import ParamLayout
 from .placement import Placement, RowShard
 
 
@@ -92,6 +95,9 @@ class ParamSlot:
     own_local: bool = False
     """``local`` is a tensor subclass kept apart from the flat shard (an
     all-gather extension; core/extensions.py [Note: all-gather extensions])."""
+    layout: Optional[ParamLayout] = None
+    """This parameter's entry in its unit's layout (``unit.layout.params``,
+    set with it); what ``shard_info`` presents."""
 
     def make_sharded(self, view: torch.Tensor, requires_grad: bool) -> None:
         """Register ``view`` (a view of the flat shard) as this parameter on

@@ -1,5 +1,6 @@
-"""Per-parameter placements on a unit's flat shard, and the registry that
-tells an optimizer where a sharded parameter's rows are.
+"""Per-parameter placements on a unit's flat shard, and where a sharded
+parameter's rows are (:func:`shard_info`, a view of its slot found in
+``core/registry.py`` [Note: sharded-parameter registry]).
 
 [Note: placements]
 A unit still has one flat shard per rank and moves it with one all-gather
@@ -34,11 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 import zlib
 from typing import Optional, Sequence, Union
 
 import torch
+
+from . import registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +215,15 @@ class ShardInfo:
     replicate_group: object
     invariant: bool
 
+    @classmethod
+    def of(cls, slot, unit) -> ShardInfo:
+        """The view of ``slot`` (a ``ParamSlot`` of ``unit``): its layout
+        entry, and the unit's rank, world and groups."""
+        lay, cfg = slot.layout, unit.cfg
+        return cls(lay.fqn, lay.shape, lay.placement, lay.bounds, unit.rank, unit.world,
+                   cfg.shard_group if unit.world > 1 else None, cfg.replicate_group,
+                   cfg.invariant_layout is not None)
+
     @property
     def dim(self) -> int:
         """The dimension ``bounds`` index: 0, or d for :class:`DimShard`."""
@@ -240,38 +251,6 @@ class ShardInfo:
         return hi - lo == self.rows
 
 
-# id(registered parameter) -> weakref of its unit. The unit, not the
-# parameter, is held weakly: ``nn.Module._apply`` refuses to swap a tensor
-# that has weak references.
-_UNITS: dict[int, weakref.ref] = {}
-
-
-def register(unit) -> None:
-    """Record ``unit`` as the holder of its registered parameters."""
-    keys = [id(slot.sharded) for slot in unit.slots]
-
-    def forget(ref, keys=keys):
-        for key in keys:
-            if _UNITS.get(key) is ref:
-                del _UNITS[key]
-
-    ref = weakref.ref(unit, forget)
-    for key in keys:
-        _UNITS[key] = ref
-
-
-def find(param) -> Optional[tuple[object, int]]:
-    """``(unit, slot index)`` of a parameter registered by a live unit, or None."""
-    ref = _UNITS.get(id(param))
-    unit = ref() if ref is not None else None
-    if unit is None:
-        return None
-    for i, slot in enumerate(unit.slots):
-        if slot.sharded is param:
-            return unit, i
-    return None
-
-
 def shard_info(param) -> Optional[ShardInfo]:
     """Where ``param`` (as ``model.parameters()`` yields it under either front
     door) keeps its rows, or None for a parameter fullshard does not shard.
@@ -280,12 +259,5 @@ def shard_info(param) -> Optional[ShardInfo]:
     DTensor), shape ``(hi - lo, *shape[1:])`` (``shape`` with ``hi - lo`` at
     ``info.dim`` for :class:`DimShard`); its ``.grad`` has the same shape.
     """
-    found = find(param)
-    if found is None:
-        return None
-    unit, i = found
-    lay = unit.layout.params[i]
-    cfg = unit.cfg
-    return ShardInfo(lay.fqn, lay.shape, lay.placement, lay.bounds, unit.rank, unit.world,
-                     cfg.shard_group if unit.world > 1 else None, cfg.replicate_group,
-                     cfg.invariant_layout is not None)
+    found = registry.find(param)
+    return ShardInfo.of(found[1], found[0]) if found is not None else None

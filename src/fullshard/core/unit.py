@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import collectives, comm, extensions, flat, grads, optim_guard, placement, torch_private
+from . import collectives, comm, extensions, flat, grads, optim_guard, placement, registry, torch_private
 from .buffers import POOL
 from .params import ParamSlot
 from .unit_grads import UnitGrads
@@ -126,8 +126,8 @@ class Unit(UnitGrads, UnitValues):
         self.rank = collectives.group_rank(cfg.shard_group)
         placed = placement.assign_owners(name, [s.placement for s in slots], [s.param.numel() for s in slots],
                                          self.world, placement.group_tally(cfg.shard_group, self.world))
-        self.layout = flat.make_layout([(s.fqn, s.param.shape, s.param.requires_grad) for s in slots], self.world,
-                                       placed)
+        self._set_layout(flat.make_layout([(s.fqn, s.param.shape, s.param.requires_grad) for s in slots],
+                                          self.world, placed))
         self.state = ShardedState.SHARDED
         self.needs_grad = any(p.requires_grad for p in self.layout.params)
         self._views: Optional[list[torch.Tensor]] = None  # grad-mode views, one set per iteration
@@ -161,7 +161,7 @@ class Unit(UnitGrads, UnitValues):
         # hooks; see core/post_accumulate.py.
         self.hooks_due: set[int] = set()
         self._shard()
-        placement.register(self)
+        registry.register(self)
 
     # ------------------------------------------------------------------ setup
     def _shard(self) -> None:

@@ -19,6 +19,12 @@ from .buffers import POOL
 class UnitGrads:
     """Gradient methods of a unit (see the module docstring)."""
 
+    def _set_layout(self, layout: flat.FlatLayout) -> None:
+        """Make ``layout`` the unit's, each slot keeping its entry."""
+        self.layout = layout
+        for slot, entry in zip(self.slots, layout.params):
+            slot.layout = entry
+
     def refresh_requires_grad(self) -> bool:
         """Adopt ``requires_grad`` flags changed on the sharded parameters
         since the layout was made (``requires_grad_()`` after wrapping).
@@ -36,8 +42,8 @@ class UnitGrads:
             raise RuntimeError(
                 f"[rank {collectives.rank()}] unit '{self.name}': requires_grad changed inside a no_sync() "
                 "accumulation window; change it before the window or after the synchronizing backward")
-        self.layout = flat.make_layout([(p.fqn, p.shape, rg) for p, rg in zip(self.layout.params, flags)],
-                                    self.world, [p.placement for p in self.layout.params])
+        self._set_layout(flat.make_layout([(p.fqn, p.shape, rg) for p, rg in zip(self.layout.params, flags)],
+                                          self.world, [p.placement for p in self.layout.params]))
         self.needs_grad = any(flags)
         self.release_full_grad(self.take_full_grad()[0])
         self.flat_full.requires_grad_(self.needs_grad)
