@@ -320,7 +320,7 @@ class FullyShardedDataParallel(UnitSettings, StateDictMethods, UnitModule):
             RuntimeError: not the root, or called during forward or backward.
         """
         self._require_root_idle("clip_grad_norm_()")
-        total = norms.clip_root_(self._runtime, list(self.parameters()), max_norm, float(norm_type))
+        total = norms.clip_root_(self._runtime, list(self.parameters()), max_norm, float(norm_type), foreach=True)
         dtypes = [p.grad.dtype for p in self.parameters() if p.grad is not None]
         if not dtypes:
             warnings.warn(f"[rank {collectives.rank()}] FSDP.clip_grad_norm_() called on rank {collectives.rank()} "

@@ -11,7 +11,7 @@ coefficient, so a low-precision gradient is multiplied in fp32 and rounded once.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -22,22 +22,21 @@ from .module import UnitModule
 from .params import local_of
 
 
-def grads_by_kind(runtimes, params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[torch.Tensor],
-                                                                    list[torch.Tensor]]:
-    """(gradients of sharded parameters this rank counts in the norm, those
-    a replica with replicate-group rank 0 counts instead, gradients of
+def grads_by_kind(runtimes, params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(gradients of sharded parameters this rank counts in the norm: a
+    replica counts them only at replicate-group rank 0; gradients of
     unmanaged parameters)."""
-    sharded_ids, counted, replica = set(), [], []
+    sharded_ids, counted = set(), []
     for rt in runtimes:
         rep = rt.unit.cfg.replicate_group
         mine = rep is None or collectives.group_rank(rep) == 0
         for slot in rt.unit.slots:
             sharded_ids.add(id(slot.sharded))
             grad = slot.grad()
-            if grad is not None:
-                (counted if mine else replica).append(grad)
+            if grad is not None and mine:
+                counted.append(grad)
     local = [p.grad for p in params if id(p) not in sharded_ids and p.grad is not None]
-    return counted, replica, local
+    return counted, local
 
 
 def _norm_part(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -145,36 +144,39 @@ def _root_parts(rt, params: list[nn.Parameter]) -> list[tuple[tuple, list[torch.
     gradients each rank counts (:func:`grads_by_kind`, in the root's unit
     order) summed over the root's groups, replicate group first, then the
     unmanaged (replicated) gradients once."""
-    counted, _replica, local = grads_by_kind(rt.root.runtimes, params)
+    counted, local = grads_by_kind(rt.root.runtimes, params)
     cfg = rt.unit.cfg
     return [(tuple(collectives.multi_rank_groups(cfg.shard_group, cfg.replicate_group)), counted), ((), local)]
 
 
-def _scale_(grads: list[torch.Tensor], coef: torch.Tensor, foreach: Optional[bool]) -> None:
-    """Multiply every plain gradient in place by the 0-dim fp32 ``coef``, per
-    (device, dtype) in one fused call unless ``foreach`` is False, as
-    ``torch.nn.utils.clip_grads_with_norm_``: a low-precision gradient is
-    multiplied in fp32 and rounded once."""
+def _scale_(grads: list[torch.Tensor], coef: torch.Tensor, foreach: bool) -> None:
+    """Multiply every plain gradient in place by the 0-dim fp32 ``coef``:
+    with ``foreach`` one fused call per (device, dtype), as
+    ``torch.nn.utils.clip_grads_with_norm_`` does (on CPU it runs the same
+    per-tensor ``mul_``), else gradient by gradient."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         by_kind.setdefault((g.device, g.dtype), []).append(g)
     for (device, _), group in by_kind.items():
         on_device = coef.to(device)
-        if foreach is False:
+        if foreach:
+            torch_private.foreach_mul_(group, on_device)
+        else:
             for g in group:
                 g.mul_(on_device)
-        else:
-            torch_private.foreach_mul_(group, on_device)
 
 
 def clip_(params: list[nn.Parameter], parts: list[tuple[tuple, list[torch.Tensor]]], max_norm: float,
-          norm_type: float, exact: bool, error_if_nonfinite: bool = False,
-          foreach: Optional[bool] = None) -> torch.Tensor:
+          norm_type: float, exact: bool, error_if_nonfinite: bool = False, foreach: bool = False) -> torch.Tensor:
     """The one gradient clipping of fullshard: the :func:`reduced_norm` of
     ``parts`` (which gradient elements each rank counts, summed over which
     groups), then every gradient of ``params`` (its local tensor for a
     DTensor) multiplied by torch's coefficient ``min(1, max_norm / (norm +
-    1e-6))``.
+    1e-6))``. ``foreach``: scale through fused calls (what
+    ``FullyShardedDataParallel.clip_grad_norm_`` has always done, through
+    ``torch.nn.utils.clip_grads_with_norm_``) rather than gradient by
+    gradient (``fullshard.clip_grad_norm_``); kept per caller so each
+    keeps its bits on every device.
 
     Returns:
         The total norm before clipping: 0-dim fp32 tensor on the host.
@@ -193,7 +195,7 @@ def clip_(params: list[nn.Parameter], parts: list[tuple[tuple, list[torch.Tensor
 
 
 def clip_root_(rt, params: list[nn.Parameter], max_norm: float, norm_type: float,
-               error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+               error_if_nonfinite: bool = False, foreach: bool = False) -> torch.Tensor:
     """:func:`clip_` of the model whose root unit's runtime is ``rt``
     (``params``: all of its parameters) by its global norm: each gradient
     element counted once, shards summed over the root's groups, so a
@@ -221,8 +223,8 @@ def _idle_root(model: UnitModule, what: str):
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: Optional[bool] = None) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for sharded models, returning the
     global norm as a plain tensor: every rank gets the same value (torch's
     returns a DTensor, ``Partial`` for the inf norm, whose ``.item()`` is
@@ -245,8 +247,6 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
         max_norm: the norm to clip to.
         norm_type: p of the p-norm; ``float("inf")`` for the max norm.
         error_if_nonfinite: raise when the norm is nan or inf (torch's).
-        foreach: False multiplies gradient by gradient; otherwise one fused
-            call per device and dtype (torch's).
     Returns:
         The total norm before clipping: 0-dim fp32 tensor on the host.
     Raises:
@@ -256,7 +256,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     """
     if isinstance(parameters, UnitModule):
         rt = _idle_root(parameters, "clip_grad_norm_()")
-        return clip_root_(rt, list(parameters.parameters()), max_norm, float(norm_type), error_if_nonfinite, foreach)
+        return clip_root_(rt, list(parameters.parameters()), max_norm, float(norm_type), error_if_nonfinite)
     params = [p for p in parameters if p.grad is not None]
     exact = any(invariant.is_marked(p) for p in params)
-    return clip_(params, _placement_parts(params), max_norm, float(norm_type), exact, error_if_nonfinite, foreach)
+    return clip_(params, _placement_parts(params), max_norm, float(norm_type), exact, error_if_nonfinite)

@@ -55,9 +55,9 @@ from fullshard import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardingStrategy,
+    clip_grad_norm_ as clip_sharded_grad_norm_,
     fully_shard,
 )
-from fullshard import clip_grad_norm_ as clip_sharded_grad_norm_
 from fullshard.core import collectives
 from fullshard.models import TransformerBlock
 from fullshard.train import optimizers
