@@ -91,9 +91,9 @@ def _forget(key: int, _ref: weakref.ref) -> None:
 def _check_state_dtypes(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """The optimizer pre-step callback added at the first conversion
     ([Note: optimizer step hooks]). Raises RuntimeError when a converted
-    parameter's optimizer state (made
-    before the conversion) has another floating dtype: torch's optimizers
-    would fail with an opaque dtype error or mix precisions."""
+    parameter's optimizer state (made before the conversion) has another
+    floating dtype: torch's optimizers would fail with an opaque dtype error
+    or mix precisions."""
     if not _CONVERTED:
         return
     for group in optimizer.param_groups:

@@ -8,11 +8,12 @@ rows as on the whole tensor. Any other (Muon orthogonalizes the matrix,
 Adafactor keeps row and column means, LAMB and LARS scale by a tensor norm,
 LBFGS takes dot products over all parameters) silently gives another model.
 A pre-step callback (core/optim_hooks.py, [Note: optimizer step hooks]),
-added when the first unit is built, checks every ``optimizer.step()``: an optimizer whose exact
-class is not on :data:`ELEMENTWISE` nor allowed (``fullshard.optim``'s
-classes, :func:`allow_elementwise`) raises :class:`ShardedOptimizerError`
-at its first step if one of its parameters is spread over ranks (some rank
-of its shard group holds fewer than all of its rows). The verdict is
+added when the first unit is built, checks every ``optimizer.step()``: an
+optimizer whose exact class is not on :data:`ELEMENTWISE` nor allowed
+(``fullshard.optim``'s classes, :func:`allow_elementwise`) raises
+:class:`ShardedOptimizerError` at its first step if one of its parameters
+is spread over ranks (some rank of its shard group holds fewer than all of
+its rows). The verdict is
 computed from the layout, so it is the same on every rank, and cached per
 optimizer until its parameter groups change.
 """
