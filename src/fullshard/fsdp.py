@@ -318,13 +318,8 @@ class FullyShardedDataParallel(UnitSettings, StateDictMethods, UnitModule):
         Raises:
             RuntimeError: not the root, or called during forward or backward.
         """
-        root = self._require_root_idle("clip_grad_norm_()")
-        norm_type = float(norm_type)
-        counted, replica, local = norms.grads_by_kind(root.runtimes, self.parameters())
-        cfg = self._runtime.unit.cfg
-        total = norms.global_norm(counted, local, cfg.shard_group, cfg.replicate_group, norm_type,
-                                  exact=cfg.invariant_layout is not None)
-        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total)
+        self._require_root_idle("clip_grad_norm_()")
+        total = norms.clip_root_(self._runtime, list(self.parameters()), max_norm, float(norm_type), foreach=True)
         dtypes = [p.grad.dtype for p in self.parameters() if p.grad is not None]
         if not dtypes:
             warnings.warn(f"[rank {collectives.rank()}] FSDP.clip_grad_norm_() called on rank {collectives.rank()} "

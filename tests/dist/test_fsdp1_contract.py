@@ -213,10 +213,27 @@ def _clip_low_precision_dtype():
         assert norm == fp32.to(want), (norm, fp32)  # computed in fp32, rounded once
 
 
+def _clip_root_module():
+    """fullshard.clip_grad_norm_ on a root module: the wrapper's own norm and clipped gradients, bit for
+    bit (fp32 here); a nested unit is refused."""
+    import fullshard
+
+    runs = []
+    for clip in (lambda m: m.clip_grad_norm_(1e-3), lambda m: fullshard.clip_grad_norm_(m, 1e-3)):
+        torch.manual_seed(0)
+        model = FSDP(_twin(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        model(torch.randn(4, 3)).square().sum().backward()
+        runs.append((clip(model), [p.grad.clone() for p in model.parameters()]))
+    (want, want_grads), (got, got_grads) = runs
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+    with pytest.raises(RuntimeError, match="must be called on the root module"):
+        fullshard.clip_grad_norm_(model.module[0], 1.0)
+
+
 CASES = {f.__name__.lstrip("_"): f for f in (
     _unit_settings, _ignored_state_dict, _auto_wrap_over_units, _ignored_unit, _ignored_not_a_module,
     _apply_in_summon, _param_init_fn_not_callable, _state_dict_config_mismatch, _clip_no_gradients,
-    _clip_low_precision_dtype)}
+    _clip_low_precision_dtype, _clip_root_module)}
 
 
 def _all_cases(rank, world):

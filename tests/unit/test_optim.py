@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from fullshard import optim
-from fullshard.core import optim_guard
+from fullshard.core import optim_guard, optim_hooks
 from fullshard.models import GPT, GPTConfig
 from fullshard.models.llama import Llama, LlamaArgs
 
@@ -191,6 +191,30 @@ def test_plain_model_untouched_by_guard():
 
         opt.step(closure)
     assert torch.equal(model.weight, ref.weight)
+
+
+def test_optimizer_step_hooks_run_in_their_fixed_order():
+    """core/optim_hooks.py: one torch pre-hook and one post-hook, each registered once; callbacks run in the
+    order PRE_STEP / POST_STEP fix, whatever order they were added in; unknown names are refused."""
+    calls = []
+    saved = dict(optim_hooks._PRE), dict(optim_hooks._POST)
+    try:
+        optim_hooks.add_pre_step("converted state dtype", lambda opt, a, k: calls.append("dtype"))
+        optim_hooks.add_post_step("step count", lambda opt, a, k: calls.append("count"))
+        optim_hooks.add_pre_step("sharded optimizer", lambda opt, a, k: calls.append("guard"))
+        handles = dict(optim_hooks._HANDLES)
+        optim_hooks.add_pre_step("sharded optimizer", lambda opt, a, k: calls.append("guard"))
+        assert optim_hooks._HANDLES == handles and None not in handles.values()
+        p = nn.Parameter(torch.ones(2))
+        p.grad = torch.ones(2)
+        torch.optim.SGD([p], lr=0.1).step()
+        assert calls == ["guard", "dtype", "count"]
+        with pytest.raises(ValueError, match="not one of"):
+            optim_hooks.add_pre_step("mine", lambda opt, a, k: None)
+    finally:
+        for table, old in zip((optim_hooks._PRE, optim_hooks._POST), saved):
+            table.clear()
+            table.update(old)
 
 
 def test_init_optim_state_keeps_parameters():

@@ -22,9 +22,8 @@ import weakref
 from typing import Callable, Iterator
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import collectives, state, torch_private
+from . import collectives, optim_hooks, state, torch_private
 from .unit import ShardedState
 
 
@@ -75,7 +74,7 @@ def convert(rt: state.UnitRuntime, fn: Callable[[torch.Tensor], torch.Tensor]) -
         rt.rearm_grad_hook()
         for slot, sp in zip(rt.unit.slots, rt.unit.sharded_params):
             _CONVERTED[id(sp)] = (weakref.ref(sp, functools.partial(_forget, id(sp))), slot.fqn)
-        _watch_optimizer_steps()
+        optim_hooks.add_pre_step("converted state dtype", _check_state_dtypes)
     return changed
 
 
@@ -83,24 +82,18 @@ def convert(rt: state.UnitRuntime, fn: Callable[[torch.Tensor], torch.Tensor]) -
 # optimizer whose state was made before the conversion is refused at its next
 # step. Keyed by id: tensors compare element-wise, so they cannot be dict keys.
 _CONVERTED: dict[int, tuple[weakref.ref, str]] = {}
-_STEP_HOOK: list = []
 
 
 def _forget(key: int, _ref: weakref.ref) -> None:
     _CONVERTED.pop(key, None)
 
 
-def _watch_optimizer_steps() -> None:
-    """Register (once per process, after the first conversion) an optimizer
-    step pre-hook that checks converted parameters' state dtypes."""
-    if not _STEP_HOOK:
-        _STEP_HOOK.append(register_optimizer_step_pre_hook(_check_state_dtypes))
-
-
 def _check_state_dtypes(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Raises RuntimeError when a converted parameter's optimizer state (made
-    before the conversion) has another floating dtype: torch's optimizers
-    would fail with an opaque dtype error or mix precisions."""
+    """The optimizer pre-step callback added at the first conversion
+    ([Note: optimizer step hooks]). Raises RuntimeError when a converted
+    parameter's optimizer state (made before the conversion) has another
+    floating dtype: torch's optimizers would fail with an opaque dtype error
+    or mix precisions."""
     if not _CONVERTED:
         return
     for group in optimizer.param_groups:

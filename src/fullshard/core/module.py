@@ -28,6 +28,11 @@ class UnitModule(nn.Module):
         """The :class:`fullshard.core.unit.Unit` this module fronts."""
         return self._runtime.unit
 
+    def _lazy_init(self) -> None:
+        """Make this unit the root of the units below it unless it already
+        belongs to a root (each front door defines it)."""
+        raise NotImplementedError
+
 
 def unit_modules(model: nn.Module, root_only: bool = False) -> list[UnitModule]:
     """Every :class:`UnitModule` in ``model`` (itself included), in module

@@ -1,38 +1,42 @@
 """The global gradient norm of a sharded model (``clip_grad_norm_``): which
 gradients each rank counts, and their norm over the root unit's groups.
 
-Clipping itself is ``torch.nn.utils.clip_grads_with_norm_`` with the norm
-computed here: it multiplies each gradient by the 0-dim fp32 coefficient,
-so a low-precision gradient is multiplied in fp32 and rounded once.
+One clipping (:func:`clip_`) behind every caller: ``fullshard.clip_grad_norm_``
+(parameters one by one, or a root module), ``FullyShardedDataParallel.clip_grad_norm_``
+and the trainer (through the public function). They differ only in which
+gradient elements each rank counts and over which groups they are summed
+(the parts of :func:`reduced_norm`). The scaling is
+``torch.nn.utils.clip_grads_with_norm_``'s: each gradient times the 0-dim fp32
+coefficient, so a low-precision gradient is multiplied in fp32 and rounded once.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import collectives, invariant, registry
+from . import collectives, invariant, registry, state, torch_private
+from .module import UnitModule
 from .params import local_of
 
 
-def grads_by_kind(runtimes, params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[torch.Tensor],
-                                                                    list[torch.Tensor]]:
-    """(gradients of sharded parameters this rank counts in the norm, those
-    a replica with replicate-group rank 0 counts instead, gradients of
+def grads_by_kind(runtimes, params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(gradients of sharded parameters this rank counts in the norm: a
+    replica counts them only at replicate-group rank 0; gradients of
     unmanaged parameters)."""
-    sharded_ids, counted, replica = set(), [], []
+    sharded_ids, counted = set(), []
     for rt in runtimes:
         rep = rt.unit.cfg.replicate_group
         mine = rep is None or collectives.group_rank(rep) == 0
         for slot in rt.unit.slots:
             sharded_ids.add(id(slot.sharded))
             grad = slot.grad()
-            if grad is not None:
-                (counted if mine else replica).append(grad)
+            if grad is not None and mine:
+                counted.append(grad)
     local = [p.grad for p in params if id(p) not in sharded_ids and p.grad is not None]
-    return counted, replica, local
+    return counted, local
 
 
 def _norm_part(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -63,14 +67,15 @@ def _exact_norm(grads: list[torch.Tensor], norm_type: float, groups: list) -> fl
     return invariant.exact_sum(_powered(grads, norm_type), groups)
 
 
-def global_norm(counted: list[torch.Tensor], local: list[torch.Tensor], shard_group, replicate_group,
-                norm_type: float, exact: bool = False) -> torch.Tensor:
-    """Total ``norm_type`` norm of all gradients of a model whose root unit is
-    on ``shard_group`` / ``replicate_group``: the ``counted`` shard
-    contributions (each gradient element held by exactly one rank; see
-    :func:`grads_by_kind`) are summed (max for inf) over the root's ranks,
-    replicate group then shard group; unmanaged gradients are replicated and
-    added once.
+def reduced_norm(parts: list[tuple[tuple, list[torch.Tensor]]], norm_type: float,
+                 exact: bool = False) -> torch.Tensor:
+    """The ``norm_type`` norm of every gradient element of ``parts``: each
+    part is (the groups its contribution is summed over, max for inf, in
+    that order; this rank's plain gradient tensors). Parts add up in the
+    order given, which every rank must share, with the same groups: a rank
+    holding no gradient of a part still takes part in its reductions.
+    Empty tensors contribute nothing (the inf norm of an empty tensor is an
+    error, which would leave the other ranks waiting).
 
     ``exact`` (``world_size_invariant`` units, p < inf): the p-th powers are
     summed exactly (core/invariant.py :func:`exact_sum`), so the norm does
@@ -81,16 +86,15 @@ def global_norm(counted: list[torch.Tensor], local: list[torch.Tensor], shard_gr
     """
     is_inf = norm_type == float("inf")
     if exact and not is_inf:
-        groups = collectives.multi_rank_groups(shard_group, replicate_group)
-        value = _exact_norm(counted, norm_type, groups) + _exact_norm(local, norm_type, [])
+        value = sum(_exact_norm(grads, norm_type, list(groups)) for groups, grads in parts)
         return torch.tensor(value ** (1.0 / norm_type), dtype=torch.float32)
-    part = _norm_part(counted, norm_type)
-    for group in collectives.multi_rank_groups(shard_group, replicate_group):
-        collectives.all_reduce(part, group, "max" if is_inf else "sum", tag="gradient norm")
-    rest = _norm_part(local, norm_type)
-    if is_inf:
-        return torch.maximum(part, rest)
-    return (part + rest).pow(1.0 / norm_type)
+    total = torch.zeros((), dtype=torch.float32)
+    for groups, grads in parts:
+        part = _norm_part(grads, norm_type)
+        for group in groups:
+            collectives.all_reduce(part, group, "max" if is_inf else "sum", tag="gradient norm")
+        total = torch.maximum(total, part) if is_inf else total + part
+    return total if is_inf else total.pow(1.0 / norm_type)
 
 
 def _shard_groups(t) -> list:
@@ -111,41 +115,6 @@ def _shard_groups(t) -> list:
     return groups
 
 
-def total_norm(grads: list[torch.Tensor], norm_type: float, exact: bool = False,
-               plain_groups: Optional[list[tuple]] = None) -> torch.Tensor:
-    """The ``norm_type`` norm of ``grads`` as if every DTensor were gathered:
-    each DTensor's local contribution is summed (max for inf) over the mesh
-    dimensions it is sharded on, plain tensors count once (replicated), and
-    empty local shards contribute nothing. Gradients on different meshes
-    (tensor parallelism on some modules only) and plain ones may be mixed.
-
-    ``exact``: as in :func:`global_norm`. ``plain_groups``: per gradient, the
-    groups a plain one is sharded over (``FullyShardedDataParallel``'s
-    parameters are plain shards); default none (replicated).
-
-    Returns:
-        0-dim fp32 plain tensor on the host, equal on every rank.
-    """
-    is_inf = norm_type == float("inf")
-    by_groups: dict[tuple, list[torch.Tensor]] = {}
-    for i, g in enumerate(grads):
-        if isinstance(g, DTensor):
-            key = tuple(_shard_groups(g))
-        else:
-            key = plain_groups[i] if plain_groups is not None else ()
-        by_groups.setdefault(key, []).append(local_of(g))
-    if exact and not is_inf:
-        value = sum(_exact_norm(locals_, norm_type, list(groups)) for groups, locals_ in by_groups.items())
-        return torch.tensor(value ** (1.0 / norm_type), dtype=torch.float32)
-    total = torch.zeros((), dtype=torch.float32)
-    for groups, locals_ in by_groups.items():  # insertion order: the same on every rank
-        part = _norm_part([t for t in locals_ if t.numel()], norm_type)
-        for group in groups:
-            collectives.all_reduce(part, group, "max" if is_inf else "sum", tag="gradient norm")
-        total = torch.maximum(total, part) if is_inf else total + part
-    return total if is_inf else total.pow(1.0 / norm_type)
-
-
 def _plain_groups(param) -> tuple:
     """The shard group of a plain parameter a unit registered (the wrapper's
     shards; replicas of HSDP hold the same rows), else none."""
@@ -157,8 +126,105 @@ def _plain_groups(param) -> tuple:
     return (found[0].cfg.shard_group,)
 
 
+def _placement_parts(params: list[nn.Parameter]) -> list[tuple[tuple, list[torch.Tensor]]]:
+    """:func:`reduced_norm`'s parts for parameters taken one by one: each
+    DTensor gradient summed over the mesh dimensions it is sharded on, a
+    plain one over :func:`_plain_groups`; grouped by those groups in order
+    of first appearance (the same on every rank)."""
+    by_groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        key = tuple(_shard_groups(g)) if isinstance(g, DTensor) else _plain_groups(p)
+        by_groups.setdefault(key, []).append(local_of(g))
+    return list(by_groups.items())
+
+
+def _root_parts(rt, params: list[nn.Parameter]) -> list[tuple[tuple, list[torch.Tensor]]]:
+    """:func:`reduced_norm`'s parts for a root unit's model: the shard
+    gradients each rank counts (:func:`grads_by_kind`, in the root's unit
+    order) summed over the root's groups, replicate group first, then the
+    unmanaged (replicated) gradients once."""
+    counted, local = grads_by_kind(rt.root.runtimes, params)
+    cfg = rt.unit.cfg
+    return [(tuple(collectives.multi_rank_groups(cfg.shard_group, cfg.replicate_group)), counted), ((), local)]
+
+
+def _scale_(grads: list[torch.Tensor], coef: torch.Tensor, foreach: bool) -> None:
+    """Multiply every plain gradient in place by the 0-dim fp32 ``coef``:
+    with ``foreach`` one fused call per (device, dtype), as
+    ``torch.nn.utils.clip_grads_with_norm_`` does (on CPU it runs the same
+    per-tensor ``mul_``), else gradient by gradient."""
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), group in by_kind.items():
+        on_device = coef.to(device)
+        if foreach:
+            torch_private.foreach_mul_(group, on_device)
+        else:
+            for g in group:
+                g.mul_(on_device)
+
+
+def clip_(params: list[nn.Parameter], parts: list[tuple[tuple, list[torch.Tensor]]], max_norm: float,
+          norm_type: float, exact: bool, error_if_nonfinite: bool = False, foreach: bool = False) -> torch.Tensor:
+    """The one gradient clipping of fullshard: the :func:`reduced_norm` of
+    ``parts`` (which gradient elements each rank counts, summed over which
+    groups), then every gradient of ``params`` (its local tensor for a
+    DTensor) multiplied by torch's coefficient ``min(1, max_norm / (norm +
+    1e-6))``. ``foreach``: scale through fused calls (what
+    ``FullyShardedDataParallel.clip_grad_norm_`` has always done, through
+    ``torch.nn.utils.clip_grads_with_norm_``) rather than gradient by
+    gradient (``fullshard.clip_grad_norm_``); kept per caller so each
+    keeps its bits on every device.
+
+    Returns:
+        The total norm before clipping: 0-dim fp32 tensor on the host.
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf
+            (on every rank: the norm is the same on all).
+    """
+    total = reduced_norm(parts, norm_type, exact)
+    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+        raise RuntimeError(f"[rank {collectives.rank()}] The total norm of order {norm_type} for gradients from "
+                           "`parameters` is non-finite, so it cannot be clipped. To disable this error and scale the "
+                           "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    _scale_([local_of(p.grad) for p in params if p.grad is not None], coef, foreach)
+    return total
+
+
+def clip_root_(rt, params: list[nn.Parameter], max_norm: float, norm_type: float,
+               error_if_nonfinite: bool = False, foreach: bool = False) -> torch.Tensor:
+    """:func:`clip_` of the model whose root unit's runtime is ``rt``
+    (``params``: all of its parameters) by its global norm: each gradient
+    element counted once, shards summed over the root's groups, so a
+    nested unit on a smaller group (a per-rank expert) counts each
+    instance once, as torch FSDP1 does; ``world_size_invariant`` roots sum
+    exactly. The caller checks the model is idle."""
+    return clip_(params, _root_parts(rt, params), max_norm, norm_type, rt.unit.cfg.invariant_layout is not None,
+                 error_if_nonfinite, foreach)
+
+
+def _idle_root(model: UnitModule, what: str):
+    """``model``'s runtime after checking it is a root and idle.
+
+    Raises:
+        RuntimeError: ``model`` is a nested unit, or busy (forward/backward).
+    """
+    model._lazy_init()
+    rt = model._runtime
+    if not rt.is_root:
+        raise RuntimeError(f"[rank {collectives.rank()}] {what} of a module must be called on the root module "
+                           "(the outermost fully_shard / FullyShardedDataParallel one); pass parameters() to clip "
+                           "only some")
+    state.require_idle(rt.root, what)
+    return rt
+
+
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for sharded models, returning the
     global norm as a plain tensor: every rank gets the same value (torch's
     returns a DTensor, ``Partial`` for the inf norm, whose ``.item()`` is
@@ -166,25 +232,31 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     (replicated, or ``FullyShardedDataParallel``'s shards, summed over their
     shard group) may be mixed, and empty shards are skipped; with
     parameters of ``world_size_invariant`` units the sum is exact
-    (:func:`global_norm`). Each
-    gradient is multiplied in place by ``min(1, max_norm / (norm + 1e-6))``,
-    torch's coefficient.
+    (:func:`reduced_norm`). Each gradient is multiplied in place by
+    ``min(1, max_norm / (norm + 1e-6))``, torch's coefficient.
+
+    ``parameters`` may also be a root module (``fully_shard`` or
+    ``FullyShardedDataParallel``; fullshard's extension): its gradients
+    are clipped by the norm ``FullyShardedDataParallel.clip_grad_norm_``
+    computes (the same summation order, so both front doors give the same
+    bits), after checking the model is between iterations.
 
     Args:
-        parameters: tensors or DTensors (e.g. ``model.parameters()``).
+        parameters: tensors or DTensors (e.g. ``model.parameters()``), or a
+            root module.
         max_norm: the norm to clip to.
         norm_type: p of the p-norm; ``float("inf")`` for the max norm.
+        error_if_nonfinite: raise when the norm is nan or inf (torch's).
     Returns:
         The total norm before clipping: 0-dim fp32 tensor on the host.
     Raises:
         ValueError: a ``Partial`` DTensor gradient.
+        RuntimeError: ``error_if_nonfinite`` and a non-finite norm; a
+            module that is not a root, or is in forward or backward.
     """
-    parameters = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in parameters]
-    exact = any(invariant.is_marked(p) for p in parameters)
-    norm = total_norm(grads, float(norm_type), exact=exact, plain_groups=[_plain_groups(p) for p in parameters])
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        local = local_of(g)
-        local.mul_(coef.to(local.device))  # as torch: a low-precision gradient is scaled in fp32, rounded once
-    return norm
+    if isinstance(parameters, UnitModule):
+        rt = _idle_root(parameters, "clip_grad_norm_()")
+        return clip_root_(rt, list(parameters.parameters()), max_norm, float(norm_type), error_if_nonfinite)
+    params = [p for p in parameters if p.grad is not None]
+    exact = any(invariant.is_marked(p) for p in params)
+    return clip_(params, _placement_parts(params), max_norm, float(norm_type), exact, error_if_nonfinite)

@@ -7,12 +7,13 @@ gradient and state only: SGD, Adam, AdamW, ...) gives the same step on the
 rows as on the whole tensor. Any other (Muon orthogonalizes the matrix,
 Adafactor keeps row and column means, LAMB and LARS scale by a tensor norm,
 LBFGS takes dot products over all parameters) silently gives another model.
-One global ``register_optimizer_step_pre_hook``, installed when the first
-unit is built, checks every ``optimizer.step()``: an optimizer whose exact
-class is not on :data:`ELEMENTWISE` nor allowed (``fullshard.optim``'s
-classes, :func:`allow_elementwise`) raises :class:`ShardedOptimizerError`
-at its first step if one of its parameters is spread over ranks (some rank
-of its shard group holds fewer than all of its rows). The verdict is
+A pre-step callback (core/optim_hooks.py, [Note: optimizer step hooks]),
+added when the first unit is built, checks every ``optimizer.step()``: an
+optimizer whose exact class is not on :data:`ELEMENTWISE` nor allowed
+(``fullshard.optim``'s classes, :func:`allow_elementwise`) raises
+:class:`ShardedOptimizerError` at its first step if one of its parameters
+is spread over ranks (some rank of its shard group holds fewer than all of
+its rows). The verdict is
 computed from the layout, so it is the same on every rank, and cached per
 optimizer until its parameter groups change.
 """
@@ -22,9 +23,8 @@ import weakref
 from typing import Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import collectives, registry
+from . import collectives, optim_hooks, registry
 from .placement import ShardInfo, shard_info
 
 ELEMENTWISE = frozenset({
@@ -35,7 +35,6 @@ ELEMENTWISE = frozenset({
 """torch's element-wise optimizers (exact classes; ``foreach`` and ``fused`` variants included)."""
 
 _ALLOWED: set = set()
-_HOOK = {"handle": None}
 # optimizer -> (its parameter groups' structure, the error message or None)
 _VERDICTS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
 # Replacements by optimizer class name.
@@ -78,9 +77,8 @@ def disallow(cls: type) -> None:
 
 
 def install() -> None:
-    """Install the step pre-hook once per process (idempotent)."""
-    if _HOOK["handle"] is None:
-        _HOOK["handle"] = register_optimizer_step_pre_hook(_check_step)
+    """Add the step check to the optimizer pre-step callbacks (idempotent)."""
+    optim_hooks.add_pre_step("sharded optimizer", _check_step)
 
 
 def describe(param: torch.Tensor, info: ShardInfo) -> str:

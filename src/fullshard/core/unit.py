@@ -34,18 +34,18 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import collectives, comm, extensions, flat, grads, optim_guard, placement, registry, torch_private
+from . import collectives, comm, extensions, flat, grads, optim_guard, optim_hooks, placement, registry, torch_private
 from .buffers import POOL
 from .params import ParamSlot
 from .unit_grads import UnitGrads
 from .unit_values import UnitValues
 
-_STEPS = {"count": 0, "hook": None}  # optimizer steps since kept_fresh first needed them
+_STEPS = {"count": 0}  # optimizer steps since kept_fresh first needed them
 
 
 def _count_step(optimizer, args, kwargs) -> None:
+    """The optimizer post-step callback ([Note: optimizer step hooks])."""
     _STEPS["count"] += 1
 
 
@@ -443,8 +443,7 @@ class Unit(UnitGrads, UnitValues):
         Foreach ops on DTensors (a ``foreach`` optimizer, the default on
         GPUs) bump none, so every optimizer step counts too. Writes through
         ``p.data`` or other foreach ops go unseen (autograd misses them too)."""
-        if _STEPS["hook"] is None:
-            _STEPS["hook"] = register_optimizer_step_post_hook(_count_step)
+        optim_hooks.add_post_step("step count", _count_step)
         versions = [_STEPS["count"], torch_private.version_counter(self.flat_shard)]
         for slot in self.slots:
             versions.append(torch_private.version_counter(slot.sharded))

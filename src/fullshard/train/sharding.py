@@ -25,8 +25,8 @@ NO_SHARD                ``NO_SHARD``                                2-D mesh (wo
 deferred init           ``param_init_fn`` materializes each         built on meta, ``to_empty``, then each rank
                         rank's rows                                 fills its rows (:func:`init_local_rows`)
 no_sync micro-batches   ``model.no_sync()``                         ``set_requires_gradient_sync(False)``
---clip-norm             ``model.clip_grad_norm_``                   :func:`clip_grad_norm_` (the same norm: the
-                                                                    engine's, summed in the same order)
+--clip-norm             ``model.clip_grad_norm_``                   ``fullshard.clip_grad_norm_(model)`` (the same
+                                                                    norm, summed in the same order)
 --world-size-invariant  ``world_size_invariant=True`` (propagated   ``world_size_invariant=True`` on every call
                         to the auto-wrapped units)
 --optimizer muon        ``shard_placement_fn=muon_placement_fn``    torch.chunk rows (``Shard(0)`` DTensors hold
@@ -55,9 +55,10 @@ from fullshard import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardingStrategy,
+    clip_grad_norm_ as clip_sharded_grad_norm_,
     fully_shard,
 )
-from fullshard.core import collectives, norms
+from fullshard.core import collectives
 from fullshard.models import TransformerBlock
 from fullshard.train import optimizers
 from fullshard.train.config import TrainConfig
@@ -215,14 +216,14 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-@torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip a sharded model's gradients to ``max_norm`` by their global L2 norm; returns the norm.
 
-    Version 1: ``FullyShardedDataParallel.clip_grad_norm_``. Version 2: the same computation on the
-    local shards of the DTensor gradients (``fullshard.core.norms``: each element counted once,
-    summed over the root's groups in the same order), so both versions clip by the same norm bit
-    for bit; ``torch.nn.utils.clip_grad_norm_`` on the DTensors gives the same norm up to rounding.
+    Version 1: ``FullyShardedDataParallel.clip_grad_norm_``. Version 2: ``fullshard.clip_grad_norm_``
+    on the root module, the same computation on the local shards of the DTensor gradients (each
+    element counted once, summed over the root's groups in the same order), so both versions clip by
+    the same norm bit for bit; ``torch.nn.utils.clip_grad_norm_`` on the DTensors gives the same norm
+    up to rounding.
 
     Returns:
         The pre-clip norm, 0-dim fp32 on the host, identical on every rank.
@@ -231,15 +232,4 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """
     if not isinstance(model, FSDPModule):
         return model.clip_grad_norm_(max_norm)
-    model._require_idle("clip_grad_norm_()")
-    root = model._runtime.root
-    params = list(model.parameters())
-    counted, replica, local = norms.grads_by_kind(root.runtimes, params)
-    cfg = model._runtime.unit.cfg
-    total = norms.global_norm(counted, local, cfg.shard_group, cfg.replicate_group, 2.0,
-                              exact=cfg.invariant_layout is not None)
-    # torch.nn.utils.clip_grads_with_norm_'s coefficient, applied to the plain local shards.
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in counted + replica + local:
-        grad.mul_(coef.to(grad.device))
-    return total
+    return clip_sharded_grad_norm_(model, max_norm)
