@@ -29,7 +29,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .core import collectives, torch_private
+from .core import collectives, flat, torch_private
 from .core.params import DTensorSpec, ParamSlot
 
 
@@ -55,7 +55,7 @@ def assign_specs(slots: list[ParamSlot], mesh, placements: tuple, where: str) ->
         p = slot.param
         dim = getattr(slot.placement, "dim", 0)  # DimShard: fully_shard's Shard(d), d != 0
         if not isinstance(p, DTensor):
-            slot.spec = DTensorSpec(mesh, (*placements[:-1], Shard(dim)), p.shape, contiguous_stride(p.shape))
+            slot.spec = DTensorSpec(mesh, (*placements[:-1], Shard(dim)), p.shape, flat.contiguous_stride(p.shape))
             continue
         if dim:
             raise ValueError(f"{where}: shard_placement_fn returned Shard({dim}) for the tensor-parallel parameter "
@@ -103,15 +103,6 @@ def _concatenate(dp_mesh, tp_mesh, fqn: str, where: str):
             "slice both from one named mesh, e.g. mesh = init_device_mesh(device, (dp, tp), "
             "mesh_dim_names=('dp', 'tp')); parallelize_module(..., mesh['tp']); fully_shard(..., "
             "mesh=mesh['dp'])") from None
-
-
-def contiguous_stride(shape: torch.Size) -> tuple:
-    """The strides of a contiguous tensor of ``shape``."""
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
 
 
 # ------------------------------------------------------------------ meshes

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, torch_private
+from . import collectives, torch_private, tree
 
 # fully_shard units whose parameters differed across ranks at construction, until a
 # load writes them (see :func:`defer`); keyed weakly so a deleted model leaves.
@@ -57,7 +57,7 @@ def check_same_across_ranks(named: list[tuple[str, torch.Tensor]], shard_group, 
         return []
     sums, owner = [], []
     for i, (_, p) in enumerate(named):
-        for part in _plain_parts(p.detach()):
+        for part in tree.plain_tensors([p.detach()]) or [p.detach()]:
             # Strided sums: position-sensitive without allocating a copy.
             t = part.reshape(-1)
             sums += [t.sum(dtype=torch.float64), t[::7].sum(dtype=torch.float64),
@@ -80,17 +80,6 @@ def check_same_across_ranks(named: list[tuple[str, torch.Tensor]], shard_group, 
             f"[rank {collectives.rank()}] unit '{unit}': parameter '{name}' differs across ranks {ranks} (the "
             "unit's process group) at construction; initialize with the same seed on each of them or pass "
             "sync_module_states=True")
-
-
-def _plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors holding ``t``'s values: ``t`` itself, or the inner
-    tensors of a traceable tensor subclass (``__tensor_flatten__``: torchao's
-    float8 and NF4 weights, all-gather extensions), whose own reductions may
-    return the subclass again."""
-    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
-        return [t]
-    names, _ = t.__tensor_flatten__()
-    return [x for n in names for x in _plain_parts(getattr(t, n))]
 
 
 class _Unwritten:

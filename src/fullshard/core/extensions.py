@@ -39,10 +39,9 @@ import inspect
 from typing import Optional
 
 import torch
-import torch.nn as nn
 
 from ..api import MixedPrecisionPolicy
-from . import collectives, flat
+from . import collectives, flat, tree
 from .buffers import POOL
 
 PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
@@ -194,8 +193,8 @@ def finish(unit) -> None:
                 raise ValueError(f"[rank {collectives.rank()}] unit '{unit.name}': fsdp_post_all_gather of "
                                  f"'{unit.slots[i].fqn}' returned {tuple(tensor.shape)}, fewer elements than the "
                                  f"parameter's {tuple(shape)}")
-            state.full = torch.as_strided(tensor.detach(), shape, _contiguous_stride(shape), 0)
-            for t in _plain_tensors(list(inner)):
+            state.full = torch.as_strided(tensor.detach(), shape, flat.contiguous_stride(shape), 0)
+            for t in tree.plain_tensors(list(inner)):
                 storage = t.untyped_storage()
                 if storage.nbytes() and not any(s._cdata == storage._cdata for s, _ in state.storages):
                     state.storages.append((storage, storage.nbytes()))
@@ -262,7 +261,7 @@ def _pre(unit, i: int, local) -> tuple[list[torch.Tensor], object]:
         inputs, metadata = hook(mesh)
     elif nargs == 5:
         shape = unit.layout.params[i].shape
-        inputs, metadata = hook(mesh, shape, _contiguous_stride(shape), slot.owners[0][0], _mp_policy(unit))
+        inputs, metadata = hook(mesh, shape, flat.contiguous_stride(shape), slot.owners[0][0], _mp_policy(unit))
     else:
         raise ValueError(f"[rank {collectives.rank()}] unit '{unit.name}': fsdp_pre_all_gather of '{slot.fqn}' "
                          f"has signature {inspect.signature(hook)}; expected (mesh) or (mesh, outer_size, "
@@ -300,25 +299,3 @@ def _agree(unit, pending: dict) -> None:
                 "rank (ceil(rows / shard size) rows), as torch FSDP2 requires")
     for i, sig in pending.items():
         unit.ext[i].sig = sig
-
-
-def _plain_tensors(tensors: list) -> list[torch.Tensor]:
-    """Tensors with storage behind ``tensors`` (a wrapper subclass's inner tensors)."""
-    out = []
-    for t in tensors:
-        if not torch.is_tensor(t):
-            continue
-        if type(t) in (torch.Tensor, nn.Parameter):
-            out.append(t)
-        elif hasattr(t, "__tensor_flatten__"):
-            names, _ = t.__tensor_flatten__()
-            out += _plain_tensors([getattr(t, n) for n in names])
-    return out
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))

@@ -426,3 +426,12 @@ def copy_rank_rows(dst: torch.Tensor, flat_full: torch.Tensor, layout: FlatLayou
             src.append(block)
     if dst_blocks:
         torch_private.foreach_copy_(dst_blocks, src)
+
+
+def contiguous_stride(shape: torch.Size) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))

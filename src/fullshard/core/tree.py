@@ -64,3 +64,20 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
             object.__setattr__(out, f.name, map_tensors(fn, getattr(obj, f.name, None)))
         return out
     return obj
+
+
+def plain_tensors(tensors: list) -> list[torch.Tensor]:
+    """The tensors with storage behind ``tensors``: plain tensors as they are,
+    a traceable tensor subclass (``__tensor_flatten__``: torchao's float8 and
+    NF4 weights, all-gather extensions) as its inner tensors, recursively;
+    anything else (not a tensor, an opaque subclass) is left out."""
+    out = []
+    for t in tensors:
+        if not torch.is_tensor(t):
+            continue
+        if type(t) in (torch.Tensor, torch.nn.Parameter):
+            out.append(t)
+        elif hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            out += plain_tensors([getattr(t, n) for n in names])
+    return out
