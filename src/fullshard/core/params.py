@@ -284,8 +284,11 @@ class ParamSlot:
 
     def drop_sentinel(self, ref: Optional[weakref.ref]) -> None:
         """Reset ``.grad`` to None when it is the zero gradient ``ref`` points
-        at (a ``no_sync`` sentinel, never a gradient; core/stash.py)."""
-        if ref is not None and self.sharded.grad is not None and self.sharded.grad is ref():
+        at (a ``no_sync`` sentinel, never a gradient; core/stash.py). A dead
+        ``ref`` is ruled out before ``.grad`` is read: called from a
+        sentinel's finalizer while ``zero_grad`` frees that very gradient,
+        reading ``.grad`` first would touch a tensor being deallocated."""
+        if ref is not None and ref() is not None and self.sharded.grad is ref():
             self.sharded.grad = None
 
 
