@@ -398,7 +398,7 @@ class FullyShardedDataParallel(UnitSettings, StateDictMethods, UnitModule):
         """``nn.Module.zero_grad``; also discards every ``no_sync`` stash at once."""
         super().zero_grad(set_to_none)
         for u in self.units():
-            u.unit.drop_stash()
+            u.unit.stash.discard()
 
     def _apply(self, fn, recurse: bool = True):
         """``.double()`` / ``.half()`` / ``.bfloat16()`` / ``.float()`` /

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import construct, dtensor_specs, fsdp2_state, wrap
 from .api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .core import backward_guard, casting, collectives, consistency, deferred_init, extensions, invariant, state
+from .core.convert import adopt
 from .core.module import UnitModule, unit_modules
 from .core.tree import map_tensors
 from .core.unit import ShardedState, Unit, UnitConfig
@@ -201,7 +202,7 @@ class FSDPModule(CommMethods, UnitModule):
     def _apply(self, fn, recurse: bool = True):
         """``to_empty(device=...)`` (deferred init), ``.to(dtype)`` and
         friends: after ``nn.Module._apply`` the unit takes the new values
-        into its flat shard (``Unit.adopt``); the parameter objects stay.
+        into its flat shard (``core.convert.adopt``); the parameter objects stay.
 
         Raises:
             RuntimeError: during forward or backward.
@@ -432,7 +433,7 @@ def _after_load(module: FSDPModule, incompatible_keys) -> None:
 
 def _adopt(rt: state.UnitRuntime) -> None:
     with torch.no_grad():
-        if rt.unit.adopt():
+        if adopt(rt.unit):
             rt.rearm_grad_hook()
 
 

@@ -32,7 +32,7 @@ def _unit_entry(fsdp_unit: UnitModule) -> dict[str, int]:
     return {"sharded_bytes": unit.flat_shard.numel() * unit.flat_shard.element_size(),
             "unsharded_bytes": unit.unsharded_bytes(),
             "full_grad_bytes": unit.full_grad_bytes(),
-            "stashed_grad_bytes": unit.stashed_grad_bytes(),
+            "stashed_grad_bytes": unit.stash.nbytes(),
             "pending_reduce_scatters": pending}
 
 

@@ -118,7 +118,7 @@ def _keep_low(rank, world):
                 _backward(m, rank, 0, micro=0)
             if zero is not None:
                 m.zero_grad(set_to_none=zero)
-                assert not any(u.unit.has_stash for u in m.units()), ("stash kept after zero_grad", zero)
+                assert not any(u.unit.stash.active for u in m.units()), ("stash kept after zero_grad", zero)
             _backward(m, rank, 0, micro=1)
         _check_rounded(_grads(low), _grads(ref), f"no_sync zero={zero}")
 

@@ -1,32 +1,16 @@
-"""Gradient bookkeeping of a unit beyond the reduce itself: which parameters
-were used in a backward, and the ``no_sync`` stash that must vanish when the
-user zeroes gradients.
-
-[Note: no_sync and zero_grad]
-Inside ``no_sync`` a unit keeps its unsharded gradient in a stash instead of
-reduce-scattering it; under DDP the same gradients sit in ``param.grad``, so
-``optimizer.zero_grad()`` discards them. ``torch.optim.Optimizer`` has no
-zero-grad hook, so the stash watches the sharded parameters' ``.grad``
-instead: where a trainable parameter's ``.grad`` is None when a stash starts,
-the stash installs a zero *sentinel* gradient (one flat zero buffer of the
-gradient-shard size, viewed per parameter) and records every ``.grad`` it
-sees with its version counter. ``zero_grad(set_to_none=True)`` frees a
-sentinel, whose ``weakref.finalize`` callback drops the stash at once when
-nothing it holds is still wanted; ``zero_grad(set_to_none=False)`` bumps the
-version counter, which the next root forward (or the synchronizing backward)
-notices. Either way the zeroed parameters' part of the stash is discarded,
-as DDP discards ``param.grad``. A sentinel still installed when the stash is
-reduced receives the reduced gradient; one whose parameter no rank used is
-reset to None, so an unused parameter keeps ``grad None``.
+"""Gradient bookkeeping of a unit beyond the reduce itself: the full
+gradient autograd writes into a pooled buffer (recording which parameters
+were used in a backward), and installing or adding a gradient shard as a
+sharded parameter's ``.grad``. The ``no_sync`` stash is core/stash.py.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
 
 from . import flat, torch_private
+from .buffers import POOL
 
 
 class UnflattenFull(torch.autograd.Function):
@@ -43,7 +27,7 @@ class UnflattenFull(torch.autograd.Function):
     gradient, and in the padding) and returns it; ``AccumulateGrad`` adopts
     it as ``flat_full.grad`` without a copy when the unit has no gradient yet,
     and the unit hands it back after the reduce-scatter's input is written
-    (``Unit.release_full_grad``). All views still meet in this one node, so
+    (:meth:`PooledGrad.release`). All views still meet in this one node, so
     the post-accumulate-grad hook runs once per backward, as before. The node
     also records which parameters received a gradient (``Unit.mark_used``).
 
@@ -67,7 +51,7 @@ class UnflattenFull(torch.autograd.Function):
         if unit is None:  # the model is gone; any correct gradient will do
             out = torch.zeros(layout.unsharded_numel, dtype=like.dtype, device=like.device)
         else:
-            out = unit.take_grad_buffer(like.dtype, like.device)
+            out = unit.pooled_grad.take(unit.layout.unsharded_numel, like.dtype, like.device)
         with torch.no_grad():  # the reduce path is not differentiable either
             zero, dst, src = [], [], []
             end = max((p.full_offset + p.full_span for p in layout.params), default=0)
@@ -89,6 +73,44 @@ class UnflattenFull(torch.autograd.Function):
             if zero:
                 torch_private.foreach_zero_(zero)
         return out, None, None
+
+
+class PooledGrad:
+    """The pooled buffer a unit handed to autograd for its full gradient
+    (see [Note: pooled full gradient]) until the unit settles it."""
+
+    def __init__(self):
+        # (data_ptr, nbytes) of the buffer handed out and not yet settled.
+        self.held: Optional[tuple[int, int]] = None
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A pooled ``numel``-element (``N·S``) buffer for this backward's full gradient."""
+        self.release(None)  # an earlier one autograd did not adopt
+        buf = POOL.take(numel, dtype, device)
+        self.held = (buf.data_ptr(), buf.untyped_storage().nbytes())
+        return buf
+
+    def release(self, grad: Optional[torch.Tensor], keep: bool = False) -> None:
+        """Settle the pooled full gradient once ``grad`` (from
+        ``Unit.take_full_grad``, or None) is no longer needed. When ``grad``
+        is the pooled buffer it goes back to the pool, or with ``keep`` (a
+        ``no_sync`` stash holds it) it leaves the pool's accounting and is
+        freed like any tensor; when autograd copied or summed instead of
+        adopting the buffer, the buffer is already gone and only the
+        accounting is settled."""
+        if self.held is None:
+            return
+        ptr, nbytes = self.held
+        self.held = None
+        if grad is not None and grad.data_ptr() == ptr and grad.untyped_storage().nbytes() == nbytes:
+            if not keep:
+                POOL.give(grad)
+                return
+        POOL.forget(nbytes)
+
+    def nbytes(self) -> int:
+        """Bytes of the buffer handed out and not yet settled (0 if none)."""
+        return self.held[1] if self.held else 0
 
 
 def set_grad(slot, grad: torch.Tensor) -> torch.Tensor:
@@ -127,119 +149,3 @@ def add_to_grad(slot, grad: torch.Tensor, dtype: torch.dtype) -> None:
         cur.add_(grad)  # computed in the wider dtype, rounded once on store
     else:
         slot.sharded.grad.data = grad.add(cur).to(dtype)
-
-
-def _sentinel_freed(stash_ref: weakref.ref, index: int) -> None:
-    stash = stash_ref()
-    if stash is not None:
-        stash.sentinel_freed(index)
-
-
-class GradStash:
-    """One unit's unsharded gradient summed over ``no_sync`` micro-batches, in
-    ``reduce_dtype`` (bf16/fp16 compute must not mean bf16/fp16 accumulation).
-
-    Args:
-        unit: the owning :class:`~fullshard.core.unit.Unit` (held weakly).
-        full_grad: the first micro-batch's unsharded gradient (param-major,
-            ``N·S`` elements); taken from ``.grad``, so ours to keep.
-        used: per layout parameter, whether it received a gradient.
-    """
-
-    def __init__(self, unit, full_grad: torch.Tensor, used: list[bool]):
-        self.unit_ref = weakref.ref(unit)
-        self.grad = full_grad.to(unit.reduce_dtype)
-        self.used = list(used)
-        # world_size_invariant: later micro-batches kept apart as [grad, used]
-        # (their fold order interleaves other ranks' micro-batches); None: summed.
-        self.later: Optional[list[list]] = [] if unit.cfg.invariant_layout is not None else None
-        self.first_used = list(used)
-        # index -> (weakref to the .grad seen, its version); None once that
-        # gradient was dropped.
-        self.watch: dict[int, Optional[tuple[weakref.ref, int]]] = {}
-        self._install_watch(unit)
-
-    def _install_watch(self, unit) -> None:
-        lay = unit.layout
-        missing = [i for i, (slot, p) in enumerate(zip(unit.slots, lay.params))
-                   if p.requires_grad and slot.sharded.grad is None]
-        if missing:
-            # One allocation for all sentinels of the unit.
-            zeros = torch.zeros(lay.grad_shard_numel, dtype=unit.grad_dtype, device=unit.flat_shard.device)
-            views = flat.grad_shard_views(zeros, lay, unit.rank)
-            for i in missing:
-                self._install_sentinel(unit, i, views[i])
-        for i, p in enumerate(lay.params):
-            if p.requires_grad:
-                self._watch(unit, i)
-
-    def _install_sentinel(self, unit, i: int, zeros: torch.Tensor) -> None:
-        installed = set_grad(unit.slots[i], zeros)
-        unit.sentinels[i] = weakref.ref(installed)
-        weakref.finalize(installed, _sentinel_freed, weakref.ref(self), i)
-
-    def _watch(self, unit, i: int) -> None:
-        slot = unit.slots[i]
-        if slot.sharded.grad is None:
-            self._install_sentinel(unit, i, torch.zeros_like(slot.local, dtype=unit.grad_dtype))
-        grad = slot.sharded.grad
-        self.watch[i] = (weakref.ref(grad), torch_private.version_counter(grad))
-
-    def add(self, full_grad: torch.Tensor, used: list[bool]) -> None:
-        self.discard_zeroed()
-        if self.later is not None:
-            self.later.append([full_grad.to(self.grad.dtype), list(used)])
-        else:
-            self.grad.add_(full_grad)
-        self.used = [a or b for a, b in zip(self.used, used)]
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every stashed gradient tensor (one, or one per micro-batch)."""
-        return [self.grad] + [g for g, _ in self.later or ()]
-
-    def micro_batches(self) -> list[tuple[torch.Tensor, list[bool]]]:
-        """world_size_invariant: each stashed micro-batch's (gradient, used
-        flags), in order, after discarding what the user zeroed."""
-        self.discard_zeroed()
-        return [(self.grad, self.first_used)] + [(g, u) for g, u in self.later]
-
-    def sentinel_freed(self, index: int) -> None:
-        """A sentinel gradient was dropped (``zero_grad(set_to_none=True)``):
-        when every part of the stash is now unwanted, free it at once."""
-        self.watch[index] = None
-        if all(self.watch.get(i, (None,)) is None for i, u in enumerate(self.used) if u):
-            unit = self.unit_ref()
-            if unit is not None and unit._stash is self:
-                unit.drop_stash()
-
-    def discard_zeroed(self) -> bool:
-        """Zero the stashed gradient of every parameter whose ``.grad`` the
-        user zeroed or dropped, and watch its new ``.grad``. Returns True when
-        nothing is left to reduce."""
-        unit = self.unit_ref()
-        lay = unit.layout
-        for i, seen in list(self.watch.items()):
-            cur = unit.sharded_params[i].grad
-            if seen is not None and cur is not None and cur is seen[0]() and \
-                    torch_private.version_counter(cur) == seen[1]:
-                continue
-            if self.used[i]:
-                p = lay.params[i]
-                for t in self.tensors():
-                    t[p.full_offset:p.full_offset + p.full_span].zero_()
-                self.used[i] = self.first_used[i] = False
-                for part in self.later or ():
-                    part[1][i] = False
-            self._watch(unit, i)
-        return not any(self.used)
-
-    def pop(self, full_grad: Optional[torch.Tensor], used: list[bool]) -> tuple[torch.Tensor, list[bool]]:
-        """The stash plus ``full_grad`` (None = nothing new), and the union
-        of the used flags."""
-        self.discard_zeroed()
-        if full_grad is not None:
-            self.grad.add_(full_grad.to(self.grad.dtype))
-        return self.grad, [a or b for a, b in zip(self.used, used)]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())

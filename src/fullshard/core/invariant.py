@@ -192,15 +192,13 @@ def _write_grad(unit, folded: torch.Tensor) -> None:
     n_grad = lay.grad_shard_numel
     used = (folded[n_grad:] > 0).tolist()
     values = folded[:n_grad].to(unit.flat_shard.device, unit.grad_dtype)
-    sentinels, unit.sentinels = unit.sentinels, {}
+    sentinels = unit.stash.take_sentinels()
     for i, (slot, view) in enumerate(zip(unit.slots, flat.grad_shard_views(values, lay, unit.rank))):
         if view is None:
             continue
         cur = slot.grad()
-        ref = sentinels.get(i)
         if not used[i]:
-            if ref is not None and cur is not None and slot.sharded.grad is ref():
-                slot.sharded.grad = None  # a zero we installed, never a gradient
+            slot.drop_sentinel(sentinels.get(i))
             continue
         post_accumulate.mark(unit, i)
         if cur is not None and cur.dtype == view.dtype:

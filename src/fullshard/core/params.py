@@ -16,17 +16,40 @@ registered parameter's memory *is* the view: an optimizer step writes the
 flat shard directly, and the next all-gather reads it (no copy-in).
 ``core/registry.py`` finds the slot of a registered parameter
 ([Note: sharded-parameter registry]).
+
+[Note: full-parameter views shadow sharded parameters]
+The sharded ``nn.Parameter`` of each original parameter stays registered in
+its owning modules' ``_parameters`` for the unit's whole life, so
+``named_parameters()``, ``parameters()`` and every optimizer only ever see
+shards. To compute with full parameters, :meth:`Unit.use_full_params` writes
+each full-parameter view into ``module.__dict__[attr]``
+(:meth:`ParamSlot.show_full`). Python's attribute lookup finds an
+instance-``__dict__`` entry before it calls ``nn.Module.__getattr__``, the
+method that reads ``_parameters`` and is consulted only when normal lookup
+fails; so ``self.weight`` inside ``forward`` is the full view while the
+registered parameter is unchanged. :meth:`Unit.hide_full_params` pops the
+entries (at reshard; :meth:`ParamSlot.hide_full`), after which the attribute
+resolves to the shard again. Nothing but attribute reads sees the views:
+``state_dict``, ``named_parameters`` and ``_apply`` read ``_parameters``.
+Where a full tensor must be *registered* (the state-dict hooks,
+``summon_full_params``, load targets), :meth:`Unit.install_params` swaps the
+``_parameters`` entries instead (:meth:`ParamSlot.install`) and
+:meth:`Unit.restore_params` puts the shards back. ``state_dict`` and
+``load_state_dict`` read ``_parameters`` directly; ``summon_full_params``,
+whose users read attributes, hides any views first, which would otherwise
+shadow what it installs.
 """
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import torch_private
+from . import extensions, torch_private
 from .flat import ParamLayout
 from .placement import Placement, RowShard
 
@@ -99,6 +122,17 @@ class ParamSlot:
     """This parameter's entry in its unit's layout (``unit.layout.params``,
     set with it); what ``shard_info`` presents."""
 
+    def take_shard(self, view: torch.Tensor, world: int, rank: int) -> None:
+        """Register this rank's shard in place of ``param``, which is dropped
+        (the full tensor is no longer ours to keep): ``view`` (of the flat
+        shard), or a tensor subclass's own local shard, which cannot view the
+        flat one (all-gather extensions; ``own_local``)."""
+        self.own_local = extensions.defines(type(self.param))
+        if self.own_local:
+            view = extensions.local_shard(self.param, world, rank)
+        self.make_sharded(view, self.param.requires_grad)
+        self.param = None
+
     def make_sharded(self, view: torch.Tensor, requires_grad: bool) -> None:
         """Register ``view`` (a view of the flat shard) as this parameter on
         every owner: an ``nn.Parameter`` over it, a DTensor one with a spec."""
@@ -170,6 +204,92 @@ class ParamSlot:
     def full_view(self, full: torch.Tensor) -> torch.Tensor:
         """A full-parameter view in the form owning modules read."""
         return full if self.spec is None else self.spec.wrap_full(full)
+
+    def show_full(self, full: torch.Tensor) -> None:
+        """Point every owning module attribute at ``full`` (a full-parameter
+        view, in the form modules read) until :meth:`hide_full` (see
+        [Note: full-parameter views shadow sharded parameters])."""
+        view = self.full_view(full)
+        for module, attr in self.owners:
+            module.__dict__[attr] = view
+
+    def hide_full(self) -> None:
+        """Make owning modules resolve the attribute to the registered parameter again."""
+        for module, attr in self.owners:
+            module.__dict__.pop(attr, None)
+
+    def install(self, value: Optional[torch.Tensor]) -> list[tuple[nn.Module, str, object]]:
+        """Register ``value`` on every owning module; returns what each
+        ``(module, attr)`` held before, for the unit to put back."""
+        prev = []
+        for module, attr in self.owners:
+            prev.append((module, attr, module._parameters[attr]))
+            module._parameters[attr] = value
+        return prev
+
+    def follow_shard(self, view: torch.Tensor) -> None:
+        """The unit's flat shard was replaced: the registered parameter (the
+        same object) views ``view`` of the new one; a subclass shard kept
+        apart (``own_local``; ``_apply`` may have replaced it) is re-read."""
+        if self.own_local:
+            self.local = self.registered_local()
+        else:
+            self.rebind(view)
+
+    def record_view_ptr(self) -> None:
+        """Where the registered parameter's memory must stay (see :meth:`view_problem`)."""
+        meta = self.own_local or self.local.is_meta or not self.local.numel()
+        self.view_ptr = None if meta else self.local.data_ptr()
+
+    def view_problem(self, flat_dtype: torch.dtype, registered: bool = True) -> Optional[str]:
+        """Why the registered parameter can no longer be the unit's (None when
+        it still is): a module's registered parameter is another object
+        (checked with ``registered``; replaced after sharding), or its memory
+        is no longer its view of the ``flat_dtype`` flat shard (``.half()`` /
+        ``.to()`` on a module inside the unit, or ``p.data = ...``). Either
+        way the all-gather would read values the optimizer no longer updates."""
+        if registered and any(m._parameters.get(a) is not self.sharded for m, a in self.owners):
+            return (f"parameter '{self.fqn}' was replaced (module.<name> = ...) after sharding; the unit computes "
+                    "from its own shard and would ignore it. Replace parameters before wrapping (fully_shard: "
+                    "before the first forward), or write values in place with p.copy_() under torch.no_grad()")
+        sp = self.registered_local()
+        if self.view_ptr is not None and (sp.data_ptr() != self.view_ptr or sp.dtype != flat_dtype):
+            return (f"parameter '{self.fqn}' ({sp.dtype}) no longer views the unit's {flat_dtype} flat shard "
+                    "(.half()/.to() on a module inside the wrapper, or p.data = ...); convert the "
+                    "FullyShardedDataParallel model itself (model.half()) and write values with p.copy_() under "
+                    "torch.no_grad()")
+        return None
+
+    def versions(self) -> tuple[int, int]:
+        """Version counters of the registered parameter and of its local tensor."""
+        return torch_private.version_counter(self.sharded), torch_private.version_counter(self.registered_local())
+
+    def take_back(self) -> Optional[str]:
+        """Register the registered parameter on every owner again after
+        ``nn.Module._apply`` or ``load_state_dict(assign=True)`` put another
+        object there; that object gives it its value and dtype
+        (``torch.utils.swap_tensors``), so an optimizer holding the parameter
+        keeps training the model. Returns why the assigned value cannot be
+        this rank's shard (nothing is changed then), or None."""
+        new = next((v for v in (m._parameters.get(a) for m, a in self.owners)
+                    if v is not None and v is not self.sharded), None)
+        if new is not None:
+            wrong = self.assigned_mismatch(new)
+            if wrong:
+                return wrong
+            torch.utils.swap_tensors(self.sharded, new)
+        for module, attr in self.owners:
+            module._parameters[attr] = self.sharded
+        return None
+
+    def drop_sentinel(self, ref: Optional[weakref.ref]) -> None:
+        """Reset ``.grad`` to None when it is the zero gradient ``ref`` points
+        at (a ``no_sync`` sentinel, never a gradient; core/stash.py). A dead
+        ``ref`` is ruled out before ``.grad`` is read: called from a
+        sentinel's finalizer while ``zero_grad`` frees that very gradient,
+        reading ``.grad`` first would touch a tensor being deallocated."""
+        if ref is not None and ref() is not None and self.sharded.grad is ref():
+            self.sharded.grad = None
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:

@@ -78,18 +78,15 @@ def _accumulate(unit, out: torch.Tensor, skip: frozenset = frozenset()) -> None:
     # dtype (keep_low_precision_grads: rounded once per backward).
     store = flat.grad_shard_views(reduced.to(master.device, unit.grad_dtype), unit.layout, unit.rank)
     wide = store if unit.grad_dtype == master.dtype else None
-    sentinels, unit.sentinels = unit.sentinels, {}
+    sentinels = unit.stash.take_sentinels()
     for i, (slot, view, u) in enumerate(zip(unit.slots, store, used)):
         if view is None or i in skip:
             continue
-        sp = slot.sharded
         if not u:
-            ref = sentinels.get(i)
-            if ref is not None and sp.grad is not None and sp.grad is ref():
-                sp.grad = None  # a zero we installed, never a gradient
+            slot.drop_sentinel(sentinels.get(i))
             continue
         post_accumulate.mark(unit, i)
-        if sp.grad is None:
+        if slot.sharded.grad is None:
             grads.set_grad(slot, view)
             continue
         if wide is None:

@@ -219,9 +219,9 @@ def start_iteration(root: RootRuntime, discard: bool = False) -> None:
         rt.pre_backward_done = False
         rt.forward_depth = 0
         unit = rt.unit
-        unit.release_full_grad(unit.take_full_grad()[0])  # a partial gradient of a backward that raised
+        unit.pooled_grad.release(unit.take_full_grad()[0])  # a partial gradient of a backward that raised
         if broken:
-            unit.drop_stash()
+            unit.stash.discard()
         if discard:
             unit.partial_out = None
         unit.restore_all_params()  # a state-dict call that raised between install and restore
@@ -232,7 +232,7 @@ def start_iteration(root: RootRuntime, discard: bool = False) -> None:
             unit.reshard()
         unit.reset_views()
         unit.drop_partial()
-        unit.check_stash()
+        unit.stash.check()
         if unit.refresh_requires_grad():
             rt.arm_grad_hook()
     if root.order:
@@ -404,19 +404,19 @@ class PostBackwardHook:
         grad, used = unit.take_full_grad()
         if grad is not None:
             if root.no_sync or not rt.requires_gradient_sync:
-                unit.stash_grad(grad, used)
-                unit.release_full_grad(grad, keep=unit.stash_holds(grad))
+                unit.stash.add(grad, used)
+                unit.pooled_grad.release(grad, keep=unit.stash.holds(grad))
                 root.stash_window = True
             else:
-                root.pending.append(unit.reduce_grads(*unit.pop_stashed(grad, used, agreed=root.stash_window)))
-                unit.release_full_grad(grad)  # reduce_grads copied it into the reduce-scatter input
+                root.pending.append(unit.reduce_grads(*unit.stash.pop(grad, used, agreed=root.stash_window)))
+                unit.pooled_grad.release(grad)  # reduce_grads copied it into the reduce-scatter input
                 # Each in flight holds a unit-sized input buffer: bounded
                 # (set_reduce_scatter_max_input_buffers), else a full model's
                 # worth of gradients would stay alive until the end of backward.
                 while len(root.pending) > unit.comm.max_input_buffers:
                     root.pending.pop(0).finish()
         else:
-            unit.release_full_grad(None)
+            unit.pooled_grad.release(None)
         _reshard_after_backward(rt)
 
 
@@ -450,15 +450,15 @@ def _reduce_leftover_stashes(root: RootRuntime) -> None:
     which units those are."""
     cfg = root.runtimes[0].unit.cfg
     for rt in root.runtimes:
-        rt.unit.check_stash()
-    flags = torch.tensor([1.0 if rt.unit.has_stash and rt.requires_gradient_sync else 0.0 for rt in root.runtimes])
+        rt.unit.stash.check()
+    flags = torch.tensor([1.0 if rt.unit.stash.active and rt.requires_gradient_sync else 0.0 for rt in root.runtimes])
     for group in (cfg.shard_group, cfg.replicate_group):
         if group is not None:
             collectives.all_reduce(flags, group, "max", tag="no_sync stashes")
     for rt, flag in zip(root.runtimes, flags.tolist()):
         if flag:
             unit = rt.unit
-            unit.reduce_grads(*unit.pop_stashed(None, [False] * len(unit.layout.params), agreed=True)).finish()
+            unit.reduce_grads(*unit.stash.pop(None, [False] * len(unit.layout.params), agreed=True)).finish()
 
 
 def end_of_backward(root: RootRuntime) -> None:

@@ -2,28 +2,9 @@
 operations the schedule calls: unshard, reshard and reduce_grads (whose
 mechanics are in core/reduce.py).
 
-See ``core/flat.py`` [Note: flat layouts] for how elements are placed.
-
-[Note: full-parameter views shadow sharded parameters]
-The sharded ``nn.Parameter`` of each original parameter stays registered in
-its owning modules' ``_parameters`` for the unit's whole life, so
-``named_parameters()``, ``parameters()`` and every optimizer only ever see
-shards. To compute with full parameters, :meth:`Unit.use_full_params`
-writes each full-parameter view into ``module.__dict__[attr]``. Python's
-attribute lookup finds an instance-``__dict__`` entry before it calls
-``nn.Module.__getattr__``, the method that reads ``_parameters`` and is
-consulted only when normal lookup fails; so ``self.weight`` inside
-``forward`` is the full view while the registered parameter is unchanged.
-:meth:`Unit.hide_full_params` pops the entries (at reshard), after which the
-attribute resolves to the shard again. Nothing but attribute reads sees the
-views: ``state_dict``, ``named_parameters`` and ``_apply`` read
-``_parameters``. Where a full tensor must be *registered* (the state-dict
-hooks, ``summon_full_params``, load targets), :meth:`Unit.install_params`
-swaps the ``_parameters`` entries instead and :meth:`Unit.restore_params`
-puts the shards back. ``state_dict`` and ``load_state_dict`` read
-``_parameters`` directly; ``summon_full_params``, whose users read
-attributes, hides any views first, which would otherwise shadow what it
-installs.
+See ``core/flat.py`` [Note: flat layouts] for how elements are placed, and
+``core/params.py`` [Note: full-parameter views shadow sharded parameters]
+for how modules see full parameters.
 """
 from __future__ import annotations
 
@@ -37,9 +18,10 @@ import torch.nn as nn
 
 from . import collectives, comm, extensions, flat, grads, optim_guard, optim_hooks, placement, registry, torch_private
 from .buffers import POOL
+from .invariant import start_fold
 from .params import ParamSlot
-from .unit_grads import UnitGrads
-from .unit_values import UnitValues
+from .reduce import PendingReduce, start_reduce
+from .stash import GradStash
 
 _STEPS = {"count": 0}  # optimizer steps since kept_fresh first needed them
 
@@ -105,7 +87,7 @@ class UnitStateError(RuntimeError):
     """An illegal sharded-state transition of a unit."""
 
 
-class Unit(UnitGrads, UnitValues):
+class Unit:
     """Shards of one unit's parameters and their unsharded counterpart.
 
     The sharded ``nn.Parameter`` objects (what the optimizer sees and
@@ -114,7 +96,10 @@ class Unit(UnitGrads, UnitValues):
     ``grad_dtype``. While unsharded, each owning module attribute resolves to
     a view of ``flat_full`` (param-major, ``N · S`` elements,
     ``compute_dtype``), which is an autograd leaf whose ``.grad`` collects
-    the unit's full gradient.
+    the unit's full gradient. Per-parameter work is the slots'
+    (:class:`~fullshard.core.params.ParamSlot`); the ``no_sync`` stash is
+    ``stash`` (core/stash.py); value replacement after wrapping is in
+    core/convert.py.
     """
 
     def __init__(self, name: str, slots: list[ParamSlot], cfg: UnitConfig):
@@ -148,14 +133,8 @@ class Unit(UnitGrads, UnitValues):
         self.comm = comm.CommSettings()  # custom collectives, hooks, memory strategy (core/comm.py)
         # Stack of install_params records: (module, attr, previous value).
         self._installed: list[list[tuple[nn.Module, str, object]]] = []
-        self._stash: Optional[grads.GradStash] = None
-        # (data_ptr, nbytes) of the pooled full gradient UnflattenFull handed
-        # to autograd and nobody has released yet; see core/grads.py
-        # [Note: pooled full gradient].
-        self._pooled_grad: Optional[tuple[int, int]] = None
-        # Zero gradients a stash installed on sharded parameters (index ->
-        # weakref); see core/grads.py [Note: no_sync and zero_grad].
-        self.sentinels: dict[int, weakref.ref] = {}
+        self.stash = GradStash(self)  # no_sync accumulation; core/stash.py [Note: no_sync and zero_grad]
+        self.pooled_grad = grads.PooledGrad()  # core/grads.py [Note: pooled full gradient]
         self.ext: dict = {}  # layout index -> gather state; core/extensions.py [Note: all-gather extensions]
         # Layout indices whose reduced gradient awaits its post-accumulate-grad
         # hooks; see core/post_accumulate.py.
@@ -168,24 +147,20 @@ class Unit(UnitGrads, UnitValues):
         """Keep only this rank's chunks; swap the modules' parameters for them."""
         master_dtype = self.slots[0].param.dtype if self.slots else torch.float32
         # Meta parameters with no row initializer (fully_shard on a meta
-        # module) keep a meta shard until ``to_empty`` (see :meth:`adopt`).
+        # module) keep a meta shard until ``to_empty`` (see core/convert.py ``adopt``).
         meta = [s.param.is_meta and s.init_rows is None for s in self.slots]
         if any(meta) and not all(meta):
             raise ValueError(f"[rank {collectives.rank()}] unit '{self.name}': some parameters are on the meta "
                              "device and others are not; materialize all of them or none before sharding")
-        self.flat_shard = self._new_shard(master_dtype, torch.device("meta") if any(meta) else None)
+        self.flat_shard = self.new_shard(master_dtype, torch.device("meta") if any(meta) else None)
         if not any(meta):
             flat.shard_into(self.flat_shard, self.layout,
                             [s.init_rows if s.param.is_meta else s.param for s in self.slots], self.rank)
         for slot, view in zip(self.slots, flat.shard_views(self.flat_shard, self.layout, self.rank)):
-            slot.own_local = extensions.defines(type(slot.param))  # a subclass shard cannot view the flat one
-            if slot.own_local:
-                view = extensions.local_shard(slot.param, self.world, self.rank)
-            slot.make_sharded(view, slot.param.requires_grad)
-            slot.param = None  # the full tensor is no longer ours to keep
+            slot.take_shard(view, self.world, self.rank)
         self._make_full()
 
-    def _new_shard(self, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
+    def new_shard(self, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
         """A zeroed flat shard (``layout.shard_numel`` elements) where shards live."""
         cfg = self.cfg
         if device is None:
@@ -206,7 +181,8 @@ class Unit(UnitGrads, UnitValues):
         self.compute_dtype = cfg.param_dtype or master.dtype
         self.reduce_dtype = cfg.reduce_dtype or self.compute_dtype
         self.grad_dtype = self.compute_dtype if cfg.keep_low_precision_grads else master.dtype
-        self._record_view_ptrs()
+        for slot in self.slots:
+            slot.record_view_ptr()  # where its memory must stay (see check_views)
         # With one rank per shard and nothing to cast or move, the unsharded
         # flat is the shard itself: no copy, never freed.
         on_compute = not cfg.offload_params or cfg.compute_device == torch.device("cpu")
@@ -219,23 +195,20 @@ class Unit(UnitGrads, UnitValues):
             self.flat_full.untyped_storage().resize_(0)  # memory comes from the pool when unsharded
         self.flat_full.requires_grad_(self.needs_grad)
 
-    def _set_shard(self, new: torch.Tensor) -> None:
+    def set_shard(self, new: torch.Tensor) -> None:
         """Make ``new`` the flat shard: every registered parameter (the same
         object, so an optimizer holding it keeps working) views it."""
         self.flat_shard = new
         for slot, view in zip(self.slots, flat.shard_views(new, self.layout, self.rank)):
-            if slot.own_local:  # its subclass shard lives apart; _apply may have replaced it
-                slot.local = slot.registered_local()
-            else:
-                slot.rebind(view)
+            slot.follow_shard(view)
         self._make_full()
         self._views = None
 
-    def _record_view_ptrs(self) -> None:
-        """Where each sharded parameter's memory must stay (see :meth:`check_views`)."""
-        for slot in self.slots:
-            meta = slot.own_local or slot.local.is_meta or not slot.local.numel()
-            slot.view_ptr = None if meta else slot.local.data_ptr()
+    def _set_layout(self, layout: flat.FlatLayout) -> None:
+        """Make ``layout`` the unit's, each slot keeping its entry."""
+        self.layout = layout
+        for slot, entry in zip(self.slots, layout.params):
+            slot.layout = entry
 
     def check_views(self) -> None:
         """Raise if a sharded parameter's memory is no longer its view of
@@ -248,19 +221,9 @@ class Unit(UnitGrads, UnitValues):
                 f"[rank {collectives.rank()}] unit '{self.name}': its parameters are still on the meta device; "
                 "call model.to_empty(device=...) and initialize them before running the model")
         for slot in self.slots:
-            if not self._installed and any(m._parameters.get(a) is not slot.sharded for m, a in slot.owners):
-                raise RuntimeError(
-                    f"[rank {collectives.rank()}] unit '{self.name}': parameter '{slot.fqn}' was replaced "
-                    "(module.<name> = ...) after sharding; the unit computes from its own shard and would ignore "
-                    "it. Replace parameters before wrapping (fully_shard: before the first forward), or write "
-                    "values in place with p.copy_() under torch.no_grad()")
-            sp = slot.registered_local()
-            if slot.view_ptr is not None and (sp.data_ptr() != slot.view_ptr or sp.dtype != self.flat_shard.dtype):
-                raise RuntimeError(
-                    f"[rank {collectives.rank()}] unit '{self.name}': parameter '{slot.fqn}' ({sp.dtype}) no longer "
-                    f"views the unit's {self.flat_shard.dtype} flat shard (.half()/.to() on a module inside the "
-                    "wrapper, or p.data = ...); convert the FullyShardedDataParallel model itself (model.half()) and "
-                    "write values with p.copy_() under torch.no_grad()")
+            problem = slot.view_problem(self.flat_shard.dtype, registered=not self._installed)
+            if problem:
+                raise RuntimeError(f"[rank {collectives.rank()}] unit '{self.name}': {problem}")
 
     def _full_nbytes(self) -> int:
         return self.layout.unsharded_numel * self.flat_full.element_size()
@@ -284,9 +247,9 @@ class Unit(UnitGrads, UnitValues):
         grad = self.flat_full.grad
         if grad is not None:
             return grad.untyped_storage().nbytes()
-        return self._pooled_grad[1] if self._pooled_grad else 0
+        return self.pooled_grad.nbytes()
 
-    def _check_sharded(self, op: str) -> None:
+    def check_sharded(self, op: str) -> None:
         self._check((ShardedState.SHARDED,), op)
 
     def _check(self, allowed: tuple[ShardedState, ...], op: str) -> None:
@@ -367,9 +330,7 @@ class Unit(UnitGrads, UnitValues):
         else:
             views = extensions.module_views(self, flat.unsharded_views(self.flat_full.detach(), self.layout), False)
         for slot, view in zip(self.slots, views):
-            view = slot.full_view(view)
-            for module, attr in slot.owners:
-                module.__dict__[attr] = view
+            slot.show_full(view)
 
     def _grad_views(self) -> list[torch.Tensor]:
         frozen = flat.unsharded_views(self.flat_full.detach(), self.layout)
@@ -388,8 +349,7 @@ class Unit(UnitGrads, UnitValues):
     def hide_full_params(self) -> None:
         """Make owning modules resolve attributes to the sharded parameters again."""
         for slot in self.slots:
-            for module, attr in slot.owners:
-                module.__dict__.pop(attr, None)
+            slot.hide_full()
 
     def install_params(self, values: list[Optional[torch.Tensor]]) -> None:
         """Register ``values[i]`` as parameter ``i`` on every owning module
@@ -397,12 +357,7 @@ class Unit(UnitGrads, UnitValues):
         state-dict values and load targets; None hides a parameter from
         ``nn.Module.state_dict``). Installs nest: each restore undoes the
         latest one."""
-        prev = []
-        for slot, value in zip(self.slots, values):
-            for module, attr in slot.owners:
-                prev.append((module, attr, module._parameters[attr]))
-                module._parameters[attr] = value
-        self._installed.append(prev)
+        self._installed.append([prev for slot, value in zip(self.slots, values) for prev in slot.install(value)])
 
     def restore_params(self) -> None:
         """Undo the latest :meth:`install_params` (no-op when none is active)."""
@@ -446,8 +401,7 @@ class Unit(UnitGrads, UnitValues):
         optim_hooks.add_post_step("step count", _count_step)
         versions = [_STEPS["count"], torch_private.version_counter(self.flat_shard)]
         for slot in self.slots:
-            versions.append(torch_private.version_counter(slot.sharded))
-            versions.append(torch_private.version_counter(slot.registered_local()))
+            versions.extend(slot.versions())
         return tuple(versions)
 
     def reshard_partial(self) -> None:
@@ -482,3 +436,53 @@ class Unit(UnitGrads, UnitValues):
         if not self.aliased:
             self._free_full()
         self.state = ShardedState.SHARDED
+
+    # -------------------------------------------------------------- gradients
+    def refresh_requires_grad(self) -> bool:
+        """Adopt ``requires_grad`` flags changed on the sharded parameters
+        since the layout was made (``requires_grad_()`` after wrapping).
+
+        Returns:
+            True when the set of trainable parameters changed.
+        Raises:
+            RuntimeError: the change happened inside a ``no_sync``
+                accumulation window (a stash in the old layout exists).
+        """
+        flags = [sp.requires_grad for sp in self.sharded_params]
+        if flags == [p.requires_grad for p in self.layout.params]:
+            return False
+        if self.stash.active:
+            raise RuntimeError(
+                f"[rank {collectives.rank()}] unit '{self.name}': requires_grad changed inside a no_sync() "
+                "accumulation window; change it before the window or after the synchronizing backward")
+        self._set_layout(flat.make_layout([(p.fqn, p.shape, rg) for p, rg in zip(self.layout.params, flags)],
+                                          self.world, [p.placement for p in self.layout.params]))
+        self.needs_grad = any(flags)
+        self.pooled_grad.release(self.take_full_grad()[0])
+        self.flat_full.requires_grad_(self.needs_grad)
+        self._views = None
+        return True
+
+    def take_full_grad(self) -> tuple[Optional[torch.Tensor], list[bool]]:
+        """Detach and return the accumulated unsharded gradient (or None) and
+        which parameters received a gradient since the last call. The caller
+        passes the gradient to ``pooled_grad.release`` when done with it."""
+        g = self.flat_full.grad
+        self.flat_full.grad = None
+        used = [s.used for s in self.slots]
+        for s in self.slots:
+            s.used = False
+        return g, used
+
+    def reduce_grads(self, full_grad: Optional[torch.Tensor], used: list[bool]) -> PendingReduce:
+        """Reduce-scatter ``full_grad`` (param-major, ``N·S`` elements; None =
+        zeros) into a gradient shard, averaged over the data-parallel world.
+        Asynchronous: the gradient reaches ``.grad`` when the returned
+        :class:`~fullshard.core.reduce.PendingReduce` is finished.
+
+        ``used[i]``: whether this rank's backward gave layout parameter i a
+        gradient; a parameter no rank used keeps ``grad None`` (see core/reduce.py).
+        """
+        if self.cfg.invariant_layout is not None:
+            return start_fold(self, full_grad, used)
+        return start_reduce(self, full_grad, used)

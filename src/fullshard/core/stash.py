@@ -1,0 +1,239 @@
+"""A unit's ``no_sync`` stash: the unsharded gradients of the micro-batches
+since the last synchronizing backward, kept instead of reduce-scattered,
+and the sentinel gradients that let ``zero_grad`` discard them.
+
+[Note: no_sync and zero_grad]
+Inside ``no_sync`` a unit keeps its unsharded gradient in a stash instead of
+reduce-scattering it; under DDP the same gradients sit in ``param.grad``, so
+``optimizer.zero_grad()`` discards them. ``torch.optim.Optimizer`` has no
+zero-grad hook, so the stash watches the sharded parameters' ``.grad``
+instead: where a trainable parameter's ``.grad`` is None when a stash starts,
+the stash installs a zero *sentinel* gradient (one flat zero buffer of the
+gradient-shard size, viewed per parameter) and records every ``.grad`` it
+sees with its version counter. ``zero_grad(set_to_none=True)`` frees a
+sentinel, whose ``weakref.finalize`` callback drops the stash at once when
+nothing it holds is still wanted; ``zero_grad(set_to_none=False)`` bumps the
+version counter, which the next root forward (or the synchronizing backward)
+notices. Either way the zeroed parameters' part of the stash is discarded,
+as DDP discards ``param.grad``. A sentinel still installed when the stash is
+reduced receives the reduced gradient; one whose parameter no rank used is
+reset to None, so an unused parameter keeps ``grad None``.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from . import collectives, flat, grads, invariant, torch_private
+
+
+class GradStash:
+    """The ``no_sync`` stash of one unit, which owns it (``unit.stash``):
+    the current accumulation :class:`Window` (None outside one) and the
+    sentinel gradients a window installed, which the next reduce takes.
+
+    Args:
+        unit: the owning :class:`~fullshard.core.unit.Unit` (held weakly).
+    """
+
+    def __init__(self, unit):
+        self.unit_ref = weakref.ref(unit)
+        self.window: Optional[Window] = None
+        # Zero gradients a window installed on sharded parameters (layout
+        # index -> weakref); see [Note: no_sync and zero_grad].
+        self.sentinels: dict[int, weakref.ref] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether gradients wait in the stash."""
+        return self.window is not None
+
+    def add(self, full_grad: torch.Tensor, used: list[bool]) -> None:
+        """Keep a micro-batch's unsharded gradient (param-major, ``N·S``
+        elements) and its used flags for a later reduce."""
+        if self.window is None:
+            self.window = Window(self.unit_ref(), full_grad, used)
+        else:
+            self.window.add(full_grad, used)
+
+    def holds(self, full_grad: torch.Tensor) -> bool:
+        """Whether the stash keeps ``full_grad``'s memory (it adopts the first
+        micro-batch's gradient when no cast is needed)."""
+        return self.window is not None and any(
+            t.untyped_storage().data_ptr() == full_grad.untyped_storage().data_ptr() for t in self.window.tensors())
+
+    def pop(self, full_grad: Optional[torch.Tensor], used: list[bool],
+            agreed: bool = False) -> tuple[Optional[torch.Tensor], list[bool]]:
+        """``full_grad`` plus whatever :meth:`add` kept, and the union of the
+        used flags; the stash is emptied. Under world_size_invariant the
+        stashed micro-batches are folded here instead, one by one, and
+        ``full_grad`` is returned as it is; ``agreed``: every rank calls this
+        for the unit now (a no_sync window is closing), so the ranks' stash
+        counts are compared even where this rank has none."""
+        unit = self.unit_ref()
+        window, self.window = self.window, None
+        if unit.cfg.invariant_layout is not None and (window is not None or agreed):
+            _fold(unit, window)
+            return full_grad, used
+        if window is None:
+            return full_grad, used
+        return window.pop(full_grad, used)
+
+    def check(self) -> None:
+        """Drop the parts of the stash whose gradients the user zeroed."""
+        if self.window is not None and self.window.discard_zeroed():
+            self.discard()
+
+    def discard(self) -> None:
+        """Forget the stash and take back sentinel gradients still installed."""
+        self.window = None
+        unit = self.unit_ref()
+        for i, ref in self.sentinels.items():
+            unit.slots[i].drop_sentinel(ref)
+        self.sentinels = {}
+
+    def take_sentinels(self) -> dict[int, weakref.ref]:
+        """The sentinels installed so far, for the reduce that writes the
+        gradients (a sentinel no rank filled goes back to None there)."""
+        sentinels, self.sentinels = self.sentinels, {}
+        return sentinels
+
+    def nbytes(self) -> int:
+        """Bytes of the stash's storage (0 without a stash)."""
+        return 0 if self.window is None else sum(t.untyped_storage().nbytes() for t in self.window.tensors())
+
+
+def _fold(unit, window: Optional[Window]) -> None:
+    """world_size_invariant: fold each stashed micro-batch of ``unit`` in
+    order (one all-to-all each); every rank must hold as many.
+
+    Raises:
+        RuntimeError: ranks stashed different numbers of micro-batches
+            for this unit (a backward reached it on some ranks only).
+    """
+    parts = window.micro_batches() if window is not None else []
+    counts = torch.tensor([len(parts), -len(parts)], dtype=torch.int64)
+    collectives.all_reduce(counts, collectives.world_group(), "max", tag=f"unit '{unit.name}' no_sync count")
+    if counts[0] != -counts[1]:
+        raise RuntimeError(
+            f"[rank {collectives.rank()}] unit '{unit.name}': under world_size_invariant=True every rank's "
+            f"no_sync backwards must reach the unit equally often (ranks stashed {-int(counts[1])} to "
+            f"{int(counts[0])} micro-batches); reach it on every rank or do not use no_sync")
+    for grad, used in parts:
+        invariant.start_fold(unit, grad, used).finish(run_hooks=False)
+
+
+def _sentinel_freed(stash_ref: weakref.ref, index: int) -> None:
+    stash = stash_ref()
+    if stash is not None:
+        stash.sentinel_freed(index)
+
+
+class Window:
+    """One ``no_sync`` window's unsharded gradient summed over its
+    micro-batches, in ``reduce_dtype`` (bf16/fp16 compute must not mean
+    bf16/fp16 accumulation).
+
+    Args:
+        unit: the owning :class:`~fullshard.core.unit.Unit` (held weakly).
+        full_grad: the first micro-batch's unsharded gradient (param-major,
+            ``N·S`` elements); taken from ``.grad``, so ours to keep.
+        used: per layout parameter, whether it received a gradient.
+    """
+
+    def __init__(self, unit, full_grad: torch.Tensor, used: list[bool]):
+        self.unit_ref = weakref.ref(unit)
+        self.grad = full_grad.to(unit.reduce_dtype)
+        self.used = list(used)
+        # world_size_invariant: later micro-batches kept apart as [grad, used]
+        # (their fold order interleaves other ranks' micro-batches); None: summed.
+        self.later: Optional[list[list]] = [] if unit.cfg.invariant_layout is not None else None
+        self.first_used = list(used)
+        # index -> (weakref to the .grad seen, its version); None once that
+        # gradient was dropped.
+        self.watch: dict[int, Optional[tuple[weakref.ref, int]]] = {}
+        self._install_watch(unit)
+
+    def _install_watch(self, unit) -> None:
+        lay = unit.layout
+        missing = [i for i, (slot, p) in enumerate(zip(unit.slots, lay.params))
+                   if p.requires_grad and slot.sharded.grad is None]
+        if missing:
+            # One allocation for all sentinels of the unit.
+            zeros = torch.zeros(lay.grad_shard_numel, dtype=unit.grad_dtype, device=unit.flat_shard.device)
+            views = flat.grad_shard_views(zeros, lay, unit.rank)
+            for i in missing:
+                self._install_sentinel(unit, i, views[i])
+        for i, p in enumerate(lay.params):
+            if p.requires_grad:
+                self._watch(unit, i)
+
+    def _install_sentinel(self, unit, i: int, zeros: torch.Tensor) -> None:
+        installed = grads.set_grad(unit.slots[i], zeros)
+        unit.stash.sentinels[i] = weakref.ref(installed)
+        weakref.finalize(installed, _sentinel_freed, weakref.ref(self), i)
+
+    def _watch(self, unit, i: int) -> None:
+        slot = unit.slots[i]
+        if slot.sharded.grad is None:
+            self._install_sentinel(unit, i, torch.zeros_like(slot.local, dtype=unit.grad_dtype))
+        grad = slot.sharded.grad
+        self.watch[i] = (weakref.ref(grad), torch_private.version_counter(grad))
+
+    def add(self, full_grad: torch.Tensor, used: list[bool]) -> None:
+        self.discard_zeroed()
+        if self.later is not None:
+            self.later.append([full_grad.to(self.grad.dtype), list(used)])
+        else:
+            self.grad.add_(full_grad)
+        self.used = [a or b for a, b in zip(self.used, used)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every stashed gradient tensor (one, or one per micro-batch)."""
+        return [self.grad] + [g for g, _ in self.later or ()]
+
+    def micro_batches(self) -> list[tuple[torch.Tensor, list[bool]]]:
+        """world_size_invariant: each stashed micro-batch's (gradient, used
+        flags), in order, after discarding what the user zeroed."""
+        self.discard_zeroed()
+        return [(self.grad, self.first_used)] + [(g, u) for g, u in self.later]
+
+    def sentinel_freed(self, index: int) -> None:
+        """A sentinel gradient was dropped (``zero_grad(set_to_none=True)``):
+        when every part of the stash is now unwanted, free it at once."""
+        self.watch[index] = None
+        if all(self.watch.get(i, (None,)) is None for i, u in enumerate(self.used) if u):
+            unit = self.unit_ref()
+            if unit is not None and unit.stash.window is self:
+                unit.stash.discard()
+
+    def discard_zeroed(self) -> bool:
+        """Zero the stashed gradient of every parameter whose ``.grad`` the
+        user zeroed or dropped, and watch its new ``.grad``. Returns True when
+        nothing is left to reduce."""
+        unit = self.unit_ref()
+        lay = unit.layout
+        for i, seen in list(self.watch.items()):
+            cur = unit.sharded_params[i].grad
+            if seen is not None and cur is not None and cur is seen[0]() and \
+                    torch_private.version_counter(cur) == seen[1]:
+                continue
+            if self.used[i]:
+                p = lay.params[i]
+                for t in self.tensors():
+                    t[p.full_offset:p.full_offset + p.full_span].zero_()
+                self.used[i] = self.first_used[i] = False
+                for part in self.later or ():
+                    part[1][i] = False
+            self._watch(unit, i)
+        return not any(self.used)
+
+    def pop(self, full_grad: Optional[torch.Tensor], used: list[bool]) -> tuple[torch.Tensor, list[bool]]:
+        """The stash plus ``full_grad`` (None = nothing new), and the union
+        of the used flags."""
+        self.discard_zeroed()
+        if full_grad is not None:
+            self.grad.add_(full_grad.to(self.grad.dtype))
+        return self.grad, [a or b for a, b in zip(self.used, used)]
