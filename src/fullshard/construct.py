@@ -1,5 +1,6 @@
-"""Construction helpers of ``FullyShardedDataParallel``: policy and group
-resolution, which parameters a unit takes, their values across ranks, and
+"""Building units, for both front doors: policy and group resolution,
+which parameters a unit takes, their values across ranks, :func:`build_unit`
+(the one place a unit's config, settings, shards and schedule are made), and
 the registries that keep a module or parameter from being wrapped twice
 (held by id with weak references, never as attributes on foreign objects;
 the sharded parameters live units registered are in ``core/registry.py``).
@@ -14,11 +15,13 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from .api import CPUOffload, MixedPrecision, ShardingStrategy
-from .core import collectives, consistency, deferred_init, placement, registry
+from .api import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
+from .core import casting, collectives, consistency, deferred_init, invariant, placement, registry, state
 from .core.module import UnitModule
 from .core.names import WRAPPER_SEGMENTS, clean_name  # noqa: F401 (re-exported: the names' old home)
 from .core.params import ParamSlot
+from .core.settings import UnitSettings
+from .core.unit import Unit, UnitConfig
 
 _PREFIX = "_fsdp_wrapped_module."
 # Original parameters already taken by a unit, and modules already wrapped:
@@ -99,6 +102,50 @@ def place_buffers(own: list[nn.Module], device: torch.device, buffer_dtype) -> d
         (id(m), name): b.dtype for m in own for name, b in m._buffers.items() if b is not None}
     deferred_init.move_buffers(own, device, buffer_dtype)
     return dtypes
+
+
+def build_unit(name: str, slots: list[ParamSlot], taken: list[nn.Parameter], groups: tuple,
+               device: torch.device, *, mp, offload, settings: UnitSettings, post_forward_group=None,
+               invariant_where: Optional[str] = None) -> state.UnitRuntime:
+    """Make one unit from what a front door resolved: its immutable
+    :class:`UnitConfig`, its shards (:class:`Unit`, which takes ``settings``,
+    the knobs the door may change later) and its schedule
+    (:class:`state.UnitRuntime`). ``taken`` (the original parameters) are
+    registered as taken before sharding replaces them.
+
+    Args:
+        groups: (shard_group, replicate_group or None).
+        mp: the door's mixed-precision policy (``MixedPrecision`` or
+            ``MixedPrecisionPolicy``).
+        offload: the door's offload policy (``CPUOffload``, or
+            ``OffloadPolicy`` / ``CPUOffloadPolicy``).
+        post_forward_group: ``reshard_after_forward=k``'s group, or None.
+        invariant_where: ``world_size_invariant=True`` (gradients folded in a
+            fixed order, core/invariant.py): the door's name of the unit
+            for errors; None: reduce-scattered and averaged.
+    Raises:
+        ValueError: ``world_size_invariant`` with groups that do not tile
+            the world; parameters partly on the meta device.
+    """
+    shard_group, replicate_group = groups
+    rep_size = collectives.group_size(replicate_group) if replicate_group is not None else 1
+    offload_params = offload.offload_params if isinstance(offload, CPUOffload) else \
+        isinstance(offload, CPUOffloadPolicy)
+    cfg = UnitConfig(
+        shard_group=shard_group, replicate_group=replicate_group,
+        dp_world_size=collectives.group_size(shard_group) * rep_size,
+        compute_device=device, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+        offload_params=offload_params, pin_memory=offload_params and getattr(offload, "pin_memory", True),
+        keep_low_precision_grads=getattr(mp, "keep_low_precision_grads", False),
+        post_forward_group=post_forward_group,
+        invariant_layout=None if invariant_where is None else
+        invariant.check_layout(shard_group, replicate_group, invariant_where),
+        mp_policy=mp if isinstance(mp, MixedPrecisionPolicy) else None)
+    for p in taken:
+        register(TAKEN, p, name)
+    with torch.no_grad():
+        unit = Unit(name, slots, cfg, settings)
+    return state.UnitRuntime(unit, forward_input_caster=casting.input_caster(mp))
 
 
 def prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, device: torch.device,

@@ -51,7 +51,7 @@ def _hook_direct_calls(unit: UnitModule, module: nn.Module) -> None:
 
     def pre(mod, args, kwargs):
         u = ref()
-        if u is None or u._in_forward:
+        if u is None or u._runtime.settings.forward_depth:  # called by the unit's own forward
             return None
         u._lazy_init()
         if u._runtime.state is state.TrainingState.FORWARD:  # a nested call of the same module
@@ -60,7 +60,7 @@ def _hook_direct_calls(unit: UnitModule, module: nn.Module) -> None:
 
     def post(mod, args, kwargs, output):
         u = ref()
-        if u is None or u._in_forward or u._runtime.state is not state.TrainingState.FORWARD:
+        if u is None or u._runtime.settings.forward_depth or u._runtime.state is not state.TrainingState.FORWARD:
             return None
         return state.post_forward(u._runtime, output)
 

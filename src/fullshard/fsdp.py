@@ -20,14 +20,14 @@ from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .checkpoint import module_hooks
 from .checkpoint.fsdp1_methods import StateDictMethods
 from .construct import _PREFIX
-from .core import casting, collectives, convert, deferred_init, extensions, gather, invariant, norms, state
+from .core import casting, collectives, convert, deferred_init, extensions, gather, norms, state
 from .core.module import UnitModule, unit_modules
-from .core.unit import Unit, UnitConfig
+from .core.settings import UnitSettings
 from .forward_methods import _hook_direct_calls, register_fsdp_forward_method  # noqa: F401 (public here too)
-from .fsdp_settings import UnitSettings, check_prefetch
+from .fsdp_settings import FSDP1Attributes, check_prefetch
 
 
-class FullyShardedDataParallel(UnitSettings, StateDictMethods, UnitModule):
+class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
     """Shard a module's parameters, gradients and optimizer state over ranks.
 
     Args:
@@ -154,19 +154,13 @@ class FullyShardedDataParallel(UnitSettings, StateDictMethods, UnitModule):
         construct.apply_placements(slots, shard_placement_fn, where)
         construct.prepare_values(slots, own, param_init_fn, device, sync_module_states, name,
                          (shard_group, replicate_group))
-        cfg = UnitConfig(
-            shard_group=shard_group, replicate_group=replicate_group,
-            dp_world_size=collectives.group_size(shard_group) * (
-                collectives.group_size(replicate_group) if replicate_group is not None else 1),
-            compute_device=device, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-            offload_params=offload.offload_params, keep_low_precision_grads=mp.keep_low_precision_grads,
+        settings = UnitSettings(
             reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
-            invariant_layout=invariant.check_layout(shard_group, replicate_group, where) if world_size_invariant
-            else None)
-        for s in slots:
-            construct.register(construct.TAKEN, s.param, name)
-        with torch.no_grad():
-            unit = Unit(name, slots, cfg)
+            backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
+        self._runtime = construct.build_unit(name, slots, [s.param for s in slots], (shard_group, replicate_group),
+                                             device, mp=mp, offload=offload, settings=settings,
+                                             invariant_where=where if world_size_invariant else None)
+        unit = self._runtime.unit
         construct.register(construct.WRAPPED, module, name)
         self._fsdp_wrapped_module = module
         self._strategy = strategy
@@ -176,12 +170,7 @@ class FullyShardedDataParallel(UnitSettings, StateDictMethods, UnitModule):
         self.use_orig_params = use_orig_params  # informational: original parameters are always exposed
         self._own_modules = own
         self._buffer_dtype = mp.buffer_dtype
-        self._in_forward = False
         self._full_precision = casting.FullPrecisionRun(unit.flat_shard.dtype) if _full_precision else None
-        self._runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
-                                      backward_prefetch=backward_prefetch,
-                                      forward_prefetch=forward_prefetch,
-                                      forward_input_caster=casting.input_caster(mp))
         _hook_direct_calls(self, module)
         self._sd_installed = False  # a state-dict save pre-hook registered values (see module_hooks)
         module_hooks.register(self)
@@ -244,14 +233,15 @@ class FullyShardedDataParallel(UnitSettings, StateDictMethods, UnitModule):
         args, kwargs = state.pre_forward(rt, args, kwargs)
         # Without grad no backward follows: nothing stored needs a hook.
         before = self._stored_tensor_ids() if torch.is_grad_enabled() else None
-        self._in_forward = True
+        settings = rt.settings
+        settings.forward_depth += 1  # calls of the wrapped module inside are this forward's (forward_methods.py)
         try:
             out = fn(*args, **kwargs)
         except Exception:
             state.post_forward(rt, None)  # leave FORWARD: no_sync() and friends see an idle unit
             raise
         finally:
-            self._in_forward = False
+            settings.forward_depth = max(0, settings.forward_depth - 1)
         return state.post_forward(rt, out, self._stored_tensors(before))
 
     def _stored_tensor_ids(self) -> set[int]:

@@ -19,12 +19,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import construct, dtensor_specs, fsdp2_state, wrap
-from .api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .core import backward_guard, casting, collectives, consistency, deferred_init, extensions, invariant, state
+from .api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
+from .core import backward_guard, collectives, consistency, deferred_init, extensions, state
 from .core.convert import adopt
 from .core.module import UnitModule, unit_modules
+from .core.settings import UnitSettings
 from .core.tree import map_tensors
-from .core.unit import ShardedState, Unit, UnitConfig
+from .core.unit import ShardedState, Unit
 from .fsdp2_comm import CommMethods
 
 _CLASSES: dict[type, type] = {}
@@ -122,21 +123,21 @@ class FSDPModule(CommMethods, UnitModule):
         if not self._runtime.is_root:
             raise RuntimeError("set_is_last_backward() must be called on the root module (the outermost "
                                "fully_shard module, which runs forward first)")
-        self._runtime.root.is_last_backward = bool(is_last_backward)
+        self._runtime.settings.is_last_backward = bool(is_last_backward)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With False, backward keeps each unit's unsharded gradient and sums
         it over micro-batches (``no_sync``); the first backward with True
         reduce-scatters the sum. Results equal one larger batch, as DDP's."""
         for m in self._targets(recurse):
-            m._runtime.requires_gradient_sync = bool(requires_gradient_sync)
+            m._runtime.settings.requires_gradient_sync = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: with False, reduce-scattered gradients are summed locally and
         the all-reduce over replicas waits for a backward with True, which
         all-reduces the sum (``.grad`` is written then)."""
         for m in self._targets(recurse):
-            m._runtime.unit.requires_all_reduce = bool(requires_all_reduce)
+            m._runtime.settings.requires_all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Free full parameters after forward (True) or keep them for
@@ -148,7 +149,7 @@ class FSDPModule(CommMethods, UnitModule):
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r}")
         for m in self._targets(recurse):
-            m._runtime.reshard_after_forward = reshard_after_forward
+            m._runtime.settings.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """With False, full parameters stay gathered after backward, so the
@@ -156,7 +157,7 @@ class FSDPModule(CommMethods, UnitModule):
         while the shards are unchanged: after an optimizer step the next
         forward gathers again."""
         for m in self._targets(recurse):
-            m._runtime.reshard_after_backward = bool(reshard_after_backward)
+            m._runtime.settings.reshard_after_backward = bool(reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """All-gather ``modules`` (fully_shard modules) right after this one's
@@ -165,7 +166,7 @@ class FSDPModule(CommMethods, UnitModule):
         Raises:
             ValueError: an entry is not a fully_shard module.
         """
-        self._runtime.forward_prefetch_units = _runtimes_of(modules, "set_modules_to_forward_prefetch")
+        self._runtime.settings.forward_prefetch_units = _runtimes_of(modules, "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """All-gather ``modules`` right after this one's all-gather in
@@ -174,7 +175,7 @@ class FSDPModule(CommMethods, UnitModule):
         Raises:
             ValueError: an entry is not a fully_shard module.
         """
-        self._runtime.backward_prefetch_units = _runtimes_of(modules, "set_modules_to_backward_prefetch")
+        self._runtime.settings.backward_prefetch_units = _runtimes_of(modules, "set_modules_to_backward_prefetch")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's gradients by ``factor`` before summing them
@@ -185,7 +186,7 @@ class FSDPModule(CommMethods, UnitModule):
         """
         if not float(factor) > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor!r}")
-        self._runtime.unit.grad_divide_factor = float(factor)
+        self._runtime.settings.grad_divide_factor = float(factor)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """With False, the unit is not gathered for its backward (for modules
@@ -196,7 +197,7 @@ class FSDPModule(CommMethods, UnitModule):
                 that is not gathered (see core/backward_guard.py), never a
                 wrong gradient or a crash.
         """
-        self._runtime.unshard_in_backward = bool(unshard_in_backward)
+        self._runtime.settings.unshard_in_backward = bool(unshard_in_backward)
 
     # -------------------------------------------------- nn.Module overrides
     def _apply(self, fn, recurse: bool = True):
@@ -323,25 +324,13 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     # Values that differ across ranks are refused at the first forward unless a load writes them first
     # (core/consistency.py): fully_shard has no sync_module_states; torch's remedy loads after it.
     differ = construct.prepare_values(real, own, None, device, False, name, (shard_group, replicate_group), True)
-    offload = isinstance(offload_policy, CPUOffloadPolicy)
-    cfg = UnitConfig(
-        shard_group=shard_group, replicate_group=replicate_group,
-        dp_world_size=collectives.group_size(shard_group) * (
-            collectives.group_size(replicate_group) if replicate_group is not None else 1),
-        compute_device=device, param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
-        offload_params=offload, pin_memory=offload and offload_policy.pin_memory,
-        reshard_after_forward=reshard_after_forward is not False, post_forward_group=post_forward_group,
-        invariant_layout=invariant.check_layout(shard_group, replicate_group, where) if world_size_invariant
-        else None, mp_policy=mp_policy)
-    for p in originals:
-        construct.register(construct.TAKEN, p, name)
-    with torch.no_grad():
-        unit = Unit(name, slots, cfg)
-    consistency.defer(unit, differ)
     # Backward prefetches the previous unit in forward order, as torch FSDP2 does by default.
-    runtime = state.UnitRuntime(unit, reshard_after_forward=cfg.reshard_after_forward,
-                                backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False,
-                                forward_input_caster=casting.input_caster(mp_policy))
+    settings = UnitSettings(reshard_after_forward=reshard_after_forward is not False,
+                            backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False)
+    runtime = construct.build_unit(name, slots, originals, (shard_group, replicate_group), device, mp=mp_policy,
+                                   offload=offload_policy, settings=settings, post_forward_group=post_forward_group,
+                                   invariant_where=where if world_size_invariant else None)
+    consistency.defer(runtime.unit, differ)
     shared = fsdp2_state.FSDPState(runtime, modules, own, mp_policy, mesh)
     for m in modules:
         construct.register(construct.WRAPPED, m, name)
@@ -369,8 +358,9 @@ def _post_forward_hook(module: FSDPModule, args: tuple, kwargs: dict, output: An
 def _pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     shared = module._fsdp_state
     rt = shared.runtime
-    if rt.forward_depth:  # a module of this unit called inside its forward
-        rt.forward_depth += 1
+    settings = rt.settings
+    if settings.forward_depth:  # a module of this unit called inside its forward
+        settings.forward_depth += 1
         return args, kwargs
     module._lazy_init()
     if consistency.PENDING and rt.is_root:
@@ -378,9 +368,9 @@ def _pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, 
     out = state.pre_forward(rt, args, kwargs)
     if rt.state is state.TrainingState.FORWARD:
         shared.before = _stored_ids(shared.own) if torch.is_grad_enabled() else None
-        if torch.is_grad_enabled() and not rt.unshard_in_backward:
+        if torch.is_grad_enabled() and not settings.unshard_in_backward:
             backward_guard.enter(rt.unit)
-    rt.forward_depth = 1
+    settings.forward_depth = 1
     return out
 
 
@@ -389,10 +379,11 @@ def _post_forward(module: FSDPModule, args: tuple, kwargs: dict, output: Any) ->
     # the unit leaves FORWARD, so the next call is not taken for a nested one.
     shared = module._fsdp_state
     rt = shared.runtime
-    if not rt.forward_depth:  # the pre-forward raised: nothing to finish
+    settings = rt.settings
+    if not settings.forward_depth:  # the pre-forward raised: nothing to finish
         return output
-    rt.forward_depth -= 1
-    if rt.forward_depth:
+    settings.forward_depth -= 1
+    if settings.forward_depth:
         return output
     stored = ()
     if rt.state is state.TrainingState.FORWARD and shared.before is not None:

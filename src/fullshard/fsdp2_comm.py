@@ -4,7 +4,7 @@ all-gather / reduce-scatter objects, the all-reduce hook, sum-only
 reductions, a separate reduce-scatter group, unused parameters, in-flight
 reduce-scatter buffers, NCCL memory strategies), the post-optimizer event
 and ``reset_iter_state``. The settings live on each unit's
-:class:`fullshard.core.comm.CommSettings`; core/comm.py and core/reduce.py
+:class:`fullshard.core.settings.UnitSettings`; core/comm.py and core/reduce.py
 use them.
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ class CommMethods:
         Raises:
             TypeError: ``comm_obj`` lacks ``allocate`` or is not callable.
         """
-        self._runtime.unit.comm.all_gather = _checked_comm(comm_obj, "set_custom_all_gather")
+        self._runtime.settings.custom_all_gather = _checked_comm(comm_obj, "set_custom_all_gather")
 
     def set_custom_reduce_scatter(self, comm_obj) -> None:
         """Run this unit's gradient reduce-scatters through ``comm_obj``
@@ -102,7 +102,7 @@ class CommMethods:
         """
         if comm_obj is not None:
             _not_invariant(self, "set_custom_reduce_scatter")
-        self._runtime.unit.comm.reduce_scatter = _checked_comm(comm_obj, "set_custom_reduce_scatter")
+        self._runtime.settings.custom_reduce_scatter = _checked_comm(comm_obj, "set_custom_reduce_scatter")
 
     def set_all_reduce_hook(self, hook: Optional[Callable[[torch.Tensor], None]], *, stream=None) -> None:
         """Call ``hook(reduce_output)`` on each reduced gradient shard of this
@@ -127,7 +127,7 @@ class CommMethods:
         if stream is not None and unit.cfg.replicate_group is not None:
             raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (the hook runs where the "
                              "replicas' all-reduce finishes)")
-        unit.comm.all_reduce_hook = hook if stream is None or hook is None else _on_stream(hook, stream)
+        unit.settings.all_reduce_hook = hook if stream is None or hook is None else _on_stream(hook, stream)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with ``ReduceOp.SUM`` only and divide separately: with True
@@ -142,7 +142,7 @@ class CommMethods:
         """
         if enable:
             _not_invariant(self, "set_force_sum_reduction_for_comms")
-        self._runtime.unit.comm.force_sum = bool(enable)
+        self._runtime.settings.force_sum = bool(enable)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Whether a parameter no rank used in backward gets a zero gradient
@@ -152,7 +152,7 @@ class CommMethods:
         parameters (MoE, conditional branches) never issue mismatched
         collectives."""
         for m in self._targets(recurse):
-            m._runtime.unit.comm.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+            m._runtime.settings.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many reduce-scatters (each holding a unit-sized input buffer)
@@ -169,7 +169,7 @@ class CommMethods:
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
         for m in self._targets(recurse):
-            m._runtime.unit.comm.max_input_buffers = max_input_buffers
+            m._runtime.settings.max_input_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Run gradient reduce-scatters on a process group of their own (one
@@ -184,12 +184,12 @@ class CommMethods:
             unit = m._runtime.unit
             group = unit.cfg.shard_group
             if not enable or collectives.group_size(group) == 1:
-                unit.comm.reduce_scatter_group = None
+                unit.settings.reduce_scatter_group = None
                 continue
             ranks = tuple(collectives.group_ranks(group))
             if ranks not in made:
-                made[ranks] = unit.comm.reduce_scatter_group or collectives.new_group(list(ranks), local=True)
-            unit.comm.reduce_scatter_group = made[ranks]
+                made[ranks] = unit.settings.reduce_scatter_group or collectives.new_group(list(ranks), local=True)
+            unit.settings.reduce_scatter_group = made[ranks]
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate this unit's all-gather and reduce-scatter buffers with the
@@ -206,9 +206,9 @@ class CommMethods:
         _no_custom(unit, "set_allocate_memory_from_process_group_for_comm")
         group = unit.cfg.shard_group
         if not enable or collectives.group_size(group) == 1:
-            unit.comm.allocator = None
+            unit.settings.allocator = None
             return
-        unit.comm.allocator = comm.ProcessGroupAllocator(group, unit.cfg.compute_device)
+        unit.settings.allocator = comm.ProcessGroupAllocator(group, unit.cfg.compute_device)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Allocate this unit's all-gather buffers (and, with
@@ -235,7 +235,7 @@ class CommMethods:
         if device.type != "cuda" or pg_backend != "nccl":
             raise ValueError(f"set_symm_mem_for_comm: unit '{unit.name}' runs on {device.type} over {pg_backend}; "
                              "symmetric memory needs CUDA tensors and an NCCL process group")
-        unit.comm.allocator = comm.SymmMemAllocator(group, backend)
+        unit.settings.allocator = comm.SymmMemAllocator(group, backend)
 
 
 def _checked_comm(comm_obj, what: str):
@@ -253,7 +253,7 @@ def _not_invariant(module, what: str) -> None:
 
 
 def _no_custom(unit, what: str) -> None:
-    if unit.comm.all_gather is not None or unit.comm.reduce_scatter is not None:
+    if unit.settings.custom_all_gather is not None or unit.settings.custom_reduce_scatter is not None:
         raise ValueError(f"{what}: unit '{unit.name}' has a custom all-gather or reduce-scatter, which allocates "
                          "its own buffers; use one or the other")
 

@@ -80,15 +80,15 @@ class FSDPState:
 
     @property
     def reshard_after_forward(self) -> bool:
-        return self.runtime.reshard_after_forward
+        return self.runtime.settings.reshard_after_forward
 
     @property
     def reshard_after_backward(self) -> bool:
-        return self.runtime.reshard_after_backward
+        return self.runtime.settings.reshard_after_backward
 
     @property
     def requires_gradient_sync(self) -> bool:
-        return self.runtime.requires_gradient_sync
+        return self.runtime.settings.requires_gradient_sync
 
     def __repr__(self) -> str:
         return (f"FSDPState(unit={self.runtime.unit.name!r}, is_root={self.is_root}, "

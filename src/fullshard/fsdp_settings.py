@@ -29,9 +29,10 @@ def check_prefetch(backward_prefetch, forward_prefetch, where: str) -> None:
         raise ValueError(f"{where}: forward_prefetch must be a bool, got {forward_prefetch!r}")
 
 
-class UnitSettings:
+class FSDP1Attributes:
     """Mixin of ``FullyShardedDataParallel``: torch FSDP1's public per-instance
-    attributes. Needs ``_runtime``, ``_strategy`` and ``_mixed_precision``."""
+    attributes. Needs ``_runtime``, ``_strategy`` and ``_mixed_precision``;
+    the prefetch knobs are the unit's ``core.settings.UnitSettings``."""
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
@@ -52,22 +53,22 @@ class UnitSettings:
     @property
     def backward_prefetch(self) -> Optional[BackwardPrefetch]:
         """When this unit's backward issues the next unit's all-gather; assignable."""
-        return self._runtime.backward_prefetch
+        return self._runtime.settings.backward_prefetch
 
     @backward_prefetch.setter
     def backward_prefetch(self, value: Optional[BackwardPrefetch]) -> None:
-        check_prefetch(value, self._runtime.forward_prefetch, f"unit '{self._runtime.unit.name}'")
-        self._runtime.backward_prefetch = value
+        check_prefetch(value, self._runtime.settings.forward_prefetch, f"unit '{self._runtime.unit.name}'")
+        self._runtime.settings.backward_prefetch = value
 
     @property
     def forward_prefetch(self) -> bool:
         """Whether this unit's forward issues the next unit's all-gather first; assignable."""
-        return self._runtime.forward_prefetch
+        return self._runtime.settings.forward_prefetch
 
     @forward_prefetch.setter
     def forward_prefetch(self, value: bool) -> None:
-        check_prefetch(self._runtime.backward_prefetch, value, f"unit '{self._runtime.unit.name}'")
-        self._runtime.forward_prefetch = value
+        check_prefetch(self._runtime.settings.backward_prefetch, value, f"unit '{self._runtime.unit.name}'")
+        self._runtime.settings.forward_prefetch = value
 
     @property
     def process_group(self):

@@ -77,7 +77,8 @@ def _unit_settings():
     # The prefetch settings are read at every use: assigning them takes effect.
     model.lin1.forward_prefetch = False
     model.lin1.backward_prefetch = None
-    assert model.lin1._runtime.forward_prefetch is False and model.lin1._runtime.backward_prefetch is None
+    knobs = model.lin1._runtime.settings
+    assert knobs.forward_prefetch is False and knobs.backward_prefetch is None
     with pytest.raises(ValueError, match="backward_prefetch"):
         model.lin1.backward_prefetch = "BACKWARD_PRE"
     with pytest.raises(AttributeError):

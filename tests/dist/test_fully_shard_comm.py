@@ -156,12 +156,12 @@ def _buffers_case(rank, world):
     model = FP.shard(FP.make())
     model.set_separate_reduce_scatter_group()
     units = [m._runtime.unit for m in (*model.layers, model)]
-    groups = {id(u.comm.reduce_scatter_group) for u in units}
-    assert len(groups) == 1 and units[0].comm.reduce_scatter_group is not units[0].cfg.shard_group
-    assert collectives.group_ranks(units[0].comm.reduce_scatter_group) == collectives.group_ranks(
+    groups = {id(u.settings.reduce_scatter_group) for u in units}
+    assert len(groups) == 1 and units[0].settings.reduce_scatter_group is not units[0].cfg.shard_group
+    assert collectives.group_ranks(units[0].settings.reduce_scatter_group) == collectives.group_ranks(
         units[0].cfg.shard_group)
     model.set_separate_reduce_scatter_group(False)
-    assert all(u.comm.reduce_scatter_group is None for u in units)
+    assert all(u.settings.reduce_scatter_group is None for u in units)
     with pytest.raises(TypeError, match="must be an int"):
         model.set_reduce_scatter_max_input_buffers(True)
     with pytest.raises(ValueError, match="positive"):
@@ -234,7 +234,7 @@ def _event_case(rank, world):
         warnings.simplefilter("always")
         model.layers[0].set_reduce_scatter_divide_factor(3.0)
     assert any(issubclass(w.category, DeprecationWarning) for w in caught)
-    assert model.layers[0]._runtime.unit.grad_divide_factor == 3.0
+    assert model.layers[0]._runtime.settings.grad_divide_factor == 3.0
     return {}
 
 
@@ -250,7 +250,7 @@ def _memory_case(rank, world):
         m = FP.shard(m)
         for u in (*m.layers, m):
             u.set_allocate_memory_from_process_group_for_comm(True)
-            assert u._runtime.unit.comm.allocator.pooled  # gloo has no allocator: the pool serves
+            assert u._runtime.settings.allocator.pooled  # gloo has no allocator: the pool serves
         return m
 
     diff = FP.parity(rank, lambda m, o, r, s: FP.train(m, o, r), shard_fn=shard)

@@ -1,10 +1,11 @@
-"""A unit's communication settings (``FSDPModule.set_custom_all_gather``,
-``set_custom_reduce_scatter``, ``set_all_reduce_hook``,
-``set_force_sum_reduction_for_comms``, ``set_separate_reduce_scatter_group``,
-``set_reduce_scatter_unused_params``, ``set_reduce_scatter_max_input_buffers``
-and the NCCL memory strategies) and the unit-side halves of the collectives
-they change. The collectives themselves are issued by core/collectives.py;
-a user's collective object is called through :func:`collectives.call_custom`.
+"""The unit-side halves of the collectives a unit's communication settings
+change (``FSDPModule.set_custom_all_gather``, ``set_custom_reduce_scatter``,
+``set_all_reduce_hook``, ``set_force_sum_reduction_for_comms``,
+``set_separate_reduce_scatter_group``, ``set_reduce_scatter_unused_params``,
+``set_reduce_scatter_max_input_buffers`` and the NCCL memory strategies),
+whose values live on the unit's :class:`~fullshard.core.settings.UnitSettings`.
+The collectives themselves are issued by core/collectives.py; a user's
+collective object is called through :func:`collectives.call_custom`.
 
 [Note: custom collectives]
 A custom all-gather or reduce-scatter object follows torch FSDP2's protocol
@@ -26,45 +27,12 @@ division comes after the all-reduce hook, as torch does.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from . import collectives, flat, torch_private
 from .buffers import POOL
-
-# Reduce-scatters allowed in flight before the oldest is waited on (per root,
-# counted when a unit issues its own): each holds a unit-sized input buffer.
-DEFAULT_MAX_INPUT_BUFFERS = 2
-
-
-class CommSettings:
-    """What FSDPModule's communication methods set on one unit (defaults: fullshard's own collectives)."""
-
-    def __init__(self) -> None:
-        self.all_gather = None  # a custom AllGather object
-        self.reduce_scatter = None  # a custom ReduceScatter object
-        self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
-        self.force_sum = False
-        self.reduce_scatter_group = None  # set_separate_reduce_scatter_group; None: the shard group
-        self.reduce_scatter_unused_params = False
-        self.max_input_buffers = DEFAULT_MAX_INPUT_BUFFERS
-        self.allocator: Optional[_Allocator] = None  # a memory strategy for our own collectives' buffers
-
-    def divide_factors(self, factor: float, dtype: torch.dtype) -> tuple[float, float]:
-        """(pre, post): gradients are divided by ``pre`` before the sum over
-        ranks and by ``post`` after it (and after the all-reduce hook).
-        Default: all before, DDP's order. ``force_sum``: torch FSDP2's split
-        (all after for fp32/bf16; about sqrt before and the rest after for
-        dtypes that could overflow)."""
-        if not self.force_sum:
-            return factor, 1.0
-        if dtype in (torch.float32, torch.bfloat16):
-            return 1.0, factor
-        pre = 1
-        while factor % pre == 0 and factor / pre > pre:
-            pre *= 2
-        return float(pre), factor / pre
 
 
 class _Allocator:
@@ -152,14 +120,14 @@ def custom_all_gather(comm, send: torch.Tensor, group, numel: int, dtype: torch.
 def custom_reduce_scatter(unit, full_grad: Optional[torch.Tensor], used: list[bool], group,
                           pre: float, tag: str) -> torch.Tensor:
     """Reduce-scatter ``unit``'s full gradient (param-major; None = zeros)
-    with the user's object ``unit.comm.reduce_scatter`` (see [Note: custom
+    with the user's object ``unit.settings.custom_reduce_scatter`` (see [Note: custom
     collectives]); the used flags are summed over ``group`` separately.
 
     Returns:
         Our reduce output: the gradient shard followed by the summed used
         flags (core/reduce.py's layout).
     """
-    comm, world = unit.comm.reduce_scatter, unit.world
+    comm, world = unit.settings.custom_reduce_scatter, unit.world
     n_grad, dtype, device = unit.layout.grad_shard_numel, unit.reduce_dtype, unit.cfg.compute_device
     inp = comm.allocate((world * n_grad,), dtype=dtype, device=device)
     _check_buffer(inp, world * n_grad, dtype, device, "reduce-scatter input")
@@ -189,6 +157,6 @@ def _check_buffer(t, numel: int, dtype: torch.dtype, device: torch.device, what:
 def run_hook(unit, grad_shard: torch.Tensor) -> None:
     """Call the unit's all-reduce hook on its reduced gradient shard (1-D,
     reduce dtype, in place)."""
-    hook = unit.comm.all_reduce_hook
+    hook = unit.settings.all_reduce_hook
     if hook is not None:
         hook(grad_shard)

@@ -92,13 +92,14 @@ def start_fold(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "Pe
     """
     cfg = unit.cfg
     rep = cfg.replicate_group
-    if rep is not None and not unit.requires_all_reduce:
+    if rep is not None and not unit.settings.requires_all_reduce:
         raise RuntimeError(f"[rank {collectives.rank()}] unit '{unit.name}': set_requires_all_reduce(False) "
                            "cannot be used with world_size_invariant=True (the replicas' sum is part of the fixed "
                            "order); leave it True")
     reduce_in, block = reduce.reduce_input(unit, full_grad, used)
-    if unit.grad_divide_factor not in (None, 1):
-        reduce_in.div_(unit.grad_divide_factor)
+    factor = unit.settings.grad_divide_factor
+    if factor not in (None, 1):
+        reduce_in.div_(factor)
     layout = cfg.invariant_layout
     world = len(layout)
     reps = world // unit.world

@@ -41,10 +41,10 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
     ``full_grad`` (param-major, ``N·S`` elements; None = zeros) with the used
     flags ``used`` (one per layout parameter); the gradient reaches ``.grad``
     at :meth:`PendingReduce.finish`."""
-    cfg, settings, tag = unit.cfg, unit.comm, f"unit '{unit.name}'"
+    cfg, settings, tag = unit.cfg, unit.settings, f"unit '{unit.name}'"
     group = settings.reduce_scatter_group or cfg.shard_group
-    pre, post = settings.divide_factors(unit.grad_divide_factor or cfg.dp_world_size, unit.reduce_dtype)
-    if settings.reduce_scatter is not None and collectives.group_size(group) > 1:
+    pre, post = settings.divide_factors(settings.grad_divide_factor or cfg.dp_world_size, unit.reduce_dtype)
+    if settings.custom_reduce_scatter is not None and collectives.group_size(group) > 1:
         out = comm.custom_reduce_scatter(unit, full_grad, used, group, pre, tag)
         return PendingReduce(unit, None, None, out, post)
     # Symmetric memory serves the reduce-scatter only with force_sum (torch FSDP2: NCCL's
@@ -53,7 +53,7 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
     if isinstance(alloc, comm.SymmMemAllocator) and not settings.force_sum:
         alloc = None
     reduce_in, block = reduce_input(unit, full_grad, used, alloc)
-    reduce_in.div_(pre)  # DDP pre-divides; see CommSettings.divide_factors
+    reduce_in.div_(pre)  # DDP pre-divides; see UnitSettings.divide_factors
     out = comm.take(alloc, block, unit.reduce_dtype, cfg.compute_device) if alloc is not None and \
         not alloc.pooled else torch.empty(block, dtype=unit.reduce_dtype, device=cfg.compute_device)
     if alloc is not None:
@@ -71,7 +71,7 @@ def _accumulate(unit, out: torch.Tensor, skip: frozenset = frozenset()) -> None:
     (torch FSDP2's result), and so are the layout indices in ``skip``."""
     n_grad = unit.layout.grad_shard_numel
     used = (out[n_grad:] > 0).tolist()
-    if unit.comm.reduce_scatter_unused_params:
+    if unit.settings.reduce_scatter_unused_params:
         used = [True] * len(used)  # frozen parameters have no view below
     master, reduced = unit.flat_shard, out[:n_grad]
     # Stored in grad_dtype; added to an existing gradient in the master
@@ -115,7 +115,7 @@ class PendingReduce:
             if unit.partial_out is not None:  # sums kept by set_requires_all_reduce(False)
                 self.out.add_(unit.partial_out)
                 unit.partial_out = None
-            if not unit.requires_all_reduce:
+            if not unit.settings.requires_all_reduce:
                 unit.partial_out = self.out
                 return
             collectives.all_reduce(self.out, rep, "sum", tag=f"unit '{unit.name}' replicas")

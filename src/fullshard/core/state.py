@@ -39,6 +39,7 @@ import torch
 from ..api import BackwardPrefetch
 from . import collectives, torch_private
 from .reduce import PendingReduce
+from .settings import UnitSettings
 from .torch_private import in_backward_pass
 from .tree import map_tensors, tensors_in
 from .unit import ShardedState, Unit
@@ -86,9 +87,6 @@ class RootRuntime:
         # A backward ran inside no_sync since the last synchronizing one.
         # Symmetric across ranks, so it can gate a collective.
         self.stash_window = False
-        # FSDPModule.set_is_last_backward: recorded; every backward still
-        # finishes its reduce-scatters (see end_of_backward).
-        self.is_last_backward = True
         # FSDPModule.set_post_optim_event: waited on by the next root pre-forward, then dropped.
         self.post_optim_event = None
 
@@ -100,31 +98,24 @@ class RootRuntime:
 
 
 class UnitRuntime:
-    """Schedule of one unit: its training state and its hooks."""
+    """Schedule of one unit: its training state and its hooks. Its knobs
+    are the unit's :class:`~fullshard.core.settings.UnitSettings`
+    (``settings``), read at each use."""
 
-    def __init__(self, unit: Unit, *, reshard_after_forward: bool,
-                 backward_prefetch: Optional[BackwardPrefetch], forward_prefetch: bool,
-                 forward_input_caster=None):
+    def __init__(self, unit: Unit, forward_input_caster=None):
         self.unit = unit
         self.state = TrainingState.IDLE
-        self.reshard_after_forward = reshard_after_forward
-        self.backward_prefetch = backward_prefetch
-        self.forward_prefetch = forward_prefetch
         self.forward_input_caster = forward_input_caster
         self.root: Optional[RootRuntime] = None
         self.is_root = False
         self.pre_backward_done = False
-        # FSDPModule's per-unit settings (fully_shard); see fsdp2.py.
-        self.requires_gradient_sync = True
-        self.reshard_after_backward = True
-        self.unshard_in_backward = True
-        self.forward_prefetch_units: Optional[list[UnitRuntime]] = None
-        self.backward_prefetch_units: Optional[list[UnitRuntime]] = None
-        # fully_shard: forward calls of the unit's modules in progress (above 1:
-        # called inside the unit's own forward); see fsdp2.py
-        self.forward_depth = 0
         self._grad_hook = None
         self.arm_grad_hook()
+
+    @property
+    def settings(self) -> UnitSettings:
+        """The unit's mutable knobs (core/settings.py [Note: unit settings])."""
+        return self.unit.settings
 
     def arm_grad_hook(self) -> None:
         """Register the post-accumulate-grad hook once the unit has trainable parameters."""
@@ -217,7 +208,7 @@ def start_iteration(root: RootRuntime, discard: bool = False) -> None:
     for rt in root.runtimes:
         rt.state = TrainingState.IDLE
         rt.pre_backward_done = False
-        rt.forward_depth = 0
+        rt.settings.forward_depth = 0
         unit = rt.unit
         unit.pooled_grad.release(unit.take_full_grad()[0])  # a partial gradient of a backward that raised
         if broken:
@@ -268,10 +259,10 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
         root.order.append(rt)
     rt.unit.ensure_unsharded()
     rt.unit.use_full_params()
-    for other in rt.forward_prefetch_units or ():
+    for other in rt.settings.forward_prefetch_units or ():
         if other.unit.state is ShardedState.SHARDED:
             other.unit.unshard()
-    if rt.forward_prefetch:
+    if rt.settings.forward_prefetch:
         i = root.position(rt, root.prev_order)
         if 0 <= i < len(root.prev_order) - 1:
             nxt = root.prev_order[i + 1].unit
@@ -327,7 +318,7 @@ def post_forward(rt: UnitRuntime, output: Any, extra: tuple = ()) -> Any:
     # Without grad no backward follows, so nothing is worth keeping gathered.
     if not grad_on:
         rt.unit.reshard()
-    elif rt.reshard_after_forward and not rt.is_root:
+    elif rt.settings.reshard_after_forward and not rt.is_root:
         rt.unit.reshard_partial()
     rt.transition(TrainingState.IDLE)
     if grad_on:
@@ -345,7 +336,7 @@ def _prefetch_backward(rt: UnitRuntime) -> None:
         return
     target = root.order[i - 1]
     if target.state is TrainingState.IDLE and target.unit.state is ShardedState.SHARDED and \
-            target.unshard_in_backward:
+            target.settings.unshard_in_backward:
         target.unit.unshard()
 
 
@@ -369,7 +360,7 @@ class PreBackwardHook:
         _queue_end_of_backward(rt.root)
         if rt.state is not TrainingState.PRE_BACKWARD:
             rt.transition(TrainingState.PRE_BACKWARD)
-        if not rt.unshard_in_backward:  # set_unshard_in_backward(False): backward needs no parameters
+        if not rt.settings.unshard_in_backward:  # set_unshard_in_backward(False): backward needs no parameters
             return None
         rt.unit.ensure_unsharded()
         # Grad-mode views: a recomputation that bypasses our pre_forward (a
@@ -377,12 +368,12 @@ class PreBackwardHook:
         rt.unit.use_full_params(grad=True)
         if not rt.pre_backward_done:
             rt.pre_backward_done = True
-            if rt.backward_prefetch_units is not None:
-                for other in rt.backward_prefetch_units:
+            if rt.settings.backward_prefetch_units is not None:
+                for other in rt.settings.backward_prefetch_units:
                     if other.state is TrainingState.IDLE and other.unit.state is ShardedState.SHARDED and \
-                            other.unshard_in_backward:
+                            other.settings.unshard_in_backward:
                         other.unit.unshard()
-            elif rt.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            elif rt.settings.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                 _prefetch_backward(rt)
         return None
 
@@ -403,7 +394,7 @@ class PostBackwardHook:
         rt.transition(TrainingState.POST_BACKWARD)
         grad, used = unit.take_full_grad()
         if grad is not None:
-            if root.no_sync or not rt.requires_gradient_sync:
+            if root.no_sync or not rt.settings.requires_gradient_sync:
                 unit.stash.add(grad, used)
                 unit.pooled_grad.release(grad, keep=unit.stash.holds(grad))
                 root.stash_window = True
@@ -413,7 +404,7 @@ class PostBackwardHook:
                 # Each in flight holds a unit-sized input buffer: bounded
                 # (set_reduce_scatter_max_input_buffers), else a full model's
                 # worth of gradients would stay alive until the end of backward.
-                while len(root.pending) > unit.comm.max_input_buffers:
+                while len(root.pending) > unit.settings.max_input_buffers:
                     root.pending.pop(0).finish()
         else:
             unit.pooled_grad.release(None)
@@ -422,11 +413,11 @@ class PostBackwardHook:
 
 def _reshard_after_backward(rt: UnitRuntime) -> None:
     if rt.unit.state is not ShardedState.SHARDED:
-        if rt.reshard_after_backward:
+        if rt.settings.reshard_after_backward:
             rt.unit.reshard()
         else:
             rt.unit.keep_unsharded()
-    if rt.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+    if rt.settings.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch_backward(rt)
 
 
@@ -451,7 +442,8 @@ def _reduce_leftover_stashes(root: RootRuntime) -> None:
     cfg = root.runtimes[0].unit.cfg
     for rt in root.runtimes:
         rt.unit.stash.check()
-    flags = torch.tensor([1.0 if rt.unit.stash.active and rt.requires_gradient_sync else 0.0 for rt in root.runtimes])
+    flags = torch.tensor([1.0 if rt.unit.stash.active and rt.settings.requires_gradient_sync else 0.0
+                          for rt in root.runtimes])
     for group in (cfg.shard_group, cfg.replicate_group):
         if group is not None:
             collectives.all_reduce(flags, group, "max", tag="no_sync stashes")
@@ -471,11 +463,11 @@ def end_of_backward(root: RootRuntime) -> None:
     if root.stash_window and not root.no_sync:
         _reduce_leftover_stashes(root)
         # Units under set_requires_gradient_sync(False) keep accumulating.
-        root.stash_window = not all(rt.requires_gradient_sync for rt in root.runtimes)
+        root.stash_window = not all(rt.settings.requires_gradient_sync for rt in root.runtimes)
     for rt in root.runtimes:
         rt.unit.drop_partial()  # a unit the backward did not reach
         if rt.unit.state is not ShardedState.SHARDED:
-            if rt.reshard_after_backward:
+            if rt.settings.reshard_after_backward:
                 rt.unit.reshard()
             else:
                 rt.unit.keep_unsharded()

@@ -21,6 +21,7 @@ from .buffers import POOL
 from .invariant import start_fold
 from .params import ParamSlot
 from .reduce import PendingReduce, start_reduce
+from .settings import UnitSettings
 from .stash import GradStash
 
 _STEPS = {"count": 0}  # optimizer steps since kept_fresh first needed them
@@ -41,7 +42,9 @@ class ShardedState(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class UnitConfig:
-    """Per-unit runtime settings.
+    """A unit's immutable facts, fixed at construction (what may change
+    later lives on :class:`~fullshard.core.settings.UnitSettings`, see
+    [Note: unit settings]).
 
     Attributes:
         shard_group: group the parameters are sharded over (N ranks).
@@ -53,7 +56,6 @@ class UnitConfig:
         param_dtype: dtype of full parameters (all-gather and compute).
         reduce_dtype: dtype gradients are reduced in.
         offload_params: keep shards and gradient shards on the host.
-        reshard_after_forward: free full parameters after forward (FULL_SHARD).
         keep_low_precision_grads: gradient shards in the compute dtype
             instead of the master dtype (see ``MixedPrecision``).
         pin_memory: with ``offload_params`` and an accelerator, keep the
@@ -75,7 +77,6 @@ class UnitConfig:
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     offload_params: bool = False
-    reshard_after_forward: bool = True
     keep_low_precision_grads: bool = False
     pin_memory: bool = True
     post_forward_group: object = None
@@ -102,10 +103,11 @@ class Unit:
     core/convert.py.
     """
 
-    def __init__(self, name: str, slots: list[ParamSlot], cfg: UnitConfig):
+    def __init__(self, name: str, slots: list[ParamSlot], cfg: UnitConfig, settings: UnitSettings):
         optim_guard.install()  # optimizers that need whole tensors fail loudly on shards
         self.name = name
         self.cfg = cfg
+        self.settings = settings  # every mutable knob (core/settings.py [Note: unit settings])
         self.slots = slots
         self.world = collectives.group_size(cfg.shard_group)
         self.rank = collectives.group_rank(cfg.shard_group)
@@ -124,13 +126,9 @@ class Unit:
         # Shard versions when the unit was deliberately left unsharded
         # (FSDPModule.unshard, reshard_after_backward=False); see kept_fresh.
         self._kept_version: Optional[tuple[int, ...]] = None
-        # FSDPModule settings: gradients pre-divided by this instead of the
-        # data-parallel world size; replicas' all-reduce skipped (HSDP) with
-        # reduce-scatter outputs summed in ``partial_out`` until it runs.
-        self.grad_divide_factor: Optional[float] = None
-        self.requires_all_reduce = True
+        # Reduce-scatter outputs summed while settings.requires_all_reduce is
+        # False (HSDP), until the replicas' all-reduce runs.
         self.partial_out: Optional[torch.Tensor] = None
-        self.comm = comm.CommSettings()  # custom collectives, hooks, memory strategy (core/comm.py)
         # Stack of install_params records: (module, attr, previous value).
         self._installed: list[list[tuple[nn.Module, str, object]]] = []
         self.stash = GradStash(self)  # no_sync accumulation; core/stash.py [Note: no_sync and zero_grad]
@@ -273,16 +271,17 @@ class Unit:
             send = send.to(self.cfg.compute_device, self.compute_dtype, non_blocking=True)
         numel, dtype, device, tag = self.layout.unsharded_numel, self.compute_dtype, self.cfg.compute_device, \
             f"unit '{self.name}'"
-        custom = self.comm.all_gather if collectives.group_size(group) > 1 else None
+        settings = self.settings
+        custom = settings.custom_all_gather if collectives.group_size(group) > 1 else None
         if custom is not None:
             self._gather_buf = comm.custom_all_gather(custom, send, group, numel, dtype, device,
                                                       collectives.group_rank(group), tag)
             self._gather_alloc = comm.FOREIGN
             return
-        self._gather_alloc = self.comm.allocator
+        self._gather_alloc = settings.allocator
         self._gather_buf = comm.take(self._gather_alloc, numel, dtype, device)
-        if self.comm.allocator is not None:
-            self.comm.allocator.prepare(self._gather_buf, group)
+        if settings.allocator is not None:
+            settings.allocator.prepare(self._gather_buf, group)
         self._gather_work = collectives.all_gather(self._gather_buf, send, group, async_op=True, tag=tag)
 
     def wait_unshard(self) -> None:
