@@ -1,9 +1,16 @@
 """Spawn gloo ranks on CPU and re-raise a child's failure with its rank.
 
 ``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in
-``world_size`` fresh processes (spawn) joined to one gloo process group (or
+``world_size`` fresh processes joined to one gloo process group (or
 ``backend="nccl"``: tests/dist/test_cuda.py), and
-returns the list of the ranks' return values. A child's exception is raised
+returns the list of the ranks' return values.
+
+The processes are forked from a multiprocessing forkserver that has already
+imported torch and fullshard, so each test still gets fresh processes (no state
+leaks from one test into the next) without paying the ~5 s of interpreter start
+and imports per rank that spawn costs on a 2-core machine. A rank sees the
+caller's environment and working directory as of the call, as it would under
+spawn. ``FULLSHARD_TEST_START=spawn`` restores plain spawn. A child's exception is raised
 in the parent as ``RankFailure`` carrying the rank and the child's traceback;
 a hang is killed after ``timeout_s`` and reported, never waited on forever.
 """
@@ -21,7 +28,28 @@ class RankFailure(AssertionError):
     """A spawned rank raised; the message holds its rank and traceback."""
 
 
-def _worker(rank, world_size, init_file, backend, fn, args, results):
+# Imported once in the forkserver; every rank is forked from it.
+_PRELOAD = ["torch", "torch.distributed", "fullshard", "tests.dist.harness", "tests.dist.common",
+            "tests.dist.models"]
+_CONTEXT = None
+
+
+def _context():
+    global _CONTEXT
+    if _CONTEXT is None:
+        method = os.environ.get("FULLSHARD_TEST_START", "forkserver")
+        _CONTEXT = mp.get_context(method)
+        if method == "forkserver":
+            _CONTEXT.set_forkserver_preload(_PRELOAD)
+    return _CONTEXT
+
+
+def _worker(rank, world_size, init_file, backend, fn, args, results, env, cwd):
+    # The forkserver was started with the environment of the first call; give the
+    # rank the caller's, as spawn would.
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     import torch
     import torch.distributed as dist
 
@@ -40,11 +68,12 @@ def _worker(rank, world_size, init_file, backend, fn, args, results):
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, backend: str = "gloo"):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a ``backend`` process group."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, backend, fn, args, results))
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, backend, fn, args, results,
+                                                      dict(os.environ), os.getcwd()))
                  for r in range(world_size)]
         for p in procs:
             p.start()

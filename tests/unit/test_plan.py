@@ -79,9 +79,26 @@ def test_matches_measured_model_state_within_10_percent():
         assert abs(est[key] - value) <= 0.1 * value, (key, est[key], value)
 
 
+def _plan_cli(*args):
+    """`fullshard plan ARGS` through the console entry point, in this process (a subprocess per call
+    costs seconds of imports; the closed-pipe test below keeps a real process)."""
+    import contextlib
+    import io
+    import types
+
+    from fullshard.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["plan", *args])
+        except SystemExit as exit_:  # argparse's error(): exit 2
+            code = exit_.code
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def test_cli_prints_plan_and_rejects_bad_input():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "fullshard.cli", "plan", *a],  # noqa: E731
-                                    capture_output=True, text=True)
+    run = _plan_cli
     ok = run("--arch", "transformer_lm_gpt3_small", "--world-size", "4", "--bf16", "--budget-gb", "6")
     assert ok.returncode == 0, ok.stderr
     assert "per-rank device total" in ok.stdout and "stage 3:" in ok.stdout
@@ -96,9 +113,7 @@ def test_cli_sizes_decoder_overrides():
 
     from fullshard.models import ARCHS, build_model, num_params
 
-    run = lambda *a: subprocess.run([sys.executable, "-m", "fullshard.cli", "plan",  # noqa: E731
-                                     "--arch", "transformer_lm_gpt3_medium", "--world-size", "8", *a],
-                                    capture_output=True, text=True)
+    run = lambda *a: _plan_cli("--arch", "transformer_lm_gpt3_medium", "--world-size", "8", *a)  # noqa: E731
     psi = lambda proc: int(re.search(r"Ψ=([\d,]+)", proc.stdout).group(1).replace(",", ""))  # noqa: E731
     base, deeper = run(), run("--decoder-layers", "30")
     assert base.returncode == 0 and deeper.returncode == 0, base.stderr + deeper.stderr
