@@ -104,6 +104,24 @@ def place_buffers(own: list[nn.Module], device: torch.device, buffer_dtype) -> d
     return dtypes
 
 
+def check_one_dtype(name: str, slots: list[ParamSlot]) -> None:
+    """A unit keeps its parameters in one flat shard of one dtype: refuse
+    parameters of different dtypes before anything is taken, rather than
+    cast some of them (an fp32 LoRA adapter beside a bf16 base would then
+    train in bf16 with no error).
+
+    Raises:
+        ValueError: two parameters of the unit differ in dtype.
+    """
+    first = next((s for s in slots), None)
+    other = next((s for s in slots if s.param.dtype != first.param.dtype), None) if first else None
+    if other is not None:
+        raise ValueError(
+            f"[rank {collectives.rank()}] unit '{name}': parameter '{other.fqn}' is {other.param.dtype} but "
+            f"'{first.fqn}' is {first.param.dtype}; a unit holds one dtype: cast the module to one dtype before "
+            "sharding, or shard the parameters of the other dtype in a unit of their own")
+
+
 def build_unit(name: str, slots: list[ParamSlot], taken: list[nn.Parameter], groups: tuple,
                device: torch.device, *, mp, offload, settings: UnitSettings, post_forward_group=None,
                invariant_where: Optional[str] = None) -> state.UnitRuntime:
@@ -125,8 +143,10 @@ def build_unit(name: str, slots: list[ParamSlot], taken: list[nn.Parameter], gro
             for errors; None: reduce-scattered and averaged.
     Raises:
         ValueError: ``world_size_invariant`` with groups that do not tile
-            the world; parameters partly on the meta device.
+            the world; parameters partly on the meta device; parameters
+            of different dtypes (:func:`check_one_dtype`).
     """
+    check_one_dtype(name, slots)
     shard_group, replicate_group = groups
     rep_size = collectives.group_size(replicate_group) if replicate_group is not None else 1
     offload_params = offload.offload_params if isinstance(offload, CPUOffload) else \

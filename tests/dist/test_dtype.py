@@ -367,3 +367,46 @@ def test_conversion_after_wrapping():
     out = run_ranks(_conversion, 2)[0]
     for k, v in out.items():
         print(f"{k}: {v if isinstance(v, str) else f'max |diff| vs DDP = {v:.3e}'}")
+
+
+class _Adapted(nn.Module):
+    """A LoRA-like layer: a frozen bf16 base weight beside fp32 adapter matrices."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(8, 8, bias=False).to(BF16).requires_grad_(False)
+        self.lora_a = nn.Linear(8, 2, bias=False)
+        self.lora_b = nn.Linear(2, 8, bias=False)
+
+    def forward(self, x):
+        return self.base(x.to(self.base.weight.dtype)).float() + self.lora_b(self.lora_a(x))
+
+
+def _mixed_dtypes(rank, world):
+    """Both doors refuse a unit whose parameters differ in dtype (they would share one flat
+    shard, and the fp32 adapters would train in bf16 with no error), and take nothing."""
+    from fullshard import fully_shard
+
+    out = {}
+    for door in ("fully_shard", "wrapper"):
+        model = _Adapted()
+        before = {n: (p, p.dtype) for n, p in model.named_parameters()}
+        try:
+            fully_shard(model) if door == "fully_shard" else FSDP(model)
+        except ValueError as e:
+            out[door] = str(e)
+        assert {n: (p, p.dtype) for n, p in model.named_parameters()} == before
+        # Nothing was taken: the module shards once its dtypes agree.
+        model.float()
+        model = fully_shard(model) if door == "fully_shard" else FSDP(model)
+        model(torch.ones(2, 8)).sum().backward()
+    return out
+
+
+@pytest.mark.fast
+def test_units_refuse_parameters_of_different_dtypes():
+    out = run_ranks(_mixed_dtypes, 1)[0]
+    for door in ("fully_shard", "wrapper"):
+        assert door in out, f"{door} sharded bf16 and fp32 parameters into one unit without an error"
+        assert "'lora_a.weight' is torch.float32 but 'base.weight' is torch.bfloat16" in out[door], out[door]
+        assert "\n" not in out[door]
