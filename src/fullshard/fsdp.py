@@ -101,79 +101,92 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
                  mixed_precision: Optional[MixedPrecision] = None,
                  cpu_offload: Optional[CPUOffload] = None,
                  use_orig_params: bool = False, ignored_states=None, device_mesh=None,
-                 world_size_invariant: bool = False, shard_placement_fn: Optional[Callable] = None,
-                 _unit_name: Optional[str] = None,
-                 _skip_param_ids: frozenset = frozenset(), _full_precision: bool = False):
+                 world_size_invariant: bool = False, shard_placement_fn: Optional[Callable] = None):
         super().__init__()
-        if not collectives.is_initialized():
-            raise RuntimeError(
-                "FullyShardedDataParallel needs an initialized process group: launch with "
-                "`torchrun --nproc-per-node N script.py` and call "
-                "torch.distributed.init_process_group() before wrapping")
-        name = _unit_name or type(module).__name__
+        self._build(module, None, frozenset(), False, process_group=process_group,
+                    sharding_strategy=sharding_strategy, auto_wrap_policy=auto_wrap_policy,
+                    backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+                    device_id=device_id, sync_module_states=sync_module_states,
+                    ignored_modules=ignored_modules, param_init_fn=param_init_fn,
+                    mixed_precision=mixed_precision, cpu_offload=cpu_offload,
+                    use_orig_params=use_orig_params, ignored_states=ignored_states,
+                    device_mesh=device_mesh, world_size_invariant=world_size_invariant,
+                    shard_placement_fn=shard_placement_fn)
+
+    @classmethod
+    def _nested(cls, module: nn.Module, name: str, skip_param_ids: frozenset, full_precision: bool,
+                **options: Any) -> "FullyShardedDataParallel":
+        """A unit made while wrapping an enclosing one (auto-wrap, full-precision
+        norm layers): the constructor's path, plus the unit's name (its path
+        from the root), the ids of parameters it leaves to an enclosing unit
+        (tied with modules outside it) and whether it runs in full precision.
+        These are not constructor keywords: torch FSDP1's has only public ones."""
+        self = cls.__new__(cls)
+        super(FullyShardedDataParallel, self).__init__()
+        self._build(module, name, frozenset(skip_param_ids), full_precision, **options)
+        return self
+
+    def _build(self, module: nn.Module, name: Optional[str], skip_param_ids: frozenset, full_precision: bool,
+               *, process_group, sharding_strategy, auto_wrap_policy, backward_prefetch, forward_prefetch,
+               device_id, sync_module_states, ignored_modules, param_init_fn, mixed_precision, cpu_offload,
+               use_orig_params, ignored_states, device_mesh, world_size_invariant, shard_placement_fn) -> None:
+        """Validate, wrap the nested units, then shard what is left: the one
+        path of the root and of every nested unit."""
+        _require_process_group()
+        name = name or type(module).__name__
         where = f"[rank {collectives.rank()}] unit '{name}'"
-        is_unit = lambda m: isinstance(m, FullyShardedDataParallel)  # noqa: E731
-        construct.check_not_wrapped(module, name, is_unit)
+        construct.check_not_wrapped(module, name, _is_unit)
         if auto_wrap_policy is not None:
             construct.check_no_units(module, where)
         construct.check_param_init_fn(param_init_fn, where)
         check_prefetch(backward_prefetch, forward_prefetch, where)
         strategy, mp, offload = construct.check_policies(name, sharding_strategy, mixed_precision, cpu_offload)
         process_group = construct.group_from_mesh(device_mesh, process_group, strategy, where)
-        shard_group, replicate_group = construct.resolve_groups(strategy, process_group, where)
+        groups = construct.resolve_groups(strategy, process_group, where)
         device = construct.resolve_device(device_id, module)
         ignored_modules, ignored_params = construct.split_ignored(ignored_modules, ignored_states, where)
         ignored = construct.ignored_ids(module, ignored_modules, where)
         ignored_params += construct.nested_ignored_params(module)
-        kwargs = dict(process_group=process_group, sharding_strategy=strategy,
+        nested = dict(process_group=process_group, sharding_strategy=strategy, auto_wrap_policy=None,
                       backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
                       device_id=device, sync_module_states=sync_module_states,
                       ignored_modules=ignored_modules, param_init_fn=param_init_fn,
-                      mixed_precision=mixed_precision, cpu_offload=cpu_offload,
-                      ignored_states=ignored_params or None, world_size_invariant=world_size_invariant,
-                      shard_placement_fn=shard_placement_fn)
-
-        def unit_fn(**over):
-            return lambda child, name, skip_param_ids: FullyShardedDataParallel(
-                child, _unit_name=name, _skip_param_ids=frozenset(skip_param_ids), **{**kwargs, **over})
-
-        if mp.param_dtype is not None and mp.full_precision_module_classes:
-            # Norm layers with running statistics first, as full-precision units.
-            full_mp = MixedPrecision(cast_forward_inputs=False, full_precision_module_classes=())
-            wrap.recursive_wrap(module, wrap.ModuleWrapPolicy(mp.full_precision_module_classes),
-                             unit_fn(mixed_precision=full_mp, _full_precision=True), ignored, is_unit)
-        if isinstance(auto_wrap_policy, (set, frozenset)):
-            auto_wrap_policy = wrap.ModuleWrapPolicy(auto_wrap_policy)
-        if auto_wrap_policy is not None:
-            wrap.recursive_wrap(module, auto_wrap_policy, unit_fn(), ignored, is_unit)
-        own = list(wrap._unwrapped_modules(module, is_unit, ignored))
+                      mixed_precision=mixed_precision, cpu_offload=cpu_offload, use_orig_params=False,
+                      ignored_states=ignored_params or None, device_mesh=None,
+                      world_size_invariant=world_size_invariant, shard_placement_fn=shard_placement_fn)
+        _wrap_nested(module, auto_wrap_policy, mp, ignored, nested)
+        own = list(wrap._unwrapped_modules(module, _is_unit, ignored))
         self._orig_buffer_dtypes = construct.materialize(own, param_init_fn, device, mp.buffer_dtype)
-        skip = _skip_param_ids | {id(p) for p in ignored_params}
-        slots = construct.collect_slots(module, ignored, skip, name, is_unit)
+        slots = construct.collect_slots(module, ignored, skip_param_ids | {id(p) for p in ignored_params},
+                                        name, _is_unit)
         extensions.refuse([(s.fqn, s.param) for s in slots], where)
         construct.apply_placements(slots, shard_placement_fn, where)
-        construct.prepare_values(slots, own, param_init_fn, device, sync_module_states, name,
-                         (shard_group, replicate_group))
+        construct.prepare_values(slots, own, param_init_fn, device, sync_module_states, name, groups)
         settings = UnitSettings(
             reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
             backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
-        self._runtime = construct.build_unit(name, slots, [s.param for s in slots], (shard_group, replicate_group),
-                                             device, mp=mp, offload=offload, settings=settings,
+        self._runtime = construct.build_unit(name, slots, [s.param for s in slots], groups, device, mp=mp,
+                                             offload=offload, settings=settings,
                                              invariant_where=where if world_size_invariant else None)
-        unit = self._runtime.unit
+        self._adopt(module, name, strategy, mp, ignored, ignored_params, own)
+        self.use_orig_params = use_orig_params  # informational: original parameters are always exposed
+        self._full_precision = (casting.FullPrecisionRun(self._runtime.unit.flat_shard.dtype)
+                                if full_precision else None)
+        _hook_direct_calls(self, module)
+        self._sd_installed = False  # a state-dict save pre-hook registered values (see module_hooks)
+        module_hooks.register(self)
+
+    def _adopt(self, module: nn.Module, name: str, strategy: ShardingStrategy, mp: MixedPrecision,
+               ignored: set[int], ignored_params: list, own: list[nn.Module]) -> None:
+        """Take ``module`` in as the wrapped module and record what the unit was built with."""
         construct.register(construct.WRAPPED, module, name)
         self._fsdp_wrapped_module = module
         self._strategy = strategy
         self._mixed_precision = mp
         self._ignored_modules = tuple(m for m in module.modules() if id(m) in ignored)  # for enclosing units
         self._ignored_params = tuple(ignored_params)
-        self.use_orig_params = use_orig_params  # informational: original parameters are always exposed
         self._own_modules = own
         self._buffer_dtype = mp.buffer_dtype
-        self._full_precision = casting.FullPrecisionRun(unit.flat_shard.dtype) if _full_precision else None
-        _hook_direct_calls(self, module)
-        self._sd_installed = False  # a state-dict save pre-hook registered values (see module_hooks)
-        module_hooks.register(self)
 
     # ------------------------------------------------------------ structure
     @property
@@ -419,5 +432,36 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
             deferred_init.move_buffers(self._own_modules, dev, self._buffer_dtype)
         return self
 
-
 FSDP = FullyShardedDataParallel
+
+
+def _is_unit(module: nn.Module) -> bool:
+    return isinstance(module, FullyShardedDataParallel)
+
+
+def _require_process_group() -> None:
+    if not collectives.is_initialized():
+        raise RuntimeError(
+            "FullyShardedDataParallel needs an initialized process group: launch with "
+            "`torchrun --nproc-per-node N script.py` and call "
+            "torch.distributed.init_process_group() before wrapping")
+
+
+def _wrap_nested(module: nn.Module, auto_wrap_policy, mp: MixedPrecision, ignored: set[int],
+                 options: dict[str, Any]) -> None:
+    """Make ``module``'s nested units, each with the constructor ``options``:
+    under a low-precision ``mp``, its norm layers with running statistics
+    first, as full-precision units; then the modules ``auto_wrap_policy`` picks."""
+
+    def unit_fn(full_precision: bool = False, **over: Any) -> Callable[..., nn.Module]:
+        return lambda child, name, skip_param_ids: FullyShardedDataParallel._nested(
+            child, name, skip_param_ids, full_precision, **{**options, **over})
+
+    if mp.param_dtype is not None and mp.full_precision_module_classes:
+        full_mp = MixedPrecision(cast_forward_inputs=False, full_precision_module_classes=())
+        wrap.recursive_wrap(module, wrap.ModuleWrapPolicy(mp.full_precision_module_classes),
+                            unit_fn(True, mixed_precision=full_mp), ignored, _is_unit)
+    if isinstance(auto_wrap_policy, (set, frozenset)):
+        auto_wrap_policy = wrap.ModuleWrapPolicy(auto_wrap_policy)
+    if auto_wrap_policy is not None:
+        wrap.recursive_wrap(module, auto_wrap_policy, unit_fn(), ignored, _is_unit)

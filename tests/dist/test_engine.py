@@ -295,8 +295,8 @@ def _errors(rank, world):
 
     # A tied weight split between units by manual wrapping.
     tied = TiedTwice()
-    tied.a = FSDP(tied.a, _unit_name="a")
-    msgs["tied_split"] = expect(ValueError, lambda: FSDP(tied), "b.weight", "already sharded by unit 'a'")
+    tied.a = FSDP(tied.a)  # a manually wrapped unit is named by its module's class
+    msgs["tied_split"] = expect(ValueError, lambda: FSDP(tied), "b.weight", "already sharded by unit 'Linear'")
 
     # Illegal training-state transitions name the unit, the rank and both states.
     rt = FSDP(M.make_model("mlp"))._runtime

@@ -218,6 +218,10 @@ def _gpt(rank, world):
     assert held["output_projection"] == [] and "embed_tokens.weight" in held["GPT"], held
     assert held["layers.0"] == ["layers.0.ln_1.bias", "layers.0.ln_1.weight", "layers.0.ln_2.bias",
                                 "layers.0.ln_2.weight"], held
+    # A subclass wraps the root; the units it nests are FullyShardedDataParallel's, named by their path.
+    sub = type("SubFSDP", (FSDP,), {})(M.clone(plain), auto_wrap_policy=policy_fn())
+    assert [type(u).__name__ for u in sub.units()] == ["SubFSDP"] + ["FullyShardedDataParallel"] * (len(tree) - 1)
+    assert nesting(sub) == tree, nesting(sub)
     # Full state dict: the plain model's keys and values; loading a plain one.
     ref = plain.state_dict()
     sd = model.state_dict()
