@@ -151,7 +151,7 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
                       backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
                       device_id=device, sync_module_states=sync_module_states,
                       ignored_modules=ignored_modules, param_init_fn=param_init_fn,
-                      mixed_precision=mixed_precision, cpu_offload=cpu_offload, use_orig_params=False,
+                      mixed_precision=mixed_precision, cpu_offload=cpu_offload, use_orig_params=use_orig_params,
                       ignored_states=ignored_params or None, device_mesh=None,
                       world_size_invariant=world_size_invariant, shard_placement_fn=shard_placement_fn)
         _wrap_nested(module, auto_wrap_policy, mp, ignored, nested)
