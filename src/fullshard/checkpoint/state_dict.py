@@ -231,10 +231,10 @@ def check_shardable(unit) -> None:
 
 
 def shard_value(unit, slot, local: torch.Tensor, offload: bool, shape: Optional[torch.Size] = None) -> torch.Tensor:
-    """The sharded-state-dict value of ``slot`` (a ``ParamSlot`` of ``unit``) whose local rows are ``local``
-    (shape ``layout.local_shape(rank)``, or ``(local rows, *shape[1:])`` for
-    a per-row value of another full ``shape``, e.g. Adafactor's ``(R, 1)``
-    row statistics): a ``DTensor(Shard(0))``, or a plain full tensor for
+    """The sharded-state-dict value of ``slot`` (a ``ParamSlot`` of ``unit``)
+    whose local rows are ``local`` (shape ``slot.layout.local_shape(rank)``,
+    or ``(local rows, *shape[1:])`` for a per-row value of another full
+    ``shape``, e.g. Adafactor's ``(R, 1)`` row statistics): a ``DTensor(Shard(0))``, or a plain full tensor for
     NO_SHARD units and 0-dim parameters (see [Note: state-dict values])."""
     lay = slot.layout
     shape = lay.shape if shape is None else torch.Size(shape)
@@ -259,8 +259,9 @@ def shard_value(unit, slot, local: torch.Tensor, offload: bool, shape: Optional[
 
 def local_rows(unit, slot, value: torch.Tensor, key: str) -> torch.Tensor:
     """This rank's rows of ``value`` (a full tensor, or a DTensor laid out as
-    ours) of ``slot``'s parameter (a ``ParamSlot`` of ``unit``) or of a per-row value with other
-    trailing dimensions (dim 0 is the parameter's rows).
+    ours) of ``slot``'s parameter (a ``ParamSlot`` of ``unit``) or of a
+    per-row value with other trailing dimensions (dim 0 is the parameter's
+    rows).
 
     Raises:
         ValueError: a DTensor whose local shard is not this rank's ``torch.chunk`` rows.
@@ -289,7 +290,7 @@ def rechunk(unit, local: torch.Tensor, src: tuple, dst: tuple) -> torch.Tensor:
     """One parameter's rows laid out by row bounds ``src`` (this rank holds
     ``local``, rows ``[src[r], src[r+1])``) as laid out by ``dst``: one
     all-gather of the padded local rows over the shard group (every rank of
-    it calls this for the same slot). Used to present block and owned
+    it calls this for the same parameter). Used to present block and owned
     placements as ``torch.chunk`` rows in state dicts and back. ``local``
     may have other trailing dimensions than the parameter (a per-row
     optimizer state)."""
