@@ -101,8 +101,8 @@ def _save_values(unit_module: nn.Module) -> Optional[list]:
     if st.type is StateDictType.SHARDED_STATE_DICT:
         state_dicts.check_shardable(unit)
         views = flat_layout.shard_views(unit.flat_shard, unit.layout, unit.rank)
-        return [nn.Parameter(state_dicts.shard_value(unit, si, v, offload), requires_grad=lay.requires_grad)
-                for si, (v, lay) in enumerate(zip(views, unit.layout.params))]
+        return [nn.Parameter(state_dicts.shard_value(unit, slot, v, offload), requires_grad=slot.layout.requires_grad)
+                for slot, v in zip(unit.slots, views)]
     if unit.summoned:  # summon_full_params already registered full parameters: no gather
         _check_summoned(unit)
         return None
@@ -111,16 +111,16 @@ def _save_values(unit_module: nn.Module) -> Optional[list]:
         return [None] * len(unit.slots)
     # One storage per value (not views of the unit's buffer): safetensors and
     # torch.save of a single entry must not see the others.
-    return [nn.Parameter(state_dicts.copy_value(v, offload), requires_grad=lay.requires_grad)
-            for v, lay in zip(full, unit.layout.params)]
+    return [nn.Parameter(state_dicts.copy_value(v, offload), requires_grad=slot.layout.requires_grad)
+            for slot, v in zip(unit.slots, full)]
 
 
 def _check_summoned(unit) -> None:
     """Raises RuntimeError when ``summon_full_params(rank0_only=True)`` left this
     rank without full parameters."""
-    for slot, lay in zip(unit.slots, unit.layout.params):
+    for slot in unit.slots:
         module, attr = slot.owners[0]
-        if tuple(module._parameters[attr].shape) != tuple(lay.shape):
+        if tuple(module._parameters[attr].shape) != tuple(slot.layout.shape):
             raise RuntimeError(f"[rank {collectives.rank()}] state_dict() inside summon_full_params(rank0_only=True): "
                                f"unit '{unit.name}' holds no full parameters on this rank; call it on rank 0 only "
                                "(group rank 0 of the unit's process group)")
@@ -172,15 +172,15 @@ def _buffers_in_saved_dtype(unit_module: nn.Module, state_dict: dict, prefix: st
 
 
 # ----------------------------------------------------------------------- load
-def _owner_keys(unit_module: nn.Module, prefix: str) -> dict[str, int]:
-    """Incoming key (segment added, deeper wrapper segments not yet) -> slot index."""
-    owner = {(id(m), a): si for si, slot in enumerate(unit_module.unit.slots) for m, a in slot.owners}
+def _owner_keys(unit_module: nn.Module, prefix: str) -> dict:
+    """Incoming key (segment added, deeper wrapper segments not yet) -> its ``ParamSlot``."""
+    owner = {(id(m), a): slot for slot in unit_module.unit.slots for m, a in slot.owners}
     out = {}
     for mprefix, m in state_dicts.walk(unit_module._fsdp_wrapped_module, prefix + SEGMENT):
         for attr in m._parameters:
-            si = owner.get((id(m), attr))
-            if si is not None:
-                out[mprefix + attr] = si
+            slot = owner.get((id(m), attr))
+            if slot is not None:
+                out[mprefix + attr] = slot
     return out
 
 
@@ -197,37 +197,37 @@ def _load_pre(unit_module: nn.Module, state_dict: dict, prefix: str, local_metad
                            "(its writeback would overwrite what was loaded)")
     for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + SEGMENT)]:
         state_dict[prefix + SEGMENT + k[len(prefix):]] = state_dict.pop(k)
-    lays = unit.layout.params
     from torch.distributed.tensor import DTensor
 
     local_flat = None
     if st.type is StateDictType.LOCAL_STATE_DICT:
         local_flat = _local_flat(unit, state_dict.pop(prefix + SEGMENT + FLAT_PARAM_KEY, None), prefix, missing_keys)
-        targets = [None] * len(lays)
+        targets = [None] * len(unit.slots)
     elif st.type is StateDictType.SHARDED_STATE_DICT:
         state_dicts.check_shardable(unit)
-        for key, si in _owner_keys(unit_module, prefix).items():
-            v = state_dict.get(key)
-            if torch.is_tensor(v) and unit.world > 1 and len(lays[si].shape) > 0 and \
-                    not isinstance(v, DTensor) and v.shape == lays[si].shape:
-                rows = state_dicts.local_rows(unit, si, v, clean_name(key))
-                state_dict[key] = state_dicts.shard_value(unit, si, rows, False)
+        for key, slot in _owner_keys(unit_module, prefix).items():
+            v, shape = state_dict.get(key), slot.layout.shape
+            if torch.is_tensor(v) and unit.world > 1 and len(shape) > 0 and \
+                    not isinstance(v, DTensor) and v.shape == shape:
+                rows = state_dicts.local_rows(unit, slot, v, clean_name(key))
+                state_dict[key] = state_dicts.shard_value(unit, slot, rows, False)
             elif isinstance(v, DTensor):
-                state_dicts.local_rows(unit, si, v, clean_name(key))  # raises on a local shard laid out otherwise
+                state_dicts.local_rows(unit, slot, v, clean_name(key))  # raises on a local shard laid out otherwise
         # Targets hold copies of this rank's rows (a 0-dim parameter: a whole
         # value), so nothing reaches the shard before the load succeeded.
         views = flat_layout.shard_views(unit.flat_shard, unit.layout, unit.rank)
         targets = []
-        for si, (view, lay) in enumerate(zip(views, lays)):
+        for slot, view in zip(unit.slots, views):
+            lay = slot.layout
             if unit.world == 1 or len(lay.shape) > 0:
-                value = state_dicts.shard_value(unit, si, view.clone(), False)
+                value = state_dicts.shard_value(unit, slot, view.clone(), False)
             else:
                 value = torch.zeros(lay.shape, dtype=view.dtype, device=view.device)
             targets.append(nn.Parameter(value, requires_grad=lay.requires_grad))
     else:
         dev = unit.flat_shard.device
-        targets = [nn.Parameter(torch.empty(lay.shape, dtype=unit.flat_shard.dtype, device=dev),
-                                requires_grad=lay.requires_grad) for lay in lays]
+        targets = [nn.Parameter(torch.empty(slot.layout.shape, dtype=unit.flat_shard.dtype, device=dev),
+                                requires_grad=slot.layout.requires_grad) for slot in unit.slots]
     marks = [None if t is None else _mark(t) for t in targets]
     _LOADS[id(unit_module)] = _LoadTargets(targets, marks, error_msgs, local_flat)
     unit.install_params(targets)
@@ -271,11 +271,11 @@ def _load_post(unit_module: nn.Module, incompatible_keys) -> None:
     if pending is None:
         return
     writes = []
-    for si, (slot, target, mark) in enumerate(zip(unit.slots, pending.targets, pending.marks)):
+    for slot, target, mark in zip(unit.slots, pending.targets, pending.marks):
         module, attr = slot.owners[0]
         now = module._parameters[attr]
         if mark is not None and _written(target, now, mark):
-            writes.append((si, now))
+            writes.append((slot, now))
     unit.restore_params()
     for names in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         names[:] = [clean_name(n) for n in names]
@@ -285,9 +285,9 @@ def _load_post(unit_module: nn.Module, incompatible_keys) -> None:
     def copy_rows():
         if pending.local_flat is not None:
             unit.flat_shard.copy_(pending.local_flat)
-        views = flat_layout.shard_views(unit.flat_shard, unit.layout, unit.rank)
-        for si, value in writes:
-            views[si].copy_(state_dicts.local_rows(unit, si, value, unit.layout.params[si].fqn))
+        views = dict(zip(unit.slots, flat_layout.shard_views(unit.flat_shard, unit.layout, unit.rank)))
+        for slot, value in writes:
+            views[slot].copy_(state_dicts.local_rows(unit, slot, value, slot.layout.fqn))
 
     if _DEFERRED[-1] is not None:
         _DEFERRED[-1].append(copy_rows)

@@ -38,13 +38,13 @@ from ..core.params import local_of
 from . import state_dict as state_dicts
 
 
-def _param_info(units, ents) -> dict:
-    """id(parameter the optimizer sees) -> (name, unit index or None, slot index or None)."""
+def _param_info(ents) -> dict:
+    """id(parameter the optimizer sees) -> (name, Unit or None, ParamSlot or None)."""
     info = {}
     for e in ents:
         if e.is_buffer:
             continue
-        p = e.tensor if e.tensor is not None else units[e.unit].sharded_params[e.slot]
+        p = e.tensor if e.tensor is not None else e.slot.sharded
         info.setdefault(id(p), (e.key, e.unit, e.slot))
     return info
 
@@ -116,11 +116,13 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
 
 
 def _agree_keys(units, mine: dict) -> dict:
-    """{unit index: {per-row key: (dtype, {slot: trailing shape})}} as the
-    union over each unit's shard group (a rank may hold no state). One object all-gather
-    per run of consecutive units on the same group: the units' collectives
-    that follow run over that group, and units on other groups (another
-    model's, a per-rank expert's) must not wait for each other."""
+    """{unit: {per-row key: (dtype, {slot: trailing shape})}} as the union
+    over each unit's shard group (a rank may hold no state). One object
+    all-gather per run of consecutive units on the same group: the units'
+    collectives that follow run over that group, and units on other groups
+    (another model's, a per-rank expert's) must not wait for each other.
+    On the wire a run is one entry per unit and a unit's trailing shapes
+    one per slot (None: none here), in order, as objects cannot travel."""
     keys: dict = {}
     start = 0
     while start < len(units):
@@ -128,11 +130,14 @@ def _agree_keys(units, mine: dict) -> dict:
         end = start + 1
         while end < len(units) and units[end].cfg.shard_group is group:
             end += 1
-        run = {ui: mine[ui] for ui in range(start, end) if ui in mine}
-        for theirs in collectives.all_gather_object(run, group, tag="optimizer state keys"):
-            for ui, kd in theirs.items():
-                for k, (dtype, trailing) in kd.items():
-                    keys.setdefault(ui, {}).setdefault(k, (dtype, {}))[1].update(trailing)
+        run = units[start:end]
+        sent = [{k: (dtype, [trailing.get(slot) for slot in unit.slots])
+                 for k, (dtype, trailing) in mine.get(unit, {}).items()} for unit in run]
+        for theirs in collectives.all_gather_object(sent, group, tag="optimizer state keys"):
+            for unit, kd in zip(run, theirs):
+                for k, (dtype, tails) in kd.items():
+                    got = keys.setdefault(unit, {}).setdefault(k, (dtype, {}))[1]
+                    got.update((slot, tail) for slot, tail in zip(unit.slots, tails) if tail is not None)
         start = end
     return keys
 
@@ -143,35 +148,35 @@ def _gather_rows(unit, have: dict, trailing: dict, dtype: torch.dtype) -> dict:
     over the unit's shard group: columns packed into the parameter's rows,
     one :func:`gather_full` per pass (one pass when a value's rows are no
     longer than the parameter's)."""
-    lay = unit.layout
     widths = {}
-    for si, tail in trailing.items():
-        p = lay.params[si]
-        widths[si] = (math.prod(tail), p.row_numel)
-        if p.row_numel == 0 and widths[si][0]:
+    for slot, tail in trailing.items():
+        p = slot.layout
+        widths[slot] = (math.prod(tail), p.row_numel)
+        if p.row_numel == 0 and widths[slot][0]:
             raise ValueError(f"[rank {collectives.rank()}] unit '{unit.name}': per-row optimizer state of "
-                             f"'{p.fqn}' has {widths[si][0]} elements per row, the parameter none")
+                             f"'{p.fqn}' has {widths[slot][0]} elements per row, the parameter none")
     passes = max([-(-mv // mp) for mv, mp in widths.values() if mp] or [1])
-    pieces = {si: [] for si in trailing}
+    pieces = {slot: [] for slot in trailing}
     for j in range(passes):
-        buf = torch.zeros(lay.shard_numel, dtype=dtype, device=unit.flat_shard.device)
-        views = flat.shard_views(buf, lay, unit.rank)
-        for si, v in have.items():
-            (mv, mp), lo = widths[si], j * widths[si][1]
+        buf = torch.zeros(unit.layout.shard_numel, dtype=dtype, device=unit.flat_shard.device)
+        views = dict(zip(unit.slots, flat.shard_views(buf, unit.layout, unit.rank)))
+        for slot, v in have.items():
+            (mv, mp), lo = widths[slot], j * widths[slot][1]
             hi = min(lo + mp, mv)
             if hi > lo:
-                views[si].reshape(-1, mp)[:, :hi - lo].copy_(v.reshape(-1, mv)[:, lo:hi])
-        gathered = gather_full(unit, buf)
-        for si in trailing:
-            (mv, mp), lo = widths[si], j * widths[si][1]
+                views[slot].reshape(-1, mp)[:, :hi - lo].copy_(v.reshape(-1, mv)[:, lo:hi])
+        gathered = dict(zip(unit.slots, gather_full(unit, buf)))
+        for slot in trailing:
+            (mv, mp), lo = widths[slot], j * widths[slot][1]
             hi = min(lo + mp, mv)
             if hi > lo:
-                pieces[si].append(gathered[si].reshape(lay.params[si].rows, mp)[:, :hi - lo])
+                pieces[slot].append(gathered[slot].reshape(slot.layout.rows, mp)[:, :hi - lo])
     out = {}
-    for si, tail in trailing.items():
-        p = lay.params[si]
+    for slot, tail in trailing.items():
+        p = slot.layout
         shape = p.shape if tail == tuple(p.shape[1:]) else (p.rows, *tail)
-        out[si] = (torch.cat(pieces[si], dim=1) if pieces[si] else torch.zeros(p.rows, 0, dtype=dtype)).reshape(shape)
+        out[slot] = (torch.cat(pieces[slot], dim=1) if pieces[slot] else
+                     torch.zeros(p.rows, 0, dtype=dtype)).reshape(shape)
     return out
 
 
@@ -197,56 +202,57 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
     offload = st.optim_config.offload_to_cpu
     keep = not (full and st.optim_config.rank0_only) or state_dicts.first_rank(model)
     units, ents = state_dicts.entries(model)
-    info = _param_info(units, ents)
+    info = _param_info(ents)
     order = _optim_params(optim, info)
     osd = optim.state_dict()
     groups = [dict(g, params=[info[id(order[i])][0] for i in g["params"]]) for g in osd["param_groups"]]
-    by_slot = {}
+    by_slot = {}  # ParamSlot -> its per-row state
+    slot_unit = {}
     out = {}
     for i, s in osd["state"].items():
-        name, ui, si = info[id(order[i])]
-        if ui is None:
+        name, unit, slot = info[id(order[i])]
+        if unit is None:
             out[name] = {k: state_dicts.copy_value(v, offload) if torch.is_tensor(v) else v for k, v in s.items()}
             continue
-        shape = units[ui].layout.params[si].local_shape(units[ui].rank)
+        shape = slot.layout.local_shape(unit.rank)
         rows = {k for k, v in s.items() if _is_rows(optim, order[i], k, v, shape)}
-        by_slot[(ui, si)] = {k: s[k] for k in rows}
+        by_slot[slot] = {k: s[k] for k in rows}
+        slot_unit[slot] = unit
         out[name] = {k: (state_dicts.copy_value(v, offload) if torch.is_tensor(v) else v)
                      for k, v in s.items() if k not in rows}
     # Per-row keys, dtypes and trailing shapes of each unit, the same on every rank (collectives follow them).
     mine = {}
-    for (ui, si), s in by_slot.items():
+    for slot, s in by_slot.items():
         for k, v in s.items():
-            mine.setdefault(ui, {}).setdefault(k, (v.dtype, {}))[1][si] = tuple(local_of(v).shape[1:])
+            mine.setdefault(slot_unit[slot], {}).setdefault(k, (v.dtype, {}))[1][slot] = tuple(local_of(v).shape[1:])
     keys = _agree_keys(units, mine)
-    for ui, unit in enumerate(units):
+    for unit in units:
         if not full:
             state_dicts.check_shardable(unit)
-        for k, (dtype, trailing) in sorted(keys.get(ui, {}).items()):
-            have = {si: local_of(by_slot[(ui, si)][k]) for si in range(len(unit.slots))
-                    if k in by_slot.get((ui, si), {})}
+        for k, (dtype, trailing) in sorted(keys.get(unit, {}).items()):
+            have = {slot: local_of(by_slot[slot][k]) for slot in unit.slots if k in by_slot.get(slot, {})}
             if full:
                 views = _gather_rows(unit, have, trailing, dtype)
                 if keep:
-                    for si in have:
-                        out[info[id(unit.sharded_params[si])][0]][k] = state_dicts.copy_value(views[si], offload)
+                    for slot in have:
+                        out[info[id(slot.sharded)][0]][k] = state_dicts.copy_value(views[slot], offload)
                 del views
                 continue
-            for si in range(len(unit.slots)):
-                lay = unit.layout.params[si]
+            for slot in unit.slots:
+                lay = slot.layout
                 collective = unit.world > 1 and (len(lay.shape) == 0 or lay.bounds != placement.row_bounds(
                     placement.RowShard(), lay.rows, unit.world))
-                if si not in have and not collective:
+                if slot not in have and not collective:
                     continue  # 0-dim slots broadcast, and block/owned rows re-chunk, on every rank, held or not
-                local = have.get(si)
-                tail = trailing.get(si, tuple(lay.shape[1:]))
+                local = have.get(slot)
+                tail = trailing.get(slot, tuple(lay.shape[1:]))
                 if local is None:
                     local = torch.zeros((lay.local_rows(unit.rank), *tail) if len(lay.shape) else
                                         lay.local_shape(unit.rank), dtype=dtype, device=unit.flat_shard.device)
                 full_shape = None if tail == tuple(lay.shape[1:]) else (lay.rows, *tail)
-                v = state_dicts.shard_value(unit, si, local, offload, full_shape)
-                if si in have:
-                    out[info[id(unit.sharded_params[si])][0]][k] = v
+                v = state_dicts.shard_value(unit, slot, local, offload, full_shape)
+                if slot in have:
+                    out[info[id(slot.sharded)][0]][k] = v
     if not keep:
         return {}
     return {"state": out, "param_groups": groups}
@@ -268,8 +274,8 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
     """
     state_dicts.refuse_fully_shard(model, "FSDP.optim_state_dict_to_load()")
     state_dicts.check_idle(model, "optim_state_dict_to_load()")
-    units, ents = state_dicts.entries(model)
-    info = _param_info(units, ents)
+    _, ents = state_dicts.entries(model)
+    info = _param_info(ents)
     order = _optim_params(optim, info)
     init_optim_state(optim)
     cur = optim.state_dict()
@@ -293,16 +299,15 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
             raise ValueError(f"[rank {collectives.rank()}] optimizer state for '{name}', which the optimizer does "
                              "not hold")
         i = index[name]
-        _, ui, si = info[id(order[i])]
+        _, unit, slot = info[id(order[i])]
         template = cur["state"].get(i, {})
         new = {}
         for k, v in s.items():
             t = template.get(k)
-            if ui is not None and _is_rows(optim, order[i], k, t,
-                                           units[ui].layout.params[si].local_shape(units[ui].rank)):
-                rows = state_dicts.local_rows(units[ui], si, v, f"{name}/{k}").clone()
+            if unit is not None and _is_rows(optim, order[i], k, t, slot.layout.local_shape(unit.rank)):
+                rows = state_dicts.local_rows(unit, slot, v, f"{name}/{k}").clone()
                 # In the parameter's form (a DTensor under fully_shard), as the optimizer's own state.
-                new[k] = units[ui].slots[si].grad_like(rows)
+                new[k] = slot.grad_like(rows)
             else:
                 new[k] = v.clone() if torch.is_tensor(v) else v
         state[i] = new

@@ -167,12 +167,13 @@ def walk(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]
 
 @dataclasses.dataclass
 class Entry:
-    """One state-dict key: a managed parameter (``unit``, ``slot``), or a plain tensor."""
+    """One state-dict key: a managed parameter (its ``Unit`` and
+    ``ParamSlot``), or a plain tensor."""
 
     key: str
     is_buffer: bool
-    unit: Optional[int] = None
-    slot: Optional[int] = None
+    unit: Optional[object] = None
+    slot: Optional[object] = None
     tensor: Optional[torch.Tensor] = None
 
 
@@ -180,10 +181,10 @@ def entries(root: nn.Module) -> tuple[list, list[Entry]]:
     """(Unit objects under ``root`` in module order, every state-dict entry in order)."""
     units = [u.unit for u in unit_modules(root)]
     owner = {}
-    for ui, unit in enumerate(units):
-        for si, slot in enumerate(unit.slots):
+    for unit in units:
+        for slot in unit.slots:
             for module, attr in slot.owners:
-                owner[(id(module), attr)] = (ui, si)
+                owner[(id(module), attr)] = (unit, slot)
     out = []
     for prefix, m in walk(root):
         for attr, p in m._parameters.items():
@@ -229,13 +230,13 @@ def check_shardable(unit) -> None:
             "use FULL_STATE_DICT, or FULL_SHARD / SHARD_GRAD_OP / NO_SHARD")
 
 
-def shard_value(unit, si: int, local: torch.Tensor, offload: bool, shape: Optional[torch.Size] = None) -> torch.Tensor:
-    """The sharded-state-dict value of slot ``si`` whose local rows are ``local``
-    (shape ``layout.local_shape(rank)``, or ``(local rows, *shape[1:])`` for
-    a per-row value of another full ``shape``, e.g. Adafactor's ``(R, 1)``
-    row statistics): a ``DTensor(Shard(0))``, or a plain full tensor for
+def shard_value(unit, slot, local: torch.Tensor, offload: bool, shape: Optional[torch.Size] = None) -> torch.Tensor:
+    """The sharded-state-dict value of ``slot`` (a ``ParamSlot`` of ``unit``)
+    whose local rows are ``local`` (shape ``slot.layout.local_shape(rank)``,
+    or ``(local rows, *shape[1:])`` for a per-row value of another full
+    ``shape``, e.g. Adafactor's ``(R, 1)`` row statistics): a ``DTensor(Shard(0))``, or a plain full tensor for
     NO_SHARD units and 0-dim parameters (see [Note: state-dict values])."""
-    lay = unit.layout.params[si]
+    lay = slot.layout
     shape = lay.shape if shape is None else torch.Size(shape)
     if unit.world == 1:
         return (local.detach().to("cpu", copy=True) if offload else local.detach()).view(shape)
@@ -247,7 +248,7 @@ def shard_value(unit, si: int, local: torch.Tensor, offload: bool, shape: Option
 
     chunk = placement.row_bounds(placement.RowShard(), lay.rows, unit.world)
     if lay.bounds != chunk:  # block or owned rows: the checkpoint holds torch.chunk rows, as for any other
-        local = rechunk(unit, si, local.detach(), lay.bounds, chunk)
+        local = rechunk(unit, local.detach(), lay.bounds, chunk)
     local = local.detach().to("cpu", copy=True) if offload else local.detach()
     meshes = _MESHES.setdefault(unit.cfg.shard_group, {})
     if local.device.type not in meshes:
@@ -256,15 +257,16 @@ def shard_value(unit, si: int, local: torch.Tensor, offload: bool, shape: Option
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def local_rows(unit, si: int, value: torch.Tensor, key: str) -> torch.Tensor:
+def local_rows(unit, slot, value: torch.Tensor, key: str) -> torch.Tensor:
     """This rank's rows of ``value`` (a full tensor, or a DTensor laid out as
-    ours) of slot ``si``'s parameter or of a per-row value with other
-    trailing dimensions (dim 0 is the parameter's rows).
+    ours) of ``slot``'s parameter (a ``ParamSlot`` of ``unit``) or of a
+    per-row value with other trailing dimensions (dim 0 is the parameter's
+    rows).
 
     Raises:
         ValueError: a DTensor whose local shard is not this rank's ``torch.chunk`` rows.
     """
-    lay = unit.layout.params[si]
+    lay = slot.layout
     trailing = tuple(value.shape[1:]) if len(lay.shape) else tuple(lay.shape[1:])
     want = torch.Size((lay.local_rows(unit.rank), *trailing))
     from torch.distributed.tensor import DTensor
@@ -273,7 +275,7 @@ def local_rows(unit, si: int, value: torch.Tensor, key: str) -> torch.Tensor:
         local = value.to_local()
         chunk = placement.row_bounds(placement.RowShard(), lay.rows, unit.world)
         if lay.bounds != chunk and local.shape == (chunk[unit.rank + 1] - chunk[unit.rank], *trailing):
-            return rechunk(unit, si, local, chunk, lay.bounds)
+            return rechunk(unit, local, chunk, lay.bounds)
         if local.shape != want:
             raise ValueError(f"[rank {collectives.rank()}] '{key}': DTensor local shard {tuple(local.shape)} is not "
                              "this "
@@ -284,11 +286,11 @@ def local_rows(unit, si: int, value: torch.Tensor, key: str) -> torch.Tensor:
     return value.detach().reshape(lay.rows, -1)[lo:hi].reshape(want)
 
 
-def rechunk(unit, si: int, local: torch.Tensor, src: tuple, dst: tuple) -> torch.Tensor:
-    """Slot ``si``'s rows laid out by row bounds ``src`` (this rank holds
+def rechunk(unit, local: torch.Tensor, src: tuple, dst: tuple) -> torch.Tensor:
+    """One parameter's rows laid out by row bounds ``src`` (this rank holds
     ``local``, rows ``[src[r], src[r+1])``) as laid out by ``dst``: one
     all-gather of the padded local rows over the shard group (every rank of
-    it calls this for the same slot). Used to present block and owned
+    it calls this for the same parameter). Used to present block and owned
     placements as ``torch.chunk`` rows in state dicts and back. ``local``
     may have other trailing dimensions than the parameter (a per-row
     optimizer state)."""

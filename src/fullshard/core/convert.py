@@ -75,7 +75,8 @@ def convert(rt: state.UnitRuntime, fn: Callable[[torch.Tensor], torch.Tensor]) -
         changed = convert_shard(rt.unit, fn)
     if changed:
         rt.rearm_grad_hook()
-        for slot, sp in zip(rt.unit.slots, rt.unit.sharded_params):
+        for slot in rt.unit.slots:
+            sp = slot.sharded
             _CONVERTED[id(sp)] = (weakref.ref(sp, functools.partial(_forget, id(sp))), slot.fqn)
         optim_hooks.add_pre_step("converted state dtype", _check_state_dtypes)
     return changed
@@ -204,8 +205,7 @@ def sharded_params_hidden(rt: state.UnitRuntime) -> Iterator[None]:
     the module function converts only what the unit does not manage (buffers,
     ignored parameters); positions in ``_parameters`` are kept."""
     unit = rt.unit
-    owners = [(module, attr, sp) for slot, sp in zip(unit.slots, unit.sharded_params)
-              for module, attr in slot.owners]
+    owners = [(module, attr, slot.sharded) for slot in unit.slots for module, attr in slot.owners]
     for module, attr, _ in owners:
         module._parameters[attr] = None
     try:

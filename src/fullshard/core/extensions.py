@@ -188,10 +188,11 @@ def finish(unit) -> None:
             post(outs, state.metadata, unit.compute_dtype, out=state.full)
         else:
             tensor, inner = post(outs, state.metadata, unit.compute_dtype)
-            shape = unit.layout.params[i].shape
+            slot = unit.slots[i]
+            shape = slot.layout.shape
             if tensor.numel() < shape.numel():
                 raise ValueError(f"[rank {collectives.rank()}] unit '{unit.name}': fsdp_post_all_gather of "
-                                 f"'{unit.slots[i].fqn}' returned {tuple(tensor.shape)}, fewer elements than the "
+                                 f"'{slot.fqn}' returned {tuple(tensor.shape)}, fewer elements than the "
                                  f"parameter's {tuple(shape)}")
             state.full = torch.as_strided(tensor.detach(), shape, flat.contiguous_stride(shape), 0)
             for t in tree.plain_tensors(list(inner)):
@@ -260,7 +261,7 @@ def _pre(unit, i: int, local) -> tuple[list[torch.Tensor], object]:
     if nargs == 1:
         inputs, metadata = hook(mesh)
     elif nargs == 5:
-        shape = unit.layout.params[i].shape
+        shape = slot.layout.shape
         inputs, metadata = hook(mesh, shape, flat.contiguous_stride(shape), slot.owners[0][0], _mp_policy(unit))
     else:
         raise ValueError(f"[rank {collectives.rank()}] unit '{unit.name}': fsdp_pre_all_gather of '{slot.fqn}' "

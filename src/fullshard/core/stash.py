@@ -158,16 +158,15 @@ class Window:
 
     def _install_watch(self, unit) -> None:
         lay = unit.layout
-        missing = [i for i, (slot, p) in enumerate(zip(unit.slots, lay.params))
-                   if p.requires_grad and slot.sharded.grad is None]
+        missing = [i for i, slot in enumerate(unit.slots) if slot.layout.requires_grad and slot.sharded.grad is None]
         if missing:
             # One allocation for all sentinels of the unit.
             zeros = torch.zeros(lay.grad_shard_numel, dtype=unit.grad_dtype, device=unit.flat_shard.device)
             views = flat.grad_shard_views(zeros, lay, unit.rank)
             for i in missing:
                 self._install_sentinel(unit, i, views[i])
-        for i, p in enumerate(lay.params):
-            if p.requires_grad:
+        for i, slot in enumerate(unit.slots):
+            if slot.layout.requires_grad:
                 self._watch(unit, i)
 
     def _install_sentinel(self, unit, i: int, zeros: torch.Tensor) -> None:
@@ -216,7 +215,7 @@ class Window:
         unit = self.unit_ref()
         lay = unit.layout
         for i, seen in list(self.watch.items()):
-            cur = unit.sharded_params[i].grad
+            cur = unit.slots[i].sharded.grad
             if seen is not None and cur is not None and cur is seen[0]() and \
                     torch_private.version_counter(cur) == seen[1]:
                 continue
