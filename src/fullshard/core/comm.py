@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, flat, torch_private
+from . import collectives, flat, torch_private, used_flags
 from .buffers import POOL
 
 
@@ -142,7 +142,8 @@ def custom_reduce_scatter(unit, full_grad: Optional[torch.Tensor], used: list[bo
     collectives.call_custom("reduce_scatter(custom)", tag, group, inp,
                             lambda pg, op: comm(output_tensor=shard, input_tensor=inp, group=pg, op=op,
                                                 async_op=False))
-    flags = torch.tensor(used, dtype=dtype, device=device)
+    flags = torch.empty(len(used), dtype=dtype, device=device)
+    used_flags.fill(flags.view(1, -1), used)  # no host-to-device copy of a Python list
     collectives.all_reduce(flags, group, "sum", tag=tag + " used flags")
     return torch.cat([shard.reshape(-1), flags])
 

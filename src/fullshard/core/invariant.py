@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, flat, grads, post_accumulate, reduce, registry
+from . import collectives, flat, grads, post_accumulate, reduce, registry, used_flags
 from .buffers import POOL
 
 # Bits of each integer limb of exact_sum: n values of up to 2**LIMB_BITS each
@@ -47,6 +47,7 @@ from .buffers import POOL
 LIMB_BITS = 31
 LIMBS = 3
 _LAYOUTS: dict = {}
+_INDEX: dict = {}  # (layout, device) -> index tensors of start_fold's send order
 def is_marked(param) -> bool:
     """Whether ``param`` is a sharded parameter of a live world_size_invariant unit."""
     found = registry.find(param)
@@ -112,23 +113,34 @@ def start_fold(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "Pe
         padded[:, :block] = reduce_in.view(unit.world, block)
         pieces = padded.view(unit.world, reps, part)
         # World rank y receives sub-part q(y) of block s(y).
-        idx_s = torch.tensor([s for s, _ in layout], device=reduce_in.device)
-        idx_q = torch.tensor([q for _, q in layout], device=reduce_in.device)
+        idx_s, idx_q = _send_index(layout, reduce_in.device)
         send.view(world, part).copy_(pieces[idx_s, idx_q])
         POOL.give(reduce_in)
     recv = POOL.take(world * part, unit.reduce_dtype, cfg.compute_device)
     work = collectives.all_to_all(recv, send, collectives.world_group(), async_op=True,
                                   tag=f"unit '{unit.name}' (world_size_invariant)")
-    return PendingFold(unit, work, send, recv, block, part, reps)
+    return PendingFold(unit, work, send, recv, block, part, reps, all(used))
+
+
+def _send_index(layout: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block and sub-part indices of every world rank's piece (built once per
+    layout and device: no host-to-device copy per backward)."""
+    key = (layout, str(device))
+    found = _INDEX.get(key)
+    if found is None:
+        found = _INDEX[key] = (torch.tensor([s for s, _ in layout], device=device),
+                               torch.tensor([q for _, q in layout], device=device))
+    return found
 
 
 class PendingFold:
     """An in-flight all-to-all of :func:`start_fold`; same interface as
     :class:`~fullshard.core.reduce.PendingReduce`."""
 
-    def __init__(self, unit, work, send, recv, block: int, part: int, reps: int):
+    def __init__(self, unit, work, send, recv, block: int, part: int, reps: int, all_used: bool = False):
         self.unit, self.work, self.send, self.recv = unit, work, send, recv
         self.block, self.part, self.reps = block, part, reps
+        self.all_used = all_used  # this rank used every parameter: every folded flag is positive
 
     def _wait(self) -> None:
         if self.work is not None:
@@ -136,13 +148,16 @@ class PendingFold:
         POOL.give(self.send)
         self.send = None
 
-    def finish(self, run_hooks: bool = True) -> None:
+    def finish(self, later: Optional[used_flags.UsedFlags] = None, run_hooks: bool = True) -> None:
         """Fold the received pieces in world-rank order onto the gradient
         shard and write it to the parameters' ``.grad``; then run their
         post-accumulate-grad hooks, unless ``run_hooks`` is False (a stashed
-        micro-batch: the synchronizing backward's fold runs them once)."""
+        micro-batch: the synchronizing backward's fold runs them once).
+        ``later``: as :meth:`~fullshard.core.reduce.PendingReduce.finish`."""
         self._wait()
         unit = self.unit
+        if later is not None and later.holds(unit):
+            later.flush()  # the fold starts from the unit's current .grad
         n_grad = unit.layout.grad_shard_numel
         acc_dtype = unit.flat_shard.dtype
         device = self.recv.device
@@ -160,9 +175,13 @@ class PendingFold:
             collectives.all_gather(gathered, mine.clone(), rep, async_op=False,
                                    tag=f"unit '{unit.name}' (world_size_invariant replicas)")
             acc = gathered
-        _write_grad(unit, acc[:self.block])
-        if run_hooks:
-            post_accumulate.run(unit)
+        folded = acc[:self.block]
+
+        def write(used):
+            _write_grad(unit, folded, used)
+            if run_hooks:
+                post_accumulate.run(unit)
+        used_flags.settle(later, unit, folded[n_grad:], self.all_used, write)
 
     def abandon(self) -> None:
         """Wait for the collective (its buffers must outlive it) and drop the result."""
@@ -185,13 +204,15 @@ def _current_grad(unit) -> torch.Tensor:
     return out
 
 
-def _write_grad(unit, folded: torch.Tensor) -> None:
+def _write_grad(unit, folded: torch.Tensor, used: Optional[list[bool]]) -> None:
     """Install the folded block (gradient shard, then the used counts) as the
-    sharded parameters' ``.grad``; a parameter with no gradient that no rank
-    used keeps ``grad None``, and a ``no_sync`` sentinel no rank filled goes."""
+    sharded parameters' ``.grad``; ``used``: the counts as booleans (None:
+    all positive). A parameter with no gradient that no rank used keeps
+    ``grad None``, and a ``no_sync`` sentinel no rank filled goes."""
     lay = unit.layout
     n_grad = lay.grad_shard_numel
-    used = (folded[n_grad:] > 0).tolist()
+    if used is None:
+        used = [True] * len(lay.params)
     values = folded[:n_grad].to(unit.flat_shard.device, unit.grad_dtype)
     sentinels = unit.stash.take_sentinels()
     for i, (slot, view) in enumerate(zip(unit.slots, flat.grad_shard_views(values, lay, unit.rank))):

@@ -6,7 +6,8 @@ sharded parameters' ``.grad``.
 Each rank's block carries one extra element per parameter, 1 where this
 rank used it: after the sum a parameter no rank used is told apart from one
 whose gradients cancel, and keeps ``grad None`` as under DDP
-(``find_unused_parameters=True``).
+(``find_unused_parameters=True``); the flags are read on the host at most
+once per backward (core/used_flags.py [Note: used flags on the host]).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, comm, flat, grads, post_accumulate
+from . import collectives, comm, flat, grads, post_accumulate, used_flags
 
 
 def reduce_input(unit, full_grad: Optional[torch.Tensor], used: list[bool], alloc=None) -> tuple[torch.Tensor, int]:
@@ -31,8 +32,7 @@ def reduce_input(unit, full_grad: Optional[torch.Tensor], used: list[bool], allo
         reduce_in.zero_()
     else:
         flat.copy_in(reduce_in, full_grad, unit.layout, block_numel=block)
-    flags = reduce_in.view(unit.world, block)[:, n_grad:]
-    flags.copy_(torch.tensor(used, dtype=unit.reduce_dtype).expand_as(flags))
+    used_flags.fill(reduce_in.view(unit.world, block)[:, n_grad:], used)
     return reduce_in, block
 
 
@@ -46,7 +46,7 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
     pre, post = settings.divide_factors(settings.grad_divide_factor or cfg.dp_world_size, unit.reduce_dtype)
     if settings.custom_reduce_scatter is not None and collectives.group_size(group) > 1:
         out = comm.custom_reduce_scatter(unit, full_grad, used, group, pre, tag)
-        return PendingReduce(unit, None, None, out, post)
+        return PendingReduce(unit, None, None, out, post, all_used=all(used))
     # Symmetric memory serves the reduce-scatter only with force_sum (torch FSDP2: NCCL's
     # symmetric reduce-scatter sums only).
     alloc = settings.allocator
@@ -60,19 +60,19 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
         alloc.prepare(reduce_in, group)
         alloc.prepare(out, group)
     work = collectives.reduce_scatter(out, reduce_in, group, async_op=True, tag=tag)
-    return PendingReduce(unit, work, reduce_in, out, post, alloc)
+    return PendingReduce(unit, work, reduce_in, out, post, alloc, all(used))
 
 
-def _accumulate(unit, out: torch.Tensor, skip: frozenset = frozenset()) -> None:
+def _accumulate(unit, out: torch.Tensor, used: Optional[list[bool]]) -> None:
     """Add a reduced block (gradient shard, then one used flag per
-    parameter) into the sharded parameters' ``.grad``. Parameters no rank
-    used are left alone (``grad None`` stays None) unless
+    parameter) into the sharded parameters' ``.grad``. ``used``: the summed
+    flags as booleans (None: all positive). Parameters no rank used are left
+    alone (``grad None`` stays None) unless
     ``set_reduce_scatter_unused_params(True)`` asks for their zero gradient
-    (torch FSDP2's result), and so are the layout indices in ``skip``."""
+    (torch FSDP2's result)."""
     n_grad = unit.layout.grad_shard_numel
-    used = (out[n_grad:] > 0).tolist()
-    if unit.settings.reduce_scatter_unused_params:
-        used = [True] * len(used)  # frozen parameters have no view below
+    if used is None or unit.settings.reduce_scatter_unused_params:
+        used = [True] * len(unit.layout.params)  # frozen parameters have no view below
     master, reduced = unit.flat_shard, out[:n_grad]
     # Stored in grad_dtype; added to an existing gradient in the master
     # dtype (keep_low_precision_grads: rounded once per backward).
@@ -80,7 +80,7 @@ def _accumulate(unit, out: torch.Tensor, skip: frozenset = frozenset()) -> None:
     wide = store if unit.grad_dtype == master.dtype else None
     sentinels = unit.stash.take_sentinels()
     for i, (slot, view, u) in enumerate(zip(unit.slots, store, used)):
-        if view is None or i in skip:
+        if view is None:
             continue
         if not u:
             slot.drop_sentinel(sentinels.get(i))
@@ -98,14 +98,17 @@ class PendingReduce:
     """An in-flight reduce-scatter (and, with replicas, its all-reduce)."""
 
     def __init__(self, unit, work, reduce_in: Optional[torch.Tensor], out: torch.Tensor, post: float = 1.0,
-                 alloc=None):
+                 alloc=None, all_used: bool = False):
         self.unit, self.work, self.reduce_in, self.out = unit, work, reduce_in, out
         self.post, self.alloc = post, alloc  # division after the sum (force_sum); reduce_in's allocator
+        self.all_used = all_used  # this rank used every parameter: every summed flag is positive
 
-    def finish(self) -> None:
+    def finish(self, later: Optional[used_flags.UsedFlags] = None) -> None:
         """Wait, sum over replicas, run the all-reduce hook, divide what is
         left to divide, accumulate into the gradient shards and run the
-        parameters' post-accumulate-grad hooks (core/post_accumulate.py)."""
+        parameters' post-accumulate-grad hooks (core/post_accumulate.py).
+        With ``later`` (the root's), the accumulation may wait for the end
+        of backward's one read of the used flags (core/used_flags.py)."""
         if self.work is not None:
             self.work.wait()
         comm.give(self.alloc, self.reduce_in)
@@ -123,8 +126,13 @@ class PendingReduce:
         comm.run_hook(unit, grad)
         if self.post != 1:
             grad.div_(self.post)
-        _accumulate(unit, self.out)
-        post_accumulate.run(unit)
+        out, n_grad = self.out, unit.layout.grad_shard_numel
+
+        def write(used):
+            _accumulate(unit, out, used)
+            post_accumulate.run(unit)
+        used_flags.settle(later, unit, out[n_grad:], self.all_used or unit.settings.reduce_scatter_unused_params,
+                          write)
 
     def abandon(self) -> None:
         """Wait for the collective (its buffers must outlive it) and drop the result."""

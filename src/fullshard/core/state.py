@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from ..api import BackwardPrefetch
-from . import collectives, torch_private
+from . import collectives, torch_private, used_flags
 from .reduce import PendingReduce
 from .settings import UnitSettings
 from .torch_private import in_backward_pass
@@ -82,6 +82,7 @@ class RootRuntime:
         self.order: list[UnitRuntime] = []  # forward order of this iteration
         self.prev_order: list[UnitRuntime] = []
         self.pending: list[PendingReduce] = []
+        self.flags = used_flags.UsedFlags()  # reduces waiting for the one read of used flags per backward
         self.callback_queued = False
         self.no_sync = False
         # A backward ran inside no_sync since the last synchronizing one.
@@ -199,6 +200,7 @@ def start_iteration(root: RootRuntime, discard: bool = False) -> None:
     for rt in root.runtimes:  # before anything is cleared: the user must fix this first
         rt.unit.check_views()
     broken = discard or backward_broken(root)
+    root.flags.reset()  # a broken backward's reduces that wait for their flags are dropped, as pending ones
     for pending in root.pending:
         pending.abandon()
     root.pending = []
@@ -400,12 +402,13 @@ class PostBackwardHook:
                 root.stash_window = True
             else:
                 root.pending.append(unit.reduce_grads(*unit.stash.pop(grad, used, agreed=root.stash_window)))
+                root.flags.synced.add(id(unit))
                 unit.pooled_grad.release(grad)  # reduce_grads copied it into the reduce-scatter input
                 # Each in flight holds a unit-sized input buffer: bounded
                 # (set_reduce_scatter_max_input_buffers), else a full model's
                 # worth of gradients would stay alive until the end of backward.
                 while len(root.pending) > unit.settings.max_input_buffers:
-                    root.pending.pop(0).finish()
+                    root.pending.pop(0).finish(root.flags)
         else:
             unit.pooled_grad.release(None)
         _reshard_after_backward(rt)
@@ -438,10 +441,13 @@ def _reduce_leftover_stashes(root: RootRuntime) -> None:
     """Reduce the no_sync stash of every unit the synchronizing backward did
     not reach on some rank (DDP with ``find_unused_parameters=True`` reduces
     such gradients too). One small all-reduce makes every rank agree on
-    which units those are."""
-    cfg = root.runtimes[0].unit.cfg
+    which units those are, unless this backward reduced every unit (then
+    no rank has a stash left: core/used_flags.py ``all_synced``)."""
     for rt in root.runtimes:
         rt.unit.stash.check()
+    if root.flags.all_synced(root.runtimes):
+        return
+    cfg = root.runtimes[0].unit.cfg
     flags = torch.tensor([1.0 if rt.unit.stash.active and rt.settings.requires_gradient_sync else 0.0
                           for rt in root.runtimes])
     for group in (cfg.shard_group, cfg.replicate_group):
@@ -450,7 +456,8 @@ def _reduce_leftover_stashes(root: RootRuntime) -> None:
     for rt, flag in zip(root.runtimes, flags.tolist()):
         if flag:
             unit = rt.unit
-            unit.reduce_grads(*unit.stash.pop(None, [False] * len(unit.layout.params), agreed=True)).finish()
+            unit.reduce_grads(*unit.stash.pop(None, [False] * len(unit.layout.params), agreed=True)).finish(
+                root.flags)
 
 
 def end_of_backward(root: RootRuntime) -> None:
@@ -458,12 +465,14 @@ def end_of_backward(root: RootRuntime) -> None:
     # set_is_last_backward(False): a gradient read before the next forward
     # (clipping, logging) must never be a partial sum.
     for pending in root.pending:
-        pending.finish()
+        pending.finish(root.flags)
     root.pending = []
     if root.stash_window and not root.no_sync:
         _reduce_leftover_stashes(root)
         # Units under set_requires_gradient_sync(False) keep accumulating.
         root.stash_window = not all(rt.settings.requires_gradient_sync for rt in root.runtimes)
+    root.flags.flush()  # the one batched read of this backward, if any unit needs it
+    root.flags.reset()
     for rt in root.runtimes:
         rt.unit.drop_partial()  # a unit the backward did not reach
         if rt.unit.state is not ShardedState.SHARDED:
