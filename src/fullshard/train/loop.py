@@ -184,6 +184,11 @@ class Run:
         logger.info(f"loaded {len(self.train_data):,} blocks from {self.cfg.data_dir} train, "
                     f"{len(self.valid_data):,} from valid")
         logger.info(f"training on {dist.get_world_size()} devices ({kind})")
+        if self.trainer.pipeline is not None:
+            pipe = self.trainer.pipeline
+            logger.info(f"pipeline: {cfg.pipeline_parallel_size} ranks x {pipeline.data_parallel(cfg)[1]} "
+                        f"data-parallel, {cfg.pipeline_schedule}, {pipe.microbatches} micro-batches, layers per "
+                        f"stage {pipe.split}, gradients accumulated by {cfg.pipeline_grad_accumulation}")
         logger.info(f"max tokens per device = None and batch size per device = {self.cfg.batch_size}")
         if self.device.type == "cpu":
             logger.info(f"intra-op threads per rank: {torch.get_num_threads()}"

@@ -88,7 +88,7 @@ class Pipeline:
         split = split_of(cfg, shape.num_layers)
         self.split = split
         self.modules, stages = [], []
-        m = microbatches(cfg)
+        m = self.microbatches = microbatches(cfg)
         for s in self.stage_ids:
             whole = build_model(shape, device="meta", **kwargs)  # one per stage: see cut_gpt
             init_fn = make_param_init_fn(whole, cfg.seed, device)
