@@ -58,14 +58,17 @@ def _full_params(model) -> dict:
 
 
 def _train(cfg, rank, world, updates, start=0, trainer=None):
+    from fullshard.core import collectives
     from fullshard.train.trainer import Trainer
 
     trainer = trainer or Trainer(cfg, torch.device("cpu"))
     dp = world // cfg.pipeline_parallel_size
     history = []
     for update in range(start, start + updates):
+        collectives.reset_counts()
         out = trainer.train_step(_rank_batch(update, rank % dp, dp))
         history.append((out["loss_sum"] / out["ntokens"], out["gnorm"]))
+    trainer.reduce_scatters = collectives.COUNTS["reduce_scatter"]  # in the last update
     return trainer, history
 
 
@@ -101,7 +104,8 @@ def _pipelined_cases(rank, world, tmp):
             cfg = _cfg(2, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_stages_per_rank=v,
                        pipeline_microbatches=2, pipeline_grad_accumulation=mode)
             trainer, history = _train(cfg, rank, world, UPDATES)
-            out[(schedule, mode)] = dict(history=history, params=_full_params(trainer.model))
+            out[(schedule, mode)] = dict(history=history, params=_full_params(trainer.model),
+                                         reduce_scatters=trainer.reduce_scatters)
     out["reference"] = _reference(UPDATES) if rank == 0 else None
     # Resume: 2 updates at pp=2 x dp=2, save, then the third at pp=1 x dp=4.
     from fullshard import checkpoint
@@ -146,6 +150,11 @@ def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
         for mode in MODES:
             key = (schedule, mode)
             _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want, f"pp=2 x dp=2 {schedule} {mode}")
+        # reduce_scatter: each unit reduce-scatters once per pipeline micro-batch (2); unsharded: once.
+        for out in per_rank:
+            every = out[(schedule, "reduce_scatter")]["reduce_scatters"]
+            once = out[(schedule, "unsharded")]["reduce_scatters"]
+            assert once > 0 and every == 2 * once, (schedule, every, once)
     _assert_close(per_rank[0]["resumed"]["history"], per_rank[0]["resumed"]["params"], want,
                   "saved at pp=2 x dp=2, resumed at pp=1 x dp=4")
 
