@@ -162,6 +162,23 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
     (["{data}", "--save-dir", "{save_mini}", "--decoder-layers", "3"], "is of another model"),
     (["{data}", "--save-dir", "{save_mini}", "--decoder-attention-heads", "4"],
      "it was trained with 2 layers, width 64, 2 heads, ffn 256, this run has 2 layers, width 64, 4 heads, ffn 256"),
+    # --pipeline-parallel-size (--arch gpt_mini: 2 layers)
+    (["{data}", "--nproc-per-node", "3", "--pipeline-parallel-size", "2"],
+     "--pipeline-parallel-size 2 does not divide the world size 3"),
+    (["{data}", "--nproc-per-node", "4", "--pipeline-parallel-size", "4"],
+     "4 pipeline stages (--pipeline-parallel-size 4 x --pipeline-stages-per-rank 1) for 2 layers"),
+    (["{data}", "--nproc-per-node", "4", "--pipeline-parallel-size", "4", "--decoder-layers", "4",
+      "--pipeline-microbatches", "2"], "--pipeline-microbatches 2 is smaller than --pipeline-parallel-size 4"),
+    (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--pipeline-split", "2,1"],
+     "--pipeline-split 2,1 must give every stage at least one layer and add up to the model's 2 layers"),
+    (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--pipeline-split", "1,1,1"],
+     "--pipeline-split 1,1,1 has 3 stages, the run has 2"),
+    (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--pipeline-schedule", "Interleaved1F1B"],
+     "--pipeline-schedule Interleaved1F1B needs --pipeline-stages-per-rank >= 2"),
+    (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--fsdp-version", "1"],
+     "--pipeline-parallel-size 2 does not support --fsdp-version 1"),
+    (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--pipeline-microbatches", "3"],
+     "--batch-size 4 is not divisible by --pipeline-microbatches 3"),
 ]
 
 

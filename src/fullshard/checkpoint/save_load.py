@@ -153,6 +153,27 @@ def _states(model: nn.Module, optimizer) -> dict:
     return state
 
 
+def _states_in_parts(model: nn.Module, optimizer, parts_group) -> dict:
+    """:func:`_states`; for a model in parts over ``parts_group`` (pipeline stages) each optimizer
+    param group names the parameters of all parts (one all-gather), so every rank saves the same
+    list and a checkpoint of the whole model maps onto any split of it."""
+    state = _states(model, optimizer)
+    if parts_group is None or "optim" not in state:
+        return state
+    groups = state["optim"]["param_groups"]
+    everyone = collectives.all_gather_object([list(g["params"]) for g in groups], parts_group,
+                                             tag="optimizer parameter names")
+    if len({len(names) for names in everyone}) != 1:
+        raise CheckpointError(f"[rank {collectives.rank()}] the optimizers of the model's parts have different "
+                              "numbers of parameter groups; build each part's optimizer with the same groups")
+    for i, g in enumerate(groups):
+        merged = {}
+        for names in everyone:
+            merged.update(dict.fromkeys(names[i]))
+        g["params"] = list(merged)
+    return state
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -172,7 +193,8 @@ def _recover(final: str) -> None:
 
 
 def save(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-         extra: Optional[dict] = None, after_write: Optional[Callable[[str], None]] = None) -> float:
+         extra: Optional[dict] = None, after_write: Optional[Callable[[str], None]] = None,
+         process_group=None) -> float:
     """Write a sharded checkpoint (see [Note: checkpoint layout]); every rank calls it.
 
     Args:
@@ -186,6 +208,9 @@ def save(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
             files are written, before they are published (the trainer's fault
             injection passes one; an exception it raises fails the save like
             a write error).
+        process_group: the ranks the checkpoint spans when ``model`` is one part of a model spread
+            over them (a pipeline stage: each rank passes its stages' module, by the plain
+            model's names, and the group of all stages' ranks); None: the model's own group.
     Returns:
         Seconds the save took on this rank.
     Raises:
@@ -196,7 +221,7 @@ def save(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
     start = time.perf_counter()
     final = os.path.abspath(checkpoint_dir)
     tmp = final + ".tmp"
-    group = _group(model)
+    group = process_group if process_group is not None else _group(model)
     rank, world = _rank(group), _world(group)
     error = None
     if rank == 0:
@@ -208,7 +233,7 @@ def save(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
             error = e
     _agree(error, final, tmp, "creating", group)
     try:
-        state = _states(model, optimizer)
+        state = _states_in_parts(model, optimizer, process_group)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
                  no_dist=world == 1)
         if extra is not None:
@@ -347,9 +372,13 @@ def _flat_keys(state: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_model_keys(path: str, template: dict) -> None:
+def check_model_keys(path: str, template: dict, parts_group=None) -> None:
     """Refuse a checkpoint of another model, listing the names.
 
+    Args:
+        template: a state dict of the model (of this rank's part, with ``parts_group``).
+        parts_group: the group over which the model is spread in parts (pipeline stages): the
+            names of all ranks' parts together must be the checkpoint's (one all-gather).
     Raises:
         CheckpointError: names missing from the checkpoint, names it has that
             ``template`` (a state dict of the model) lacks, and shape mismatches.
@@ -358,7 +387,11 @@ def check_model_keys(path: str, template: dict) -> None:
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     saved = {k[len("model."):]: getattr(v, "size", None) for k, v in md.items() if k.startswith("model.")}
     missing = [k for k in template if k not in saved]
-    unexpected = [k for k in saved if k not in template]
+    known = set(template)
+    if parts_group is not None:
+        for keys in collectives.all_gather_object(sorted(known), parts_group, tag="checkpoint names"):
+            known.update(keys)
+    unexpected = [k for k in saved if k not in known]
     shapes = [f"'{k}': checkpoint {tuple(saved[k])} vs model {tuple(v.shape)}"
               for k, v in template.items() if k in saved and saved[k] is not None and torch.is_tensor(v)
               and torch.Size(saved[k]) != torch.Size(v.shape)]
@@ -370,10 +403,13 @@ def check_model_keys(path: str, template: dict) -> None:
                               + "; nothing was loaded")
 
 
-def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+         process_group=None) -> Any:
     """Load a checkpoint written by :func:`save`, or by ``dcp.save`` of torch's
     ``get_state_dict`` under ``model`` / ``optim`` keys (see [Note: one
-    checkpoint format]), at any world size; every rank calls it.
+    checkpoint format]), at any world size; every rank calls it. ``process_group``: as
+    :func:`save`'s (a model spread over the group: each rank loads its part, and the names of all
+    parts together must be the checkpoint's).
 
     Returns:
         This rank's ``extra`` (by rank in the model's group; rank 0's when the
@@ -385,13 +421,13 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
             cases before anything is loaded.
     """
     path = resolve(checkpoint_dir)
-    group = _group(model)
+    group = process_group if process_group is not None else _group(model)
     verify(path, group)
     fsdp = _is_fsdp(model)
     if optimizer is not None:
         optim_state.init_optim_state(optimizer)
-    state = _states(model, optimizer)
-    check_model_keys(path, state["model"])
+    state = _states_in_parts(model, optimizer, process_group)
+    check_model_keys(path, state["model"], process_group)
     world = _world(group)
     with warnings.catch_warnings():  # one rank: DCP's "assuming ... a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)

@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 
 from fullshard import checkpoint, faults
 from fullshard.core import collectives
+from fullshard.train import pipeline
 
 logger = logging.getLogger("fullshard.train")
 _INTERVAL = re.compile(r"^checkpoint_(\d+)_(\d+)$")
@@ -79,15 +80,17 @@ def save(run, epoch: int, offset: int, end_of_epoch: bool) -> str:
     cfg, trainer = run.cfg, run.trainer
     if end_of_epoch:
         epoch, offset = epoch + 1, 0
-    samples = offset * cfg.batch_size * cfg.update_freq * collectives.world_size()
+    dp = pipeline.data_parallel(cfg)[1]
+    samples = offset * cfg.batch_size * cfg.update_freq * dp
     extra = dict(train_state=dict(epoch=epoch, offset=offset, samples=samples, num_updates=trainer.num_updates),
                  lr_scheduler=trainer.lr_scheduler.state_dict(), loss_scaler=trainer.scaler.state_dict(),
                  rng=rng_state(), meters=_meters_state(run.inner), args=cfg.to_dict(),
-                 world_size=collectives.world_size())
+                 world_size=collectives.world_size(), data_parallel_size=dp)
     last = os.path.join(cfg.save_dir, "checkpoint_last")
     n = trainer.num_updates
     try:
-        seconds = checkpoint.save(last, trainer.model, trainer.optimizer, extra=extra, after_write=faults.on_save)
+        seconds = checkpoint.save(last, trainer.model, trainer.optimizer, extra=extra, after_write=faults.on_save,
+                                  process_group=trainer.checkpoint_group)
     except checkpoint.CheckpointError as e:
         if cfg.on_save_error == "stop":
             raise checkpoint.CheckpointError(f"{e}; stopped at update {n} (--on-save-error stop)") from None
@@ -139,7 +142,9 @@ def load(run) -> tuple[int, int]:
                         f"({time.perf_counter() - start:.2f} seconds)")
         return 1, 0
     start = time.perf_counter()
-    extra = checkpoint.load(path, trainer.model, None if cfg.reset_optimizer else trainer.optimizer)
+    extra = checkpoint.load(path, trainer.model, None if cfg.reset_optimizer else trainer.optimizer,
+                            process_group=trainer.checkpoint_group)
+    trainer.after_load()
     ts = extra["train_state"]
     if not cfg.reset_optimizer:
         trainer.num_updates = ts["num_updates"]
@@ -151,10 +156,11 @@ def load(run) -> tuple[int, int]:
     set_rng_state(extra["rng"])
     epoch, offset = 1, 0
     world = collectives.world_size()
+    dp, saved_dp = pipeline.data_parallel(cfg)[1], extra.get("data_parallel_size", extra["world_size"])
     if not cfg.reset_dataloader:
         epoch, offset = ts["epoch"], ts["offset"]
-        if extra["world_size"] != world:
-            offset = ts["samples"] // (cfg.batch_size * cfg.update_freq * world)
+        if saved_dp != dp:
+            offset = ts["samples"] // (cfg.batch_size * cfg.update_freq * dp)
     logger.info(f"loaded checkpoint {path} (epoch {epoch} offset {offset} @ {trainer.num_updates} updates, "
                 f"saved by {extra['world_size']} ranks) ({time.perf_counter() - start:.2f} seconds)")
     if extra["world_size"] != world:  # e.g. an elastic job (--nnodes MIN:MAX) lost or gained a node

@@ -232,6 +232,34 @@ class DistributedOptions:
                                      "--checkpoint-activations)")
 
 
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+"""``--pipeline-schedule`` choices: torch.distributed.pipelining's synchronous schedules that
+``fullshard.pipelining.PipelineStage`` drives (the zero-bubble ones split backward into input and
+weight passes, which fullshard's units do not support yet)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineOptions:
+    """Pipeline parallelism over a (pp, dp) mesh: the GPT cut into stages, torch's schedules (docs/pipeline.md)."""
+
+    TITLE: ClassVar[str] = "pipeline"
+    pipeline_parallel_size: int = flag(1, "pipeline ranks P: the world is a (P, world / P) mesh of pipeline x "
+                                       "data-parallel ranks (default: %(default)s, no pipelining)")
+    pipeline_schedule: str = flag("1F1B", "torch.distributed.pipelining schedule (default: %(default)s)",
+                                  choices=PIPELINE_SCHEDULES)
+    # None: P (one micro-batch in flight per pipeline rank).
+    pipeline_microbatches: Optional[int] = flag(
+        None, "pipeline micro-batches each --batch-size batch is split into (default: P)", type=int, metavar="M")
+    pipeline_stages_per_rank: int = flag(1, "stages per pipeline rank V for the looped schedules "
+                                         "(Interleaved1F1B, LoopedBFS need V >= 2) (default: %(default)s)")
+    pipeline_split: str = flag("even", "layers per stage: even (the remainder to the middle stages), auto (the "
+                               "planner's balanced split) or N,N,... (P x V counts adding up to the layers)")
+    pipeline_grad_accumulation: str = flag(
+        "reduce_scatter", "over the pipeline micro-batches: reduce_scatter each into the gradient shards (least "
+        "memory) or keep unsharded gradients and reduce once per update (least communication) "
+        "(default: %(default)s)", choices=("reduce_scatter", "unsharded"))
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrecisionOptions:
     """Mixed precision. fully_sharded: MixedPrecision(low, fp32 reduce, low buffers); c10d: torch.autocast.
@@ -362,14 +390,14 @@ class LoggingCheckpointOptions:
                                               "a checkpoint directory) when --save-dir has no checkpoint_last")
 
 
-TRAIN_GROUPS = (ModelOptions, DistributedOptions, PrecisionOptions, DatasetOptions, OptimizationOptions,
-                LoggingCheckpointOptions)
+TRAIN_GROUPS = (ModelOptions, DistributedOptions, PipelineOptions, PrecisionOptions, DatasetOptions,
+                OptimizationOptions, LoggingCheckpointOptions)
 """The option groups of `fullshard train`, in ``--help`` order."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(ModelOptions, DistributedOptions, PrecisionOptions, DatasetOptions, OptimizationOptions,
-                  LoggingCheckpointOptions):
+class TrainConfig(ModelOptions, DistributedOptions, PipelineOptions, PrecisionOptions, DatasetOptions,
+                  OptimizationOptions, LoggingCheckpointOptions):
     """Everything one rank needs to train: every group's fields (resolved by `options.validate`)
     and the sizes below. Field names follow fairseq-train flags."""
 
@@ -380,7 +408,8 @@ class TrainConfig(ModelOptions, DistributedOptions, PrecisionOptions, DatasetOpt
 
     def __post_init__(self) -> None:
         if self.fsdp_version is None:  # not given, or a checkpoint's args from before the flag
-            object.__setattr__(self, "fsdp_version", DEFAULT_FSDP_VERSION)
+            # Pipelining shards its stages with fully_shard (train/pipeline.py).
+            object.__setattr__(self, "fsdp_version", 2 if self.pipeline_parallel_size > 1 else DEFAULT_FSDP_VERSION)
         if self.update_freq is None and self.global_batch_size is None:
             object.__setattr__(self, "update_freq", 1)
 

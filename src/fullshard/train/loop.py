@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from fullshard.core import collectives
 from fullshard.data import GlobalBatchSampler, ShardedBatchSampler, TokenBlockDataset
-from fullshard.train import checkpoint_utils, invariance, optimizers
+from fullshard.train import checkpoint_utils, invariance, optimizers, pipeline
 from fullshard.train.config import GlobalBatchError, TrainConfig
 from fullshard.train.launcher import threads_per_rank
 from fullshard.train.progress import UpdateMeters, progress_bar, valid_stats
@@ -109,8 +109,10 @@ def epoch_updates(cfg: TrainConfig, dataset, epoch: int) -> List[List[MicroBatch
     fairseq's GroupedIterator. Under --world-size-invariant the micro-batches come
     from `GlobalBatchSampler` with their global indices, and an incomplete last
     update is dropped instead (every update has --global-batch-size sequences).
+    Under --pipeline-parallel-size the data-parallel rank and size take the world's place (every
+    rank of one pipeline feeds the same batches).
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = pipeline.data_parallel(cfg)
     if cfg.world_size_invariant:
         sampler = GlobalBatchSampler(len(dataset), cfg.batch_size, cfg.global_batch_size, rank, world,
                                      seed=cfg.seed, epoch=epoch)
@@ -129,7 +131,7 @@ def valid_batches(cfg: TrainConfig, dataset) -> List[tuple]:
     of batches by wrapping around to the start; `counted` (B,) bool marks the
     sequences at global positions < len(dataset), so each block counts once.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = pipeline.data_parallel(cfg)
     sampler = ShardedBatchSampler(len(dataset), cfg.batch_size, rank, world,
                                   seed=cfg.seed, epoch=0, shuffle=False, drop_last=False)
     out = []
@@ -182,6 +184,11 @@ class Run:
         logger.info(f"loaded {len(self.train_data):,} blocks from {self.cfg.data_dir} train, "
                     f"{len(self.valid_data):,} from valid")
         logger.info(f"training on {dist.get_world_size()} devices ({kind})")
+        if self.trainer.pipeline is not None:
+            pipe = self.trainer.pipeline
+            logger.info(f"pipeline: {cfg.pipeline_parallel_size} ranks x {pipeline.data_parallel(cfg)[1]} "
+                        f"data-parallel, {cfg.pipeline_schedule}, {pipe.microbatches} micro-batches, layers per "
+                        f"stage {pipe.split}, gradients accumulated by {cfg.pipeline_grad_accumulation}")
         logger.info(f"max tokens per device = None and batch size per device = {self.cfg.batch_size}")
         if self.device.type == "cpu":
             logger.info(f"intra-op threads per rank: {torch.get_num_threads()}"
@@ -314,7 +321,7 @@ def train_main(cfg: TrainConfig) -> Optional[StoppedBySigterm]:
     try:
         device = setup_rank(cfg)
         # The world size is known only now (an elastic restart may have changed it).
-        cfg = _at_world_size(cfg, dist.get_world_size())
+        cfg = _at_world_size(cfg, pipeline.data_parallel(cfg)[1])
         stopped_at = _run(cfg, device, sigterm)
         if stopped_at is not None:
             stopped = sigterm.finish(stopped_at)

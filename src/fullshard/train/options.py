@@ -19,6 +19,7 @@ import torch
 
 from fullshard.data import DataError, TokenBlockDataset, read_meta
 from fullshard.models import ARCHS, ArchSpec, build_model
+from fullshard.train import pipeline_checks
 from fullshard.train.config import (
     TRAIN_GROUPS,
     GlobalBatchError,
@@ -383,6 +384,17 @@ def check_tokens_per_sample(p: OneLineArgumentParser, args, shape: ArchSpec) -> 
     return max_positions
 
 
+def _check_pipeline(p: OneLineArgumentParser, args, world_size: int) -> int:
+    """The --pipeline-* flags (`pipeline_checks.check`); returns the data-parallel size, world / P."""
+    if args.pipeline_parallel_size != 1:
+        try:
+            shape = resolve_arch(args.arch, vars(args))
+            pipeline_checks.check(args, world_size, shape.num_layers)
+        except ValueError as e:
+            p.fail(str(e))
+    return world_size // args.pipeline_parallel_size
+
+
 def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     """Check every input; on the first problem print one line and exit 2. Else a TrainConfig."""
     _check_positive(p, args)
@@ -391,6 +403,7 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     _check_elastic_batch(p, args)
     # An elastic range is checked at its largest world size (the most data per update).
     world_size = max(elastic_world_sizes(args.nproc_per_node, args.nnodes))
+    world_size = _check_pipeline(p, args, world_size)  # the data-parallel size from here on
     update_freq = _check_invariance(p, args, world_size)
     scale_window = _check_memory_flags(p, args, world_size, update_freq)
     meta = check_data(p, args.data_dir)

@@ -100,6 +100,18 @@ def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_f
     raise ValueError(f"[rank {collectives.rank()}] --fsdp-version {cfg.fsdp_version!r}: use 1 or 2")
 
 
+def shard_stage(stage: nn.Module, cfg: TrainConfig, device: torch.device, init_fn, mesh: DeviceMesh) -> nn.Module:
+    """Shard one pipeline stage (``fullshard.models.stages.GPTStage`` on meta) as --fsdp-version 2 does a
+    whole model (one unit per block, then the stage), over the 1-D data-parallel ``mesh``.
+
+    Args:
+        stage: the stage on meta, activation checkpointing already applied to its blocks.
+        init_fn: ``make_param_init_fn`` of the model the stage was cut from.
+        mesh: the stage's data-parallel sub-mesh (``mesh["dp"]`` of the (pp, dp) mesh).
+    """
+    return _fully_shard(stage, cfg, device, init_fn, mesh)
+
+
 def placement_kwargs(cfg: TrainConfig, model: nn.Module) -> dict:
     """``{"shard_placement_fn": fn}`` when the optimizer needs whole tensors on one rank (--optimizer
     muon: each Muon matrix ``Owned``), else nothing (every parameter row-sharded)."""
@@ -148,16 +160,19 @@ def device_mesh(strategy: ShardingStrategy, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
 
 
-def _fully_shard(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn) -> nn.Module:
+def _fully_shard(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn,
+                 mesh: DeviceMesh | None = None) -> nn.Module:
     strategy = strategy_of(cfg)
     low = low_precision(cfg)
-    kwargs = dict(mesh=device_mesh(strategy, device.type),
+    kwargs = dict(mesh=mesh if mesh is not None else device_mesh(strategy, device.type),
                   reshard_after_forward=strategy is not ShardingStrategy.SHARD_GRAD_OP,
                   mp_policy=MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None),
                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
                   **invariance_kwargs(cfg))
     originals = dict(model.named_parameters())  # meta parameters, a tied one once
-    for block in model.layers:  # a CheckpointWrapper(block) under --checkpoint-activations
+    # A pipeline stage (models/stages.py) keeps its blocks in a ModuleDict.
+    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in blocks:  # a CheckpointWrapper(block) under --checkpoint-activations
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     # Shards live where the optimizer steps: host memory under --cpu-offload (torchtitan's order).

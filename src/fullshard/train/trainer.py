@@ -31,7 +31,7 @@ from fullshard.amp import ShardedGradScaler
 from fullshard.core import collectives
 from fullshard.memory import TOTAL_FIELDS, memory_stats, memory_totals
 from fullshard.models import TransformerBlock, build_model, make_param_init_fn, num_params
-from fullshard.train import invariance, optimizers, sharding
+from fullshard.train import invariance, optimizers, pipeline, sharding
 from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import build_lr_scheduler
 from fullshard.train.progress import safe_round
@@ -50,13 +50,19 @@ class Trainer:
         self.device = device
         self.rank = collectives.rank()
         self.world_size = collectives.world_size()
+        # --pipeline-parallel-size > 1: this rank's stages (train/pipeline.py); self.model is then
+        # the module holding them under the plain model's names.
+        self.pipeline: Optional[pipeline.Pipeline] = None
         self.model, shapes, self.num_params = self._build_model()
-        self.optimizer = optimizers.build(cfg, self.model, shapes, self._host_shards())
+        stepped = self.pipeline.optim_model if self.pipeline is not None else self.model
+        self.optimizer = optimizers.build(cfg, stepped, shapes, self._host_shards())
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.num_updates = 0
         self.last_finite = None  # (update, loss in base 2) of the last update with a finite loss
         self.scaler = ShardedGradScaler(init_scale=cfg.fp16_init_scale, growth_interval=cfg.fp16_scale_window,
                                         min_loss_scale=cfg.min_loss_scale, enabled=cfg.fp16)
+        if self.pipeline is not None:
+            self.pipeline.scaler = self.scaler
         # c10d computes in low precision through autocast; fully_sharded through MixedPrecision.
         self.autocast_dtype = (torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None) \
             if cfg.ddp_backend == "c10d" else None
@@ -70,6 +76,10 @@ class Trainer:
         cfg = self.cfg
         shape = cfg.arch_spec()  # --arch with the --decoder-* overrides
         kwargs = dict(vocab_size=cfg.vocab_size, max_positions=cfg.max_positions, dropout=cfg.dropout)
+        if cfg.pipeline_parallel_size > 1:
+            self.pipeline = pipeline.Pipeline(cfg, self.device)
+            whole = build_model(shape, device="meta", **kwargs)
+            return self.pipeline.model, {n: p.shape for n, p in whole.named_parameters()}, num_params(whole)
         if cfg.ddp_backend == "c10d":
             if cfg.world_size_invariant:
                 raise ValueError(f"[rank {self.rank}] --world-size-invariant needs --ddp-backend fully_sharded")
@@ -116,9 +126,22 @@ class Trainer:
         loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")
         return loss_sum, targets.numel()
 
+    @property
+    def checkpoint_group(self):
+        """The ranks a checkpoint spans when the model is in parts (pipeline stages: the world), else
+        None (the model's own group)."""
+        return self.pipeline.group if self.pipeline is not None else None
+
+    def after_load(self) -> None:
+        """After loading a checkpoint: the last stage's copy of the tied weight from the first's."""
+        if self.pipeline is not None:
+            self.pipeline.sync_tied_weight()
+
     def _clip(self) -> float:
         """Clip to --clip-norm (inf when 0, i.e. only measure); returns the pre-clip global norm."""
         max_norm = self.cfg.clip_norm if self.cfg.clip_norm > 0 else float("inf")
+        if self.pipeline is not None:
+            return self.pipeline.clip(max_norm)
         if self.cfg.ddp_backend == "c10d":
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         else:
@@ -159,6 +182,11 @@ class Trainer:
                                  f"{len(micro_batch_ids)} micro-batch ids; pass one id per micro-batch")
         local, rows = torch.zeros(3, dtype=torch.float64), []
         for j, batch in enumerate(micro_batches):
+            if self.pipeline is not None:  # the M pipeline micro-batches of this one, through the schedule
+                if j == 0:
+                    faults.in_update(self.num_updates + 1)
+                local += torch.tensor(self.pipeline.train_micro_batch(*batch, k), dtype=torch.float64)
+                continue
             # no_sync: keep unsharded gradients until the last micro-batch;
             # reduce_scatter: every backward reduce-scatters into the gradient shards.
             local_accumulate = j < k - 1 and self.cfg.accumulate_mode == "no_sync"
@@ -187,11 +215,16 @@ class Trainer:
             collectives.all_reduce(total, collectives.world_group(), "sum", tag="training loss")
             loss_sum, ntokens, nsentences = total.tolist()
         self._check_finite(loss_sum / max(ntokens, 1) / math.log(2))
+        if self.pipeline is not None:
+            self.pipeline.tie_gradients()
         self.scaler.unscale_(self.optimizer)
         gnorm = self._clip()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.pipeline is not None:
+            self.pipeline.sync_tied_weight()
+            self.model.zero_grad(set_to_none=True)  # the tied copy's gradient too
         overflow = self.scaler.last_step_skipped
         if overflow:
             logger.info(f"NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: "
@@ -227,6 +260,9 @@ class Trainer:
         self.model.eval()
         local, rows = torch.zeros(3, dtype=torch.float64), []
         for inputs, targets, counted in batches:
+            if self.pipeline is not None:
+                local += torch.tensor(self.pipeline.valid_batch(inputs, targets, counted), dtype=torch.float64)
+                continue
             logits = self._logits(inputs.to(self.device))
             per_token = F.cross_entropy(logits.transpose(1, 2).float(), targets.to(self.device), reduction="none")
             per_seq = per_token.sum(dim=1).cpu().double()

@@ -1,0 +1,232 @@
+"""`fullshard train --pipeline-parallel-size P`: the GPT cut into stages on a (pp, dp) mesh, driven
+by torch.distributed.pipelining's schedules (docs/pipeline.md).
+
+Rank ``r`` is pipeline rank ``r // D`` and data-parallel rank ``r % D`` (D = world / P): ranks of
+one data-parallel group are consecutive, and each pipeline group (one per data-parallel rank) feeds
+the same batches through its stages. A pipeline rank holds stages ``p, p + P, ..., p + (V-1) P``
+(torch's loop placement), each cut by `fullshard.models.stages.cut_gpt` and sharded with
+``fully_shard`` (one unit per block, then the stage) over the data-parallel group, in a
+`fullshard.pipelining.PipelineStage` with the chosen gradient accumulation.
+
+The tied embedding crosses stages (see [Note: pipeline stages]): after backward the first and last
+stages' gradient shards are summed (both ranks of the pair get the sum), the optimizer steps the
+first stage's ``embed_tokens.weight`` only, and the last stage's copy ``output_projection.weight``
+is then overwritten with it, which equals the tied model's update. The gradient norm counts that
+copy zero times, everything else once (one all-reduce over the world).
+
+Loss convention as the trainer's: each pipeline micro-batch adds its summed token cross entropy
+divided by the rank's micro-batch token count times --update-freq, so the M pipeline micro-batches
+of a micro-batch add up to its mean.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import schedules
+
+from fullshard.activation_checkpointing import apply_activation_checkpointing
+from fullshard.core import collectives
+from fullshard.models import TransformerBlock, build_model, make_param_init_fn
+from fullshard.models.stages import check_split, cut_gpt, even_split, join_stages
+from fullshard.pipelining import PipelineStage
+from fullshard.train import sharding
+from fullshard.train.pipeline_checks import LOOPED, check, microbatches, parse_split
+
+
+def _schedule_class(name: str):
+    return {"GPipe": schedules.ScheduleGPipe, "1F1B": schedules.Schedule1F1B,
+            "Interleaved1F1B": schedules.ScheduleInterleaved1F1B, "LoopedBFS": schedules.ScheduleLoopedBFS}[name]
+
+
+def data_parallel(cfg) -> tuple[int, int]:
+    """(this rank's data-parallel rank, the data-parallel size): ``(rank % D, D)`` with
+    D = world / --pipeline-parallel-size (the world itself without pipelining)."""
+    d = collectives.world_size() // max(cfg.pipeline_parallel_size, 1)
+    return collectives.rank() % d, d
+
+
+def split_of(cfg, num_layers: int) -> list[int]:
+    """Layers per stage (all P x V stages, in order) that ``--pipeline-split`` asks for."""
+    stages = cfg.pipeline_parallel_size * cfg.pipeline_stages_per_rank
+    if cfg.pipeline_split == "even":
+        return even_split(num_layers, stages)
+    if cfg.pipeline_split == "auto":
+        from fullshard.train import pipeline_plan  # the planner (fullshard plan --pipeline-parallel-size)
+
+        return check_split(pipeline_plan.auto_split(cfg, stages), num_layers, stages)
+    return check_split(parse_split(cfg.pipeline_split), num_layers, stages)
+
+
+class Pipeline:
+    """This rank's pipeline stages, their schedule and the tied weight's bookkeeping.
+
+    Attributes:
+        model: the module whose ``named_parameters()`` are the plain model's names of every
+            parameter this rank holds (its stage, or a join of its stages): the optimizer's and the
+            checkpoint's model.
+        group: the world (the ranks a checkpoint spans).
+        is_last: this rank holds the last stage (it computes the loss).
+    """
+
+    def __init__(self, cfg, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.scaler = None  # the trainer's ShardedGradScaler, set once it exists
+        world = collectives.world_size()
+        check(cfg, world, cfg.arch_spec().num_layers)
+        p, v = cfg.pipeline_parallel_size, cfg.pipeline_stages_per_rank
+        d = world // p
+        self.mesh = init_device_mesh(device.type, (p, d), mesh_dim_names=("pp", "dp"))
+        self.pp_rank, self.dp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("dp")
+        num_stages = p * v
+        self.stage_ids = [self.pp_rank + p * i for i in range(v)]
+        shape = cfg.arch_spec()
+        kwargs = dict(vocab_size=cfg.vocab_size, max_positions=cfg.max_positions, dropout=cfg.dropout)
+        split = split_of(cfg, shape.num_layers)
+        self.split = split
+        self.modules, stages = [], []
+        m = self.microbatches = microbatches(cfg)
+        for s in self.stage_ids:
+            whole = build_model(shape, device="meta", **kwargs)  # one per stage: see cut_gpt
+            init_fn = make_param_init_fn(whole, cfg.seed, device)
+            stage = cut_gpt(whole, split, s)
+            self._checkpoint_blocks(stage)
+            stage = sharding.shard_stage(stage, cfg, device, init_fn, self.mesh["dp"])
+            self.modules.append(stage)
+            inputs, outputs = self._metadata(s, num_stages, cfg.batch_size // m, whole.config)
+            stages.append(PipelineStage(stage, s, num_stages, device, input_args=inputs, output_args=outputs,
+                                        group=self.mesh.get_group("pp"),
+                                        grad_accumulation=cfg.pipeline_grad_accumulation))
+        self.model = join_stages(self.modules)
+        self.optim_model = join_stages(self.modules, with_tied_copy=False)
+        self.is_first, self.is_last = 0 in self.stage_ids, num_stages - 1 in self.stage_ids
+        cls = _schedule_class(cfg.pipeline_schedule)
+        self.schedule = cls(stages if cfg.pipeline_schedule in LOOPED else stages[0], m, loss_fn=self._loss_fn,
+                            scale_grads=False)
+        self.group = collectives.world_group()
+        self._tie_group = self._make_tie_group(p, d)
+        self._denominator, self._sums = 1.0, []
+
+    # ------------------------------------------------------------------ build
+    def _checkpoint_blocks(self, stage: nn.Module) -> None:
+        if self.cfg.checkpoint_activations:
+            apply_activation_checkpointing(stage, check_fn=lambda mod: isinstance(mod, TransformerBlock),
+                                           offload_to_cpu=self.cfg.offload_activations)
+
+    def _metadata(self, s: int, num_stages: int, mb: int, config) -> tuple[torch.Tensor, torch.Tensor]:
+        """Static input / output examples of stage ``s`` (torch's stage then runs no inference pass):
+        token ids (mb, T) int64 into the first stage, hidden states (mb, T, C) between stages and
+        logits (mb, T, V) out of the last, in the compute dtype."""
+        t, dtype = self.cfg.tokens_per_sample, sharding.low_precision(self.cfg) or torch.float32
+        hidden = torch.zeros(mb, t, config.embed_dim, dtype=dtype, device=self.device, requires_grad=True)
+        inputs = torch.zeros(mb, t, dtype=torch.long, device=self.device) if s == 0 else hidden
+        outputs = (torch.zeros(mb, t, config.vocab_size, dtype=dtype, device=self.device, requires_grad=True)
+                   if s == num_stages - 1 else hidden)
+        return inputs, outputs
+
+    def _make_tie_group(self, p: int, d: int):
+        """The group of the first and last pipeline ranks of this rank's data-parallel column (every
+        rank creates every pair, in the same order); None on the ranks in between."""
+        mine = None
+        for col in range(d):
+            pair = [col, (p - 1) * d + col]
+            group = collectives.new_group(pair)
+            if collectives.rank() in pair:
+                mine = group
+        return mine
+
+    # ------------------------------------------------------------------ steps
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Last stage: summed token cross entropy of one pipeline micro-batch (targets -100 count
+        nothing), recorded for logging; training returns it over the denominator, loss-scaled."""
+        ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")
+        self._sums.append(ce.detach())
+        if not torch.is_grad_enabled():
+            return ce
+        return self.scaler.scale(ce / self._denominator)
+
+    def train_micro_batch(self, inputs: torch.Tensor, targets: torch.Tensor, k: int) -> list:
+        """Forward and backward of one (B, T) micro-batch through the pipeline (all M pipeline
+        micro-batches); gradients accumulate. Returns this rank's [loss sum (nats), tokens,
+        sequences] to add over the world: the last stage's, zeros elsewhere."""
+        self._denominator, self._sums = float(targets.numel() * k), []
+        for module in self.modules:
+            module.train()
+        self._run(self.schedule.step, inputs, targets)
+        return self._row(targets)
+
+    def _run(self, fn, inputs, targets) -> None:
+        args = (inputs.to(self.device),) if self.is_first else ()
+        kwargs = dict(target=targets.to(self.device), losses=[]) if self.is_last else {}
+        fn(*args, **kwargs)
+
+    def _row(self, targets: torch.Tensor) -> list:
+        if not self.is_last:
+            return [0.0, 0, 0]
+        counted = (targets != -100)
+        return [float(torch.stack(self._sums).sum()), int(counted.sum()),
+                int(counted.any(dim=1).sum())]
+
+    @torch.no_grad()
+    def valid_batch(self, inputs: torch.Tensor, targets: torch.Tensor, counted: torch.Tensor) -> list:
+        """Summed loss of one valid batch's counted sequences (the last stage's, zeros elsewhere)."""
+        for module in self.modules:
+            module.eval()
+        masked = targets.masked_fill(~counted.bool()[:, None], -100)
+        self._sums = []
+        self._run(self.schedule.eval, inputs, masked)
+        return self._row(masked)
+
+    def tie_gradients(self) -> None:
+        """Sum the tied weight's two gradient shards (first stage's ``embed_tokens``, last stage's
+        ``output_projection``) on both ranks of the pair; a no-op on the ranks in between."""
+        grad = self._tied_grad()
+        if grad is not None:
+            collectives.all_reduce(grad, self._tie_group, "sum", tag="tied embedding gradient")
+
+    def _tied_param(self) -> Optional[nn.Parameter]:
+        if self.is_first:
+            return self.model.embed_tokens.weight
+        if self.is_last:
+            return self.model.output_projection.weight
+        return None
+
+    def _tied_grad(self) -> Optional[torch.Tensor]:
+        param = self._tied_param()
+        if param is None:
+            return None
+        if param.grad is None:  # every stage's backward reaches its weights; be safe anyway
+            param.grad = torch.zeros_like(param)
+        return _local(param.grad)
+
+    @torch.no_grad()
+    def sync_tied_weight(self) -> None:
+        """Copy the first stage's ``embed_tokens.weight`` shard over the last stage's copy (after an
+        optimizer step or a load)."""
+        param = self._tied_param()
+        if param is not None:  # group rank 0 holds the first stage
+            collectives.broadcast(_local(param), 0, self._tie_group, tag="tied embedding weight")
+
+    def clip(self, max_norm: float) -> float:
+        """Clip every stage's gradients by one global L2 norm (each element of the plain model once:
+        the last stage's tied copy not counted); returns the pre-clip norm, the same on every rank."""
+        copy = self.model.output_projection.weight if self.is_last else None
+        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        counted = [_local(p.grad) for p in self.model.parameters() if p.grad is not None and p is not copy]
+        total = torch.zeros((), dtype=torch.float64)
+        for g in counted:
+            total += g.detach().double().pow(2).sum().cpu()
+        collectives.all_reduce(total, self.group, "sum", tag="pipeline gradient norm")
+        norm = total.sqrt().float()
+        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device))
+        return float(norm)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+

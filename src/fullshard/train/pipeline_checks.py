@@ -1,0 +1,78 @@
+"""Checks and parsing of the `fullshard train --pipeline-*` flags (no torch.distributed import, so the
+CLI validates them before any rank starts); the pipeline itself is ``pipeline.py``."""
+from __future__ import annotations
+
+from fullshard.models.stages import check_split
+
+LOOPED = ("Interleaved1F1B", "LoopedBFS")
+"""Schedules with several stages per pipeline rank (``--pipeline-stages-per-rank`` >= 2)."""
+
+
+def microbatches(cfg) -> int:
+    """``--pipeline-microbatches``, P when not given."""
+    return cfg.pipeline_microbatches or cfg.pipeline_parallel_size
+
+
+def check(cfg, world_size: int, num_layers: int) -> None:
+    """Refuse a pipeline configuration that cannot run, with one line saying what to change.
+
+    ``cfg`` is anything with the TrainConfig field names (a TrainConfig or parsed arguments).
+
+    Raises:
+        ValueError: P not dividing the world size, a stage count the schedule cannot use or the
+            model cannot fill, too few micro-batches for the schedule, a batch the micro-batches do
+            not divide, a split that does not add up, or a flag pipelining does not support yet.
+    """
+    p, v = cfg.pipeline_parallel_size, cfg.pipeline_stages_per_rank
+    if p < 1 or v < 1:
+        raise ValueError(f"--pipeline-parallel-size {p} and --pipeline-stages-per-rank {v} must be >= 1")
+    if p == 1:
+        return
+    if world_size % p:
+        raise ValueError(f"--pipeline-parallel-size {p} does not divide the world size {world_size}; launch a "
+                         f"multiple of {p} ranks")
+    unsupported = [(cfg.ddp_backend != "fully_sharded", "--ddp-backend c10d"),
+                   (cfg.fsdp_version == 1, "--fsdp-version 1 (use --fsdp-version 2)"),
+                   (cfg.hybrid_shard, "--hybrid-shard"), (cfg.world_size_invariant, "--world-size-invariant"),
+                   (cfg.optimizer == "muon", "--optimizer muon"),
+                   (bool(cfg.finetune_from_model), "--finetune-from-model")]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(f"--pipeline-parallel-size {p} does not support {what} yet")
+    looped = cfg.pipeline_schedule in LOOPED
+    if looped and v < 2:
+        raise ValueError(f"--pipeline-schedule {cfg.pipeline_schedule} needs --pipeline-stages-per-rank >= 2")
+    if not looped and v != 1:
+        raise ValueError(f"--pipeline-schedule {cfg.pipeline_schedule} runs one stage per rank; drop "
+                         f"--pipeline-stages-per-rank {v} or use Interleaved1F1B / LoopedBFS")
+    stages = p * v
+    if stages > num_layers:
+        raise ValueError(f"{stages} pipeline stages (--pipeline-parallel-size {p} x --pipeline-stages-per-rank "
+                         f"{v}) for {num_layers} layers: every stage needs a layer; use fewer stages")
+    m = microbatches(cfg)
+    if m < 1:
+        raise ValueError(f"--pipeline-microbatches {m} must be >= 1")
+    if cfg.pipeline_schedule != "GPipe" and m < p:
+        raise ValueError(f"--pipeline-microbatches {m} is smaller than --pipeline-parallel-size {p}: "
+                         f"{cfg.pipeline_schedule} needs at least one micro-batch per pipeline rank")
+    if cfg.pipeline_schedule in LOOPED and m % p:
+        raise ValueError(f"--pipeline-microbatches {m}: {cfg.pipeline_schedule} needs a multiple of "
+                         f"--pipeline-parallel-size {p}")
+    if cfg.batch_size % m:
+        raise ValueError(f"--batch-size {cfg.batch_size} is not divisible by --pipeline-microbatches {m}; each "
+                         "micro-batch is split into that many pipeline micro-batches")
+    if cfg.pipeline_split not in ("even", "auto"):
+        check_split(parse_split(cfg.pipeline_split), num_layers, stages)
+
+
+def parse_split(text: str) -> list[int]:
+    """``N,N,...`` as a list of ints.
+
+    Raises:
+        ValueError: not comma-separated integers.
+    """
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--pipeline-split {text!r}: give even, auto or comma-separated layer counts like 2,2") \
+            from None

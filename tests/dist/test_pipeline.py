@@ -1,0 +1,180 @@
+"""`fullshard train --pipeline-parallel-size`: the pipelined trainer equals the same training without
+pipelining (no weight staleness).
+
+- pp=2 x dp=2, for GPipe, 1F1B and Interleaved1F1B (2 stages per rank) and both gradient
+  accumulation modes, equals one process training the plain tied GPT on the same global batch
+  (per-update losses, gradient norms, every parameter);
+- pp=2 x dp=1 equals dp=2 without pipelining;
+- a checkpoint saved at pp=2 x dp=2 resumes at pp=1 x dp=4 (no pipelining) and gives the
+  uninterrupted run's parameters.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fullshard.construct import clean_name
+from fullshard.models import ARCHS
+from fullshard.train.config import TrainConfig
+from tests.dist.common import ATOL, RTOL  # summation orders differ: fp32 rounding, as DDP parity
+from tests.dist.harness import run_ranks
+
+ARCH = "transformer_lm_gpt_mini"
+VOCAB, T, LAYERS = 97, 8, 4
+GLOBAL = 8  # sequences per update over all data-parallel ranks
+UPDATES = 3
+SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2))
+MODES = ("reduce_scatter", "unsharded")
+
+
+def _cfg(dp: int, **over) -> TrainConfig:
+    base = dict(data_dir="unused", arch=ARCH, decoder_layers=LAYERS, max_positions=ARCHS[ARCH].max_positions,
+                vocab_size=VOCAB, tokens_per_sample=T, batch_size=GLOBAL // dp, lr=3e-3, weight_decay=0.01,
+                clip_norm=0.05, seed=3, fsdp_version=2, fp16_scale_window=4)
+    return TrainConfig(**{**base, **over})
+
+
+def _global_batch(update: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + update)
+    return torch.randint(0, VOCAB, (GLOBAL, T + 1), generator=g)
+
+
+def _rank_batch(update: int, dp_rank: int, dp: int) -> list:
+    rows = _global_batch(update).chunk(dp)[dp_rank]
+    return [(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())]
+
+
+def _full_params(model) -> dict:
+    """Every parameter this rank's part holds, whole (an all-gather over its data-parallel group)."""
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[clean_name(name)] = full.detach().numpy().copy()
+    return out
+
+
+def _train(cfg, rank, world, updates, start=0, trainer=None):
+    from fullshard.core import collectives
+    from fullshard.train.trainer import Trainer
+
+    trainer = trainer or Trainer(cfg, torch.device("cpu"))
+    dp = world // cfg.pipeline_parallel_size
+    history = []
+    for update in range(start, start + updates):
+        collectives.reset_counts()
+        out = trainer.train_step(_rank_batch(update, rank % dp, dp))
+        history.append((out["loss_sum"] / out["ntokens"], out["gnorm"]))
+    trainer.reduce_scatters = collectives.COUNTS["reduce_scatter"]  # in the last update
+    return trainer, history
+
+
+def _reference(updates: int) -> dict:
+    """One process, the plain tied GPT, the whole global batch, AdamW and clipping as the trainer's."""
+    from fullshard.models import build_model
+
+    cfg = _cfg(1)
+    model = build_model(cfg.arch_spec(), vocab_size=VOCAB, max_positions=cfg.max_positions, seed=cfg.seed)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr)
+    history = []
+    for update in range(updates):
+        tok = _global_batch(update)
+        logits = model(tok[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tok[:, 1:].reshape(-1))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+        opt.step()
+        opt.zero_grad()
+        history.append((loss.item(), norm.item()))
+    params = {n: p.detach().numpy().copy() for n, p in model.state_dict().items()}
+    return dict(history=history, params=params)
+
+
+def _pipelined_cases(rank, world, tmp):
+    """pp=2 x dp=2: every schedule and mode; then the resume at pp=1 x dp=4."""
+    out = {}
+    for schedule, v in SCHEDULES:
+        for mode in MODES:
+            cfg = _cfg(2, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_stages_per_rank=v,
+                       pipeline_microbatches=2, pipeline_grad_accumulation=mode)
+            trainer, history = _train(cfg, rank, world, UPDATES)
+            out[(schedule, mode)] = dict(history=history, params=_full_params(trainer.model),
+                                         reduce_scatters=trainer.reduce_scatters)
+    out["reference"] = _reference(UPDATES) if rank == 0 else None
+    # Resume: 2 updates at pp=2 x dp=2, save, then the third at pp=1 x dp=4.
+    from fullshard import checkpoint
+    from fullshard.train.trainer import Trainer
+
+    cfg = _cfg(2, pipeline_parallel_size=2, pipeline_schedule="1F1B", pipeline_microbatches=2)
+    trainer, first = _train(cfg, rank, world, UPDATES - 1)
+    path = os.path.join(tmp, "ckpt")
+    checkpoint.save(path, trainer.model, trainer.optimizer, process_group=trainer.checkpoint_group)
+    plain = Trainer(_cfg(4), torch.device("cpu"))
+    checkpoint.load(path, plain.model, plain.optimizer)
+    plain.num_updates = UPDATES - 1
+    _, last = _train(_cfg(4), rank, world, 1, start=UPDATES - 1, trainer=plain)
+    out["resumed"] = dict(history=first + last, params=_full_params(plain.model))
+    return out
+
+
+def _merge(per_rank: list, key) -> dict:
+    merged = {}
+    for out in per_rank:
+        merged.update(out[key]["params"])
+    return merged
+
+
+def _assert_close(got_history, got_params, want, where):
+    want_params = dict(want["params"])  # named_parameters() of a tied model: the tie under its first name
+    want_params.setdefault("output_projection.weight", want_params["embed_tokens.weight"])
+    got_params = dict(got_params)
+    got_params.setdefault("output_projection.weight", got_params["embed_tokens.weight"])
+    np.testing.assert_allclose(np.array(got_history), np.array(want["history"]), rtol=RTOL, atol=ATOL,
+                               err_msg=f"{where}: losses / gradient norms")
+    assert sorted(got_params) == sorted(want_params), where
+    for name, value in want_params.items():
+        np.testing.assert_allclose(got_params[name], value, rtol=RTOL, atol=ATOL, err_msg=f"{where}: {name}")
+
+
+def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
+    with tempfile.TemporaryDirectory() as tmp:
+        per_rank = run_ranks(_pipelined_cases, 4, tmp)
+    want = per_rank[0]["reference"]
+    for schedule, _ in SCHEDULES:
+        for mode in MODES:
+            key = (schedule, mode)
+            _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want, f"pp=2 x dp=2 {schedule} {mode}")
+        # reduce_scatter: each unit reduce-scatters once per pipeline micro-batch (2); unsharded: once.
+        for out in per_rank:
+            every = out[(schedule, "reduce_scatter")]["reduce_scatters"]
+            once = out[(schedule, "unsharded")]["reduce_scatters"]
+            assert once > 0 and every == 2 * once, (schedule, every, once)
+    _assert_close(per_rank[0]["resumed"]["history"], per_rank[0]["resumed"]["params"], want,
+                  "saved at pp=2 x dp=2, resumed at pp=1 x dp=4")
+
+
+def _pp2_dp1_cases(rank, world):
+    plain, dp_history = _train(_cfg(2), rank, world, UPDATES)
+    out = {"dp2": dict(history=dp_history, params=_full_params(plain.model))}
+    for schedule, v in SCHEDULES:
+        for mode in MODES:
+            cfg = _cfg(1, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_stages_per_rank=v,
+                       pipeline_microbatches=2, pipeline_grad_accumulation=mode)
+            trainer, history = _train(cfg, rank, world, UPDATES)
+            out[(schedule, mode)] = dict(history=history, params=_full_params(trainer.model))
+    return out
+
+
+def test_pp2_dp1_equals_dp2_without_pipelining():
+    per_rank = run_ranks(_pp2_dp1_cases, 2)
+    want = per_rank[0]["dp2"]
+    for schedule, _ in SCHEDULES:
+        for mode in MODES:
+            key = (schedule, mode)
+            _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want, f"pp=2 x dp=1 {schedule} {mode}")
