@@ -31,6 +31,7 @@ hand the same split to every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as checkpoint_fn
 
 from fullshard.models import GPT, build_model
+from fullshard.train.launcher import threads_per_rank
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 """``--pipeline-schedule`` choices: torch.distributed.pipelining's ``Schedule<name>``."""
@@ -220,13 +222,12 @@ def profile_model(model: GPT, micro_batch: int, seq_len: int, *, checkpoint: boo
              for i in range(len(model.layers) + 2)]
     layers = list(model.layers)
     numel = lambda *mods: sum(p.numel() for m in mods for p in m.parameters())  # noqa: E731
-    tied = model.output_projection.weight is model.embed_tokens.weight
-    vocab_numel = model.embed_tokens.weight.numel()
+    vocab_numel = model.embed_tokens.weight.numel()  # a GPT ties it to the output projection's weight
     head_numel = numel(model.layer_norm) + vocab_numel
     return ModelCosts(
         ItemCost("embed", *times[0], numel(model.embed_tokens, model.embed_positions)),
         tuple(ItemCost(f"layer {i}", *t, numel(layer)) for i, (t, layer) in enumerate(zip(times[1:-1], layers))),
-        ItemCost("head", *times[-1], head_numel), tied_numel=vocab_numel if tied else 0)
+        ItemCost("head", *times[-1], head_numel), tied_numel=vocab_numel)
 
 
 def measure_stages(model: GPT, splits: Sequence[Sequence[int]], micro_batch: int, seq_len: int, *,
@@ -344,21 +345,41 @@ def in_flight(schedule: str, rank: int, num_ranks: int, microbatches: int) -> in
     return min(microbatches, num_ranks - rank) if schedule == "1F1B" else microbatches
 
 
+@contextlib.contextmanager
+def intra_op_threads(threads: Optional[int]):
+    """Run the block with ``torch.set_num_threads(threads)`` (None: as is), then restore the count."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def profile_for(shape, vocab_size: int, max_positions: int, micro_batch: int, seq_len: int, *,
                 dtype: torch.dtype = torch.float32, dropout: float = 0.0, checkpoint: bool = False,
                 warmup: int = 1, reps: int = 5, device=None) -> tuple[GPT, ModelCosts]:
     """Build the GPT of ``shape`` (an arch name or :class:`fullshard.models.ArchSpec`) in ``dtype`` on
-    ``device`` (default: CUDA when available, else CPU) and profile it; returns the model too."""
+    ``device`` (default: CUDA when available, else CPU) and profile it; returns the model too.
+
+    The output projection gets its own copy of the tied embedding weight, as the last stage of a
+    pipeline holds one: otherwise the sum of the two ends' V x C gradients would be timed at the
+    end of the backward, as the embedding's.
+    """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(shape, vocab_size, max_positions, device=device, seed=0, dropout=dropout).to(dtype)
+    model.output_projection.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().clone())
     return model, profile_model(model, micro_batch, seq_len, checkpoint=checkpoint, warmup=warmup, reps=reps)
 
 
 def auto_split(cfg, num_stages: int) -> list[int]:
     """The balanced split of ``fullshard train --pipeline-split auto``: profile the model of ``cfg``
     on one micro-batch of ``cfg.batch_size`` x ``cfg.tokens_per_sample`` tokens in its compute dtype
-    (``--bf16``/``--fp16``), with ``--checkpoint-activations`` and ``--dropout`` as configured, then
-    :func:`balanced_split`. Timings differ between calls: call it once and give every rank the result.
+    (``--bf16``/``--fp16``), with ``--checkpoint-activations`` and ``--dropout`` as configured (on a
+    CPU with the intra-op threads a rank gets: ``--threads-per-rank``, or the cores divided among
+    ``--nproc-per-node`` ranks), then :func:`balanced_split`. Timings differ between calls: call it
+    once and give every rank the result.
 
     Args:
         cfg: a :class:`fullshard.train.config.TrainConfig`.
@@ -371,6 +392,9 @@ def auto_split(cfg, num_stages: int) -> list[int]:
     shape = cfg.arch_spec()
     even_split(shape.num_layers, num_stages)  # the range check, before profiling
     dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
-    _, costs = profile_for(shape, cfg.vocab_size, cfg.max_positions, cfg.batch_size, cfg.tokens_per_sample,
-                           dtype=dtype, dropout=cfg.dropout, checkpoint=cfg.checkpoint_activations)
+    cpu = not torch.cuda.is_available()
+    threads = (cfg.threads_per_rank or threads_per_rank(cfg.nproc_per_node)) if cpu else None
+    with intra_op_threads(threads):
+        _, costs = profile_for(shape, cfg.vocab_size, cfg.max_positions, cfg.batch_size, cfg.tokens_per_sample,
+                               dtype=dtype, dropout=cfg.dropout, checkpoint=cfg.checkpoint_activations)
     return balanced_split([it.seconds for it in costs.layers], num_stages, costs.embed.seconds, costs.head.seconds)

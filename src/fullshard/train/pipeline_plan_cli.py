@@ -15,6 +15,7 @@ import torch
 
 from fullshard.train import plan as memory_plan
 from fullshard.train.flags import add_options, flag
+from fullshard.train.launcher import threads_per_rank
 from fullshard.train.options import OneLineArgumentParser
 from fullshard.train.pipeline_plan import (
     SCHEDULES,
@@ -24,6 +25,7 @@ from fullshard.train.pipeline_plan import (
     bubble_fraction,
     even_split,
     in_flight,
+    intra_op_threads,
     measure_stages,
     profile_for,
     stage_bounds,
@@ -113,8 +115,13 @@ def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
     shape, positions, dtype = memory_plan.check_args(p, args)
     schedule, M, V = _check(p, args, shape.num_layers)
     P, S, L = args.pipeline_parallel_size, args.pipeline_parallel_size * V, shape.num_layers
-    model, costs = profile_for(shape, args.vocab_size, positions, args.batch_size, args.tokens_per_sample,
-                               dtype=dtype, checkpoint=args.checkpoint_activations, reps=args.pipeline_profile_reps)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # On a CPU, the threads each rank of a P x N job on this machine would get (`fullshard train`'s default).
+    threads = threads_per_rank(P * args.world_size) if device == "cpu" else None
+    with intra_op_threads(threads):
+        model, costs = profile_for(shape, args.vocab_size, positions, args.batch_size, args.tokens_per_sample,
+                                   dtype=dtype, checkpoint=args.checkpoint_activations,
+                                   reps=args.pipeline_profile_reps, device=device)
     work = memory_plan.gpt_workload(shape, args.batch_size, args.tokens_per_sample, args.vocab_size,
                                     max_positions=positions)
     mem = _stage_bytes(work, costs, schedule, P, M, args.world_size, dtype, args.checkpoint_activations)
@@ -125,11 +132,11 @@ def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
     except SplitError as e:
         p.fail(f"{e} of {args.budget_gb:g} GB per rank")
     splits = {"auto": auto, "even": even_split(L, S)}
-    measured = dict(zip(splits, measure_stages(model, list(splits.values()), args.batch_size, args.tokens_per_sample,
-                                               checkpoint=args.checkpoint_activations,
-                                               reps=args.pipeline_profile_reps)))
-    print(format_pipeline(args, costs, splits, measured, mem, schedule=schedule, P=P, M=M, V=V, dtype=dtype,
-                          device=next(model.parameters()).device))
+    with intra_op_threads(threads):
+        measured = measure_stages(model, list(splits.values()), args.batch_size, args.tokens_per_sample,
+                                  checkpoint=args.checkpoint_activations, reps=args.pipeline_profile_reps)
+    print(format_pipeline(args, costs, splits, dict(zip(splits, measured)), mem, schedule=schedule, P=P, M=M,
+                          V=V, dtype=dtype, device=device, threads=threads))
     per_rank = [0.0] * P
     for k, (a, b) in enumerate(stage_bounds(auto)):
         per_rank[stage_rank(k, P, schedule)] += sum(mem(k, a, b, S))
@@ -140,20 +147,22 @@ def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
 
 
 def format_pipeline(args, costs: ModelCosts, splits: dict, measured: dict, mem, *, schedule: str, P: int, M: int,
-                    V: int, dtype: torch.dtype, device) -> str:
+                    V: int, dtype: torch.dtype, device: str, threads: Optional[int]) -> str:
     """The plan's report: the profile, each split's stages (layers, predicted and measured time,
     parameters, memory), the slowest stages compared and the bubble."""
     ms = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
     S = P * V
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     layer_s = [it.seconds for it in costs.layers]
-    threads = f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else ""
-    lines = [f"pipeline: {args.arch}, {len(layer_s)} layers, P={P} ranks x V={V} = {S} stages, {schedule}, M={M} "
-             f"micro-batches of {args.batch_size} x {args.tokens_per_sample} tokens, {name}, {device.type}{threads}",
-             f"profile, forward + backward per micro-batch (least of {args.pipeline_profile_reps} after 1 warm-up): "
-             f"embed {ms(costs.embed.seconds)} ms, layers {ms(statistics.median(layer_s))} ms (min "
-             f"{ms(min(layer_s))}, max {ms(max(layer_s))}), head {ms(costs.head.seconds)} ms "
-             f"(= {costs.head.seconds / statistics.median(layer_s):.1f} layers)",
+    where = f"{device}, {threads} intra-op thread(s), as each of {P} x {args.world_size} ranks here" if threads \
+        else device
+    lines = [f"pipeline: {args.arch}, {len(layer_s)} layers, P={P} ranks x V={V} = {S} stages, {schedule},",
+             f"  M={M} micro-batches of {args.batch_size} x {args.tokens_per_sample} tokens, {name}, "
+             f"{where}",
+             f"profile per micro-batch, forward + backward (least of {args.pipeline_profile_reps} after 1 warm-up): "
+             f"embed {ms(costs.embed.seconds)} ms,",
+             f"  layers {ms(statistics.median(layer_s))} ms (min {ms(min(layer_s))}, max {ms(max(layer_s))}), "
+             f"head {ms(costs.head.seconds)} ms = {costs.head.seconds / statistics.median(layer_s):.1f} layers",
              f"{'split':<20}{'stage':>5}{'rank':>5}{'layers':>8}{'predicted ms':>14}{'measured ms':>13}"
              f"{'params':>13}{'GB/rank':>9}"]
     for label, split in splits.items():
@@ -165,14 +174,19 @@ def format_pipeline(args, costs: ModelCosts, splits: dict, measured: dict, mem, 
                          f"{ms(predicted[k]):>14}{ms(measured[label][k]):>13}{params[k]:>13,}"
                          f"{sum(mem(k, a, b, S)) / 1e9:>9.3f}")
     worst = {label: max(t) for label, t in measured.items()}
-    parts = [f"{label} {ms(w)} ms = {w / statistics.mean(measured[label]):.2f} x its mean"
-             for label, w in worst.items()]
-    lines.append(f"slowest stage, measured: {'; '.join(parts)}; auto is {worst['even'] / worst['auto']:.2f} x "
-                 "the even split's speed")
+    for label, w in worst.items():
+        lines.append(f"slowest {label} stage, measured: {ms(w)} ms = {w / statistics.mean(measured[label]):.2f} x "
+                     "the mean of its stages")
+    if splits["auto"] == splits["even"]:
+        lines.append("auto: the even split is the balanced one")
+    else:
+        lines.append(f"auto: {worst['even'] / worst['auto']:.2f} x the even split's throughput (slowest stage, "
+                     "measured)")
     bubble = bubble_fraction(schedule, P, M, V)
     formula = "(P-1)/(V*M+P-1)" if schedule == "Interleaved1F1B" else "(P-1)/(M+P-1)"
     lines.append("bubble: not modelled for ZBVZeroBubble" if bubble is None else
                  f"bubble: {formula} = {bubble:.1%} of a step idle (Narayanan et al. 2021, §2.2)")
     lines.append(f"GB/rank: Adam's fp32 model state (16 bytes per parameter) / {args.world_size} data-parallel "
-                 "ranks + activations of the micro-batches in flight (1F1B: min(M, P - rank); else M)")
+                 "rank(s)")
+    lines.append("  + activations of the micro-batches in flight (1F1B: min(M, P - rank); else M)")
     return "\n".join(lines)
