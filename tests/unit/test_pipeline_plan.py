@@ -66,9 +66,8 @@ def test_even_split_and_bubble():
     # Narayanan et al. 2021, §2.2: (P-1)/M of the ideal time, (P-1)/(M+P-1) of the step; / V interleaved
     assert PP.bubble_fraction("1F1B", 4, 8) == PP.bubble_fraction("GPipe", 4, 8) == pytest.approx(3 / 11)
     assert PP.bubble_fraction("Interleaved1F1B", 4, 8, 2) == pytest.approx(3 / 19)
-    assert PP.bubble_fraction("1F1B", 1, 5) == 0 and PP.bubble_fraction("ZBVZeroBubble", 2, 4, 2) is None
-    assert [PP.stage_rank(k, 2, "Interleaved1F1B") for k in range(4)] == [0, 1, 0, 1]
-    assert [PP.stage_rank(k, 2, "ZBVZeroBubble") for k in range(4)] == [0, 1, 1, 0]
+    assert PP.bubble_fraction("1F1B", 1, 5) == 0 and PP.bubble_fraction("LoopedBFS", 2, 4, 2) is None
+    assert [PP.stage_rank(k, 2) for k in range(4)] == [0, 1, 0, 1]
     assert [PP.in_flight("1F1B", r, 4, 8) for r in range(4)] == [4, 3, 2, 1]
     assert PP.in_flight("GPipe", 3, 4, 8) == 8
 
@@ -107,7 +106,7 @@ def test_planned_split_is_balanced_in_measured_stage_times():
 
 def test_auto_split_of_a_train_config():
     cfg = TrainConfig(data_dir="unused", arch="transformer_lm_gpt_mini", decoder_layers=4, vocab_size=97,
-                      max_positions=512, tokens_per_sample=16, batch_size=2, bf16=True)
+                      max_positions=512, tokens_per_sample=16, batch_size=4, bf16=True)
     split = PP.auto_split(cfg, 3)
     assert len(split) == 3 and sum(split) == 4 and min(split) >= 1
     assert PP.auto_split(cfg, 4) == [1, 1, 1, 1]
@@ -129,9 +128,10 @@ def _plan(*args: str):
 
 
 def test_cli_prints_both_splits_and_rejects_bad_input():
-    ok = _plan("--pipeline-parallel-size", "2", "--pipeline-microbatches", "4", "--pipeline-profile-reps", "1")
+    ok = _plan("--pipeline-parallel-size", "2", "--pipeline-microbatches", "4", "--batch-size", "4",
+               "--pipeline-profile-reps", "1")
     assert ok.returncode == 0, ok.stderr
-    assert "P=2 ranks x V=1 = 2 stages, 1F1B,\n  M=4 micro-batches" in ok.stdout and "auto [" in ok.stdout
+    assert "P=2 ranks x V=1 = 2 stages, 1F1B,\n  M=4 micro-batches of 1 x 16" in ok.stdout and "auto [" in ok.stdout
     assert "even [2, 2]" in ok.stdout and "(P-1)/(M+P-1) = 20.0%" in ok.stdout
     looped = _plan("--pipeline-parallel-size", "2", "--pipeline-schedule", "Interleaved1F1B",
                    "--pipeline-profile-reps", "1")
@@ -142,10 +142,15 @@ def test_cli_prints_both_splits_and_rejects_bad_input():
         (("--pipeline-parallel-size", "5"), "5 stages, more than the model's 4 layers"),
         (("--pipeline-parallel-size", "2", "--pipeline-stages-per-rank", "3"), "6 stages, more than the model's 4"),
         (("--pipeline-parallel-size", "2", "--pipeline-microbatches", "1"), "1F1B needs --pipeline-microbatches >="),
+        (("--pipeline-parallel-size", "2", "--pipeline-schedule", "1F1B", "--pipeline-stages-per-rank", "2"),
+         "1F1B runs one stage per rank"),
         (("--pipeline-parallel-size", "2", "--pipeline-schedule", "GPipe", "--pipeline-stages-per-rank", "2"),
          "GPipe runs one stage per rank"),
-        (("--pipeline-parallel-size", "2", "--pipeline-schedule", "ZBVZeroBubble", "--pipeline-stages-per-rank",
-          "1"), "ZBVZeroBubble runs 2 stages per rank"),
+        (("--pipeline-parallel-size", "2", "--pipeline-schedule", "LoopedBFS", "--pipeline-stages-per-rank", "1"),
+         "LoopedBFS needs --pipeline-stages-per-rank >= 2"),
+        (("--pipeline-parallel-size", "2", "--pipeline-microbatches", "4"), "--batch-size 2 is not divisible by"),
+        (("--pipeline-parallel-size", "2", "--pipeline-schedule", "Interleaved1F1B", "--pipeline-microbatches", "3",
+          "--batch-size", "3"), "Interleaved1F1B needs --pipeline-microbatches a multiple of"),
         (("--pipeline-parallel-size", "2", "--pipeline-microbatches", "0"), "--pipeline-microbatches must be >= 1"),
         (("--pipeline-parallel-size", "2", "--budget-gb", "1e-9"), "no split of 4 layers into 2 stages fits"),
     ]:

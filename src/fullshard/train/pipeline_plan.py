@@ -44,8 +44,11 @@ from torch.utils.checkpoint import checkpoint as checkpoint_fn
 from fullshard.models import GPT, build_model
 from fullshard.train.launcher import threads_per_rank
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
-"""``--pipeline-schedule`` choices: torch.distributed.pipelining's ``Schedule<name>``."""
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+"""``--pipeline-schedule`` choices, as `fullshard train`'s: torch.distributed.pipelining's ``Schedule<name>``."""
+
+LOOPED = ("Interleaved1F1B", "LoopedBFS")
+"""Schedules with V >= 2 stages per rank, stage k on rank k mod P."""
 
 class SplitError(ValueError):
     """No split satisfies the request (too many stages, or none fits the memory budget)."""
@@ -323,19 +326,16 @@ def bubble_fraction(schedule: str, num_ranks: int, microbatches: int, stages_per
     GPipe (Huang et al. 2019, §2.2) and 1F1B: (P-1)/(M+P-1); interleaved 1F1B with V stages per
     rank: (P-1)/(V·M+P-1). These are Narayanan et al. 2021, "Efficient Large-Scale Language Model
     Training on GPU Clusters Using Megatron-LM", §2.2.1-2.2.2, whose bubble-to-ideal ratios
-    (P-1)/M and (P-1)/(V·M) are written as shares of the whole step. ZBVZeroBubble (Qi et al. 2024)
-    fills the bubble with weight-gradient work by a different rule: None.
+    (P-1)/M and (P-1)/(V·M) are written as shares of the whole step. LoopedBFS: None.
     """
-    if schedule == "ZBVZeroBubble":
+    if schedule == "LoopedBFS":
         return None
     v = stages_per_rank if schedule == "Interleaved1F1B" else 1
     return (num_ranks - 1) / (v * microbatches + num_ranks - 1)
 
 
-def stage_rank(stage: int, num_ranks: int, schedule: str) -> int:
-    """The rank that runs ``stage``: looped (stage mod P), or the V shape of ZBVZeroBubble."""
-    if schedule == "ZBVZeroBubble" and stage >= num_ranks:
-        return 2 * num_ranks - 1 - stage
+def stage_rank(stage: int, num_ranks: int) -> int:
+    """The rank that runs ``stage``: stage mod P (one stage per rank, or the looped schedules)."""
     return stage % num_ranks
 
 
@@ -375,7 +375,8 @@ def profile_for(shape, vocab_size: int, max_positions: int, micro_batch: int, se
 
 def auto_split(cfg, num_stages: int) -> list[int]:
     """The balanced split of ``fullshard train --pipeline-split auto``: profile the model of ``cfg``
-    on one micro-batch of ``cfg.batch_size`` x ``cfg.tokens_per_sample`` tokens in its compute dtype
+    on one pipeline micro-batch (``--batch-size`` / ``--pipeline-microbatches`` sequences, M = P when
+    not given, as `fullshard train` splits it) of ``cfg.tokens_per_sample`` tokens in its compute dtype
     (``--bf16``/``--fp16``), with ``--checkpoint-activations`` and ``--dropout`` as configured (on a
     CPU with the intra-op threads a rank gets: ``--threads-per-rank``, or the cores divided among
     ``--nproc-per-node`` ranks), then :func:`balanced_split`. Timings differ between calls: call it
@@ -395,6 +396,8 @@ def auto_split(cfg, num_stages: int) -> list[int]:
     cpu = not torch.cuda.is_available()
     threads = (cfg.threads_per_rank or threads_per_rank(cfg.nproc_per_node)) if cpu else None
     with intra_op_threads(threads):
-        _, costs = profile_for(shape, cfg.vocab_size, cfg.max_positions, cfg.batch_size, cfg.tokens_per_sample,
+        m = getattr(cfg, "pipeline_microbatches", None) or getattr(cfg, "pipeline_parallel_size", 1)
+    micro_batch = max(1, cfg.batch_size // m)
+    _, costs = profile_for(shape, cfg.vocab_size, cfg.max_positions, micro_batch, cfg.tokens_per_sample,
                                dtype=dtype, dropout=cfg.dropout, checkpoint=cfg.checkpoint_activations)
     return balanced_split([it.seconds for it in costs.layers], num_stages, costs.embed.seconds, costs.head.seconds)

@@ -18,6 +18,7 @@ from fullshard.train.flags import add_options, flag
 from fullshard.train.launcher import threads_per_rank
 from fullshard.train.options import OneLineArgumentParser
 from fullshard.train.pipeline_plan import (
+    LOOPED,
     SCHEDULES,
     ModelCosts,
     SplitError,
@@ -41,12 +42,13 @@ class PipelinePlanOptions:
     TITLE: ClassVar[str] = "pipeline"
     pipeline_parallel_size: Optional[int] = flag(
         None, "P pipeline ranks: time every layer's forward and backward on this machine and print the split "
-        "that minimizes the slowest stage beside the even split (--batch-size is the micro-batch; --world-size the "
-        "data-parallel ranks per stage; --budget-gb a per-rank limit the split must fit)", type=int, metavar="P")
+        "that minimizes the slowest stage beside the even split (--batch-size is split into the M micro-batches, as "
+        "`fullshard train` does; --world-size: the data-parallel ranks per stage; --budget-gb a per-rank limit "
+        "the split must fit)", type=int, metavar="P")
     pipeline_microbatches: Optional[int] = flag(None, "M micro-batches per step (default: P)", type=int,
                                                 metavar="M")
     pipeline_stages_per_rank: Optional[int] = flag(None, "V stages per rank of the looped schedules (default: 2 "
-                                                   "for Interleaved1F1B and ZBVZeroBubble, else 1)", type=int,
+                                                   "for Interleaved1F1B and LoopedBFS, else 1)", type=int,
                                                    metavar="V")
     pipeline_schedule: Optional[str] = flag(None, "torch.distributed.pipelining schedule (default: 1F1B, or "
                                             "Interleaved1F1B with V > 1)", choices=SCHEDULES)
@@ -66,24 +68,26 @@ def _check(p: OneLineArgumentParser, args, num_layers: int) -> tuple[str, int, i
         p.fail(f"--pipeline-parallel-size must be >= 1, got {P}")
     V = args.pipeline_stages_per_rank
     schedule = args.pipeline_schedule or ("Interleaved1F1B" if V is not None and V > 1 else "1F1B")
-    V = V if V is not None else (2 if schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1)
+    V = V if V is not None else (2 if schedule in LOOPED else 1)
     M = args.pipeline_microbatches if args.pipeline_microbatches is not None else P
     for name, value in (("microbatches", M), ("stages_per_rank", V), ("profile_reps", args.pipeline_profile_reps)):
         if value < 1:
             p.fail(f"--pipeline-{name.replace('_', '-')} must be >= 1, got {value}")
-    if schedule in ("GPipe", "1F1B") and V != 1:
+    if schedule in LOOPED and V < 2:
+        p.fail(f"--pipeline-schedule {schedule} needs --pipeline-stages-per-rank >= 2, got {V}")
+    if schedule not in LOOPED and V != 1:
         p.fail(f"--pipeline-schedule {schedule} runs one stage per rank, got --pipeline-stages-per-rank {V}; "
-               "use Interleaved1F1B or ZBVZeroBubble for more")
-    if schedule == "ZBVZeroBubble" and V != 2:
-        p.fail(f"--pipeline-schedule ZBVZeroBubble runs 2 stages per rank, got --pipeline-stages-per-rank {V}")
+               "use Interleaved1F1B or LoopedBFS for more")
     if P * V > num_layers:
         p.fail(f"{P} pipeline ranks x {V} stages per rank = {P * V} stages, more than the model's {num_layers} "
                "layers; lower --pipeline-parallel-size or --pipeline-stages-per-rank")
-    if schedule == "1F1B" and M < P:
-        p.fail(f"1F1B needs --pipeline-microbatches >= --pipeline-parallel-size, got {M} < {P}")
-    if schedule == "Interleaved1F1B" and M % max(1, M // P):  # torch: M a multiple of its rounds
-        p.fail(f"Interleaved1F1B needs --pipeline-microbatches a multiple of max(1, M // P) = {max(1, M // P)}, "
-               f"got {M}")
+    if schedule != "GPipe" and M < P:
+        p.fail(f"{schedule} needs --pipeline-microbatches >= --pipeline-parallel-size, got {M} < {P}")
+    if schedule in LOOPED and M % P:
+        p.fail(f"{schedule} needs --pipeline-microbatches a multiple of --pipeline-parallel-size {P}, got {M}")
+    if args.batch_size % M:
+        p.fail(f"--batch-size {args.batch_size} is not divisible by --pipeline-microbatches {M}: each batch is split "
+               "into that many pipeline micro-batches")
     if args.budget_gb is not None and args.optimizer != "adam":
         p.fail("--budget-gb with --pipeline-parallel-size counts Adam's model state; drop --optimizer or --budget-gb")
     return schedule, M, V
@@ -105,7 +109,7 @@ def _stage_bytes(work, costs: ModelCosts, schedule: str, P: int, M: int, dp: int
         numel += (costs.embed.param_numel if k == 0 else 0) + (costs.head.param_numel if k == S - 1 else 0)
         numel -= costs.tied_numel if S == 1 else 0
         per_mb = (j - i) * layer_act + (memory_plan.logits_bytes(work, p) if k == S - 1 else 0)
-        flight = in_flight(schedule, stage_rank(k, P, schedule), P, M)
+        flight = in_flight(schedule, stage_rank(k, P), P, M)
         return 16 * numel / dp, per_mb * flight + recompute
     return f
 
@@ -114,15 +118,16 @@ def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
     """`fullshard plan --pipeline-parallel-size P`: profile, choose the split, print it beside the even one."""
     shape, positions, dtype = memory_plan.check_args(p, args)
     schedule, M, V = _check(p, args, shape.num_layers)
+    micro = args.batch_size // M
     P, S, L = args.pipeline_parallel_size, args.pipeline_parallel_size * V, shape.num_layers
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # On a CPU, the threads each rank of a P x N job on this machine would get (`fullshard train`'s default).
     threads = threads_per_rank(P * args.world_size) if device == "cpu" else None
     with intra_op_threads(threads):
-        model, costs = profile_for(shape, args.vocab_size, positions, args.batch_size, args.tokens_per_sample,
+        model, costs = profile_for(shape, args.vocab_size, positions, micro, args.tokens_per_sample,
                                    dtype=dtype, checkpoint=args.checkpoint_activations,
                                    reps=args.pipeline_profile_reps, device=device)
-    work = memory_plan.gpt_workload(shape, args.batch_size, args.tokens_per_sample, args.vocab_size,
+    work = memory_plan.gpt_workload(shape, micro, args.tokens_per_sample, args.vocab_size,
                                     max_positions=positions)
     mem = _stage_bytes(work, costs, schedule, P, M, args.world_size, dtype, args.checkpoint_activations)
     budget = None if args.budget_gb is None else args.budget_gb * 1e9
@@ -133,13 +138,13 @@ def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
         p.fail(f"{e} of {args.budget_gb:g} GB per rank")
     splits = {"auto": auto, "even": even_split(L, S)}
     with intra_op_threads(threads):
-        measured = measure_stages(model, list(splits.values()), args.batch_size, args.tokens_per_sample,
+        measured = measure_stages(model, list(splits.values()), micro, args.tokens_per_sample,
                                   checkpoint=args.checkpoint_activations, reps=args.pipeline_profile_reps)
     print(format_pipeline(args, costs, splits, dict(zip(splits, measured)), mem, schedule=schedule, P=P, M=M,
                           V=V, dtype=dtype, device=device, threads=threads))
     per_rank = [0.0] * P
     for k, (a, b) in enumerate(stage_bounds(auto)):
-        per_rank[stage_rank(k, P, schedule)] += sum(mem(k, a, b, S))
+        per_rank[stage_rank(k, P)] += sum(mem(k, a, b, S))
     if budget is not None and max(per_rank) > budget:
         p.fail(f"the balanced split needs {max(per_rank) / 1e9:.3f} GB on rank {per_rank.index(max(per_rank))}, "
                f"over --budget-gb {args.budget_gb:g}; add ranks or checkpoint activations")
@@ -157,7 +162,7 @@ def format_pipeline(args, costs: ModelCosts, splits: dict, measured: dict, mem, 
     where = f"{device}, {threads} intra-op thread(s), as each of {P} x {args.world_size} ranks here" if threads \
         else device
     lines = [f"pipeline: {args.arch}, {len(layer_s)} layers, P={P} ranks x V={V} = {S} stages, {schedule},",
-             f"  M={M} micro-batches of {args.batch_size} x {args.tokens_per_sample} tokens, {name}, "
+             f"  M={M} micro-batches of {args.batch_size // M} x {args.tokens_per_sample} tokens, {name}, "
              f"{where}",
              f"profile per micro-batch, forward + backward (least of {args.pipeline_profile_reps} after 1 warm-up): "
              f"embed {ms(costs.embed.seconds)} ms,",
@@ -170,7 +175,7 @@ def format_pipeline(args, costs: ModelCosts, splits: dict, measured: dict, mem, 
         params = costs.stage_params(split)
         for k, (a, b) in enumerate(stage_bounds(split)):
             head = f"{label} {list(split)}" if k == 0 else ""
-            lines.append(f"{head:<20}{k:>5}{stage_rank(k, P, schedule):>5}{f'{a}-{b - 1}':>8}"
+            lines.append(f"{head:<20}{k:>5}{stage_rank(k, P):>5}{f'{a}-{b - 1}':>8}"
                          f"{ms(predicted[k]):>14}{ms(measured[label][k]):>13}{params[k]:>13,}"
                          f"{sum(mem(k, a, b, S)) / 1e9:>9.3f}")
     worst = {label: max(t) for label, t in measured.items()}
@@ -184,7 +189,7 @@ def format_pipeline(args, costs: ModelCosts, splits: dict, measured: dict, mem, 
                      "measured)")
     bubble = bubble_fraction(schedule, P, M, V)
     formula = "(P-1)/(V*M+P-1)" if schedule == "Interleaved1F1B" else "(P-1)/(M+P-1)"
-    lines.append("bubble: not modelled for ZBVZeroBubble" if bubble is None else
+    lines.append("bubble: not modelled for LoopedBFS" if bubble is None else
                  f"bubble: {formula} = {bubble:.1%} of a step idle (Narayanan et al. 2021, §2.2)")
     lines.append(f"GB/rank: Adam's fp32 model state (16 bytes per parameter) / {args.world_size} data-parallel "
                  "rank(s)")
