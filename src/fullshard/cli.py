@@ -8,6 +8,7 @@
     fullshard consolidate checkpoints/tiny/checkpoint_last model.safetensors
     fullshard plan --arch transformer_lm_gpt3_xl --world-size 8 --bf16 --budget-gb 16
     fullshard plan --arch transformer_lm_gpt3_medium --decoder-layers 30 --world-size 8 --bf16
+    fullshard plan --arch transformer_lm_gpt3_small --world-size 1 --pipeline-parallel-size 2
     fullshard bench --preset quick --out-dir bench-results
     fullshard plot run_a.log run_b.log -o curve.png
 
@@ -30,7 +31,7 @@ from typing import Optional, Sequence
 
 from fullshard.bench import suite
 from fullshard.data import preprocess_cli
-from fullshard.train import eval_lm, generate, plan
+from fullshard.train import eval_lm, generate, pipeline_plan_cli, plan
 from fullshard.train.launcher import Interrupted, LaunchError, RankFailed, launch
 from fullshard.train.loop import train_main
 from fullshard.train.options import OneLineArgumentParser, add_train_args, validate
@@ -54,7 +55,10 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
                       help="a directory written by fullshard.checkpoint.save, or by torch.distributed.checkpoint.save "
                            "of {'model': model_state_dict, ...}")
     cons.add_argument("out", metavar="OUT", help="output file ending in .safetensors (streamed) or .pt")
-    plan.add_args(sub.add_parser("plan", help="per-rank memory of a training configuration; what fits a budget"))
+    plan_parser = sub.add_parser("plan", help="per-rank memory of a training configuration; what fits a budget; "
+                                              "balanced pipeline stages")
+    plan.add_args(plan_parser)
+    pipeline_plan_cli.add_args(plan_parser)
     suite.add_args(sub.add_parser("bench", help="fullshard vs torch DDP / FSDP (and DeepSpeed): speed, memory, "
                                                 "communication"))
     plot_parser = sub.add_parser("plot", help="plot loss curves from training logs")
@@ -141,7 +145,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.command == "consolidate":
         return _consolidate(sub, args)
     if args.command == "plan":
-        return plan.run(sub, args)
+        return (plan.run if args.pipeline_parallel_size is None else pipeline_plan_cli.run)(sub, args)
     if args.command == "bench":
         return suite.run(suite.validate(args, sub.fail))
     return _plot(sub, args)

@@ -196,15 +196,31 @@ def plan(work: Workload, cfg: Config) -> dict[str, int]:
     return out
 
 
-def activation_bytes(work: Workload, p: int, checkpoint: bool) -> int:
-    """Activations of one step (Korthikanti et al. 2023, §4.1, eq. (1)); see module docstring."""
+def layer_activation_bytes(work: Workload, p: int) -> float:
+    """Activations one transformer layer keeps for backward, bytes (Korthikanti et al. 2023, §4.1,
+    eq. (1)); see module docstring."""
     s, b, h, a = work.tokens_per_sample, work.batch_size, work.embed_dim, work.num_heads
     f = work.ffn_embed_dim or 4 * h
     # eq. (1)'s 34·s·b·h holds an MLP term 19·s·b·h = 3·s·b·h + 4·s·b·f at f = 4h; written for any f.
-    per_layer = s * b * (18 * h + 4 * f + 5 * a * s) * p / 2
-    layers = (work.num_layers * 2 * s * b * h * p / 2 + per_layer) if checkpoint else work.num_layers * per_layer
-    logits = b * s * work.vocab_size * (p + 4)
-    return int(layers + logits)
+    return s * b * (18 * h + 4 * f + 5 * a * s) * p / 2
+
+
+def checkpointed_layer_bytes(work: Workload, p: int) -> float:
+    """What a layer under activation checkpointing keeps: its input, s·b·h elements of p bytes."""
+    return 2 * work.tokens_per_sample * work.batch_size * work.embed_dim * p / 2
+
+
+def logits_bytes(work: Workload, p: int) -> int:
+    """The logits (compute dtype) and the fp32 log-softmax of the loss: b·s·V·(p + 4) bytes."""
+    return work.batch_size * work.tokens_per_sample * work.vocab_size * (p + 4)
+
+
+def activation_bytes(work: Workload, p: int, checkpoint: bool) -> int:
+    """Activations of one step (Korthikanti et al. 2023, §4.1, eq. (1)); see module docstring."""
+    per_layer = layer_activation_bytes(work, p)
+    layers = (work.num_layers * checkpointed_layer_bytes(work, p) + per_layer) if checkpoint \
+        else work.num_layers * per_layer
+    return int(layers + logits_bytes(work, p))
 
 
 def _speed_rank(cfg: Config) -> tuple:
@@ -276,8 +292,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_options(p, OptimizationOptions, ("optimizer",))
 
 
-def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
-    """Check the flags (one line, exit 2 on bad input), print the plan and what fits the budget."""
+def check_args(p: OneLineArgumentParser, args: argparse.Namespace) -> tuple:
+    """Check the flags every plan reads (one line, exit 2 on bad input).
+
+    Returns:
+        ``(shape, max_positions, dtype)``: the model's :class:`fullshard.models.ArchSpec`, its
+        position-table size and the compute dtype (torch.float32, bfloat16 or float16).
+    """
     for name in ("world_size", "batch_size", "tokens_per_sample", "vocab_size"):
         if getattr(args, name) < 1:
             p.fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -290,8 +311,14 @@ def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as e:
         p.fail(str(e))
     positions = check_tokens_per_sample(p, args, shape)  # the position table `fullshard train` builds
-    work = gpt_workload(shape, args.batch_size, args.tokens_per_sample, args.vocab_size, max_positions=positions)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return shape, positions, dtype
+
+
+def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
+    """Check the flags (one line, exit 2 on bad input), print the plan and what fits the budget."""
+    shape, positions, dtype = check_args(p, args)
+    work = gpt_workload(shape, args.batch_size, args.tokens_per_sample, args.vocab_size, max_positions=positions)
     cfg = Config(ShardingStrategy[args.sharding_strategy], args.world_size, dtype, args.cpu_offload,
                  args.checkpoint_activations, args.optimizer)
     print(format_plan(work, cfg, plan(work, cfg)))
