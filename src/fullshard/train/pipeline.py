@@ -57,7 +57,10 @@ def split_of(cfg, num_layers: int) -> list[int]:
     if cfg.pipeline_split == "auto":
         from fullshard.train import pipeline_plan  # the planner (fullshard plan --pipeline-parallel-size)
 
-        return check_split(pipeline_plan.auto_split(cfg, stages), num_layers, stages)
+        # Profiled on rank 0 only and handed to every rank: timings differ between processes, and
+        # ranks that chose different splits would build stages that do not fit together.
+        split = pipeline_plan.auto_split(cfg, stages) if collectives.rank() == 0 else None
+        return check_split(collectives.all_gather_object(split, tag="pipeline split")[0], num_layers, stages)
     return check_split(parse_split(cfg.pipeline_split), num_layers, stages)
 
 
