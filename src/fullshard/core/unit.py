@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from . import (collectives, comm, extensions, flat, grads, optim_guard, optim_hooks, overlap, placement, registry,
-               torch_private)
+from . import collectives, comm, extensions, flat, grads, optim_guard, optim_hooks, placement, registry, torch_private
 from .buffers import POOL
 from .invariant import start_fold
+from .overlap import all_gather as issue_all_gather
 from .params import ParamSlot
 from .reduce import PendingReduce, start_reduce
 from .settings import UnitSettings
@@ -285,7 +285,7 @@ class Unit:
         if settings.allocator is not None:
             settings.allocator.prepare(self._gather_buf, group)
         # On the side streams of a CUDA device (core/streams.py [Note: streams and events]).
-        self._gather_work = overlap.all_gather(self._gather_buf, send, group, tag, cast)
+        self._gather_work = issue_all_gather(self._gather_buf, send, group, tag, cast)
 
     def wait_unshard(self) -> None:
         """Finish the all-gather and lay out full parameters. UNSHARDING → UNSHARDED."""
