@@ -48,11 +48,12 @@ class CommMethods:
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Wait on ``event`` (recorded after the optimizer step) before the
         root's next forward issues its all-gathers; the event is then
-        dropped, so pass a new one each iteration. fullshard issues
-        all-gathers on the current stream, where NCCL already orders them
-        after the queued optimizer step: the wait keeps that guarantee and
-        cannot remove the dependence on unrelated work queued after the step
-        (torch FSDP2's separate all-gather streams can). On CPU (gloo) every
+        dropped, so pass a new one each iteration. fullshard's all-gathers
+        (on a side stream, core/streams.py) wait for the current stream's
+        work queued before each is issued, so they already follow the queued
+        optimizer step: the wait keeps that guarantee and cannot remove the
+        dependence on unrelated work queued after the step (torch FSDP2's
+        all-gather streams wait on the event instead). On CPU (gloo) every
         step has finished before the forward starts and events cannot be
         recorded; an unrecorded ``torch.Event()`` is accepted and its wait
         returns at once. Call on the root.

@@ -224,3 +224,119 @@ def test_gloo_cuda_tensors_match_ddp(algorithm, monkeypatch):
     if algorithm != "default":  # gloo's native reduce-scatter and all-gather on CUDA tensors, and the all-to-all form
         monkeypatch.setenv("FULLSHARD_COLLECTIVES", algorithm)
     _report(run_ranks(_gloo_two_ranks, 2, timeout_s=300))
+
+
+# ------------------------------------------------------------------------------------------------ side streams
+SLEEP_CYCLES = 1_000_000
+"""GPU cycles (about half a millisecond) each side stream sleeps after each wait, before its work: a consumer
+that does not wait for the side stream then reads unfinished results, and the run differs from the
+single-stream one."""
+
+
+def _slow_side_streams(device):
+    """Make every side stream of ``device`` sleep after each of its waits (see :data:`SLEEP_CYCLES`); returns
+    the undo."""
+    from fullshard.core import streams
+
+    sides = streams.side(device)
+    mine = (sides.copy_in, sides.all_gather, sides.reduce_scatter, sides.all_reduce)
+    original = streams.wait
+
+    def slow(event, stream=None):
+        original(event, stream)
+        if stream is not None and any(stream == s for s in mine):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(SLEEP_CYCLES)
+    streams.wait = slow
+    return lambda: setattr(streams, "wait", original)
+
+
+def _hybrid(door: str, base, device, world: int):
+    """``base`` under HYBRID_SHARD with one-rank shard groups and every rank a replica (the replicas'
+    all-reduce carries the whole gradient)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fullshard import ShardingStrategy
+
+    model = M.clone(base)
+    if door == "wrapper":
+        shards = [dist.new_group([r]) for r in range(world)]
+        rep = dist.new_group(list(range(world)))
+        return FSDP(model, auto_wrap_policy=M.unit_policy("gpt"), device_id=device,
+                    sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=(shards[dist.get_rank()], rep))
+    mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _streams_on_off(rank, world, device_type="cuda"):
+    """Each door and variant trained with side streams (slowed) and without: the same bits. Offload only at
+    world size 1 (NCCL). ``device_type`` "cpu" (under gloo) runs the same code without streams, for developing."""
+    from fullshard.core import streams
+
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    base = M.make_model("gpt")
+    variants = {"fp32": dict(), "bf16": dict(precision=True), "offload": dict(offload=True), "hybrid": None}
+    if world > 1:
+        del variants["offload"]
+    out = {}
+    for door in DOORS:
+        for name, kw in variants.items():
+            runs = []
+            for on in (True, False):
+                streams.set_enabled(on)
+                undo = _slow_side_streams(device) if on and device.type == "cuda" else (lambda: None)
+                try:
+                    model = _hybrid(door, base, device, world) if kw is None else _shard(door, base, device, **kw)
+                    losses = _train(model, model.parameters(), rank, device)
+                finally:
+                    undo()
+                    streams.set_enabled(None)
+                runs.append((torch.stack(losses), [local_of(p).detach().cpu() for p in model.parameters()]))
+            (on_losses, on_params), (off_losses, off_params) = runs
+            assert torch.equal(on_losses, off_losses), f"{door} {name}: losses {on_losses} vs {off_losses}"
+            for i, (a, b) in enumerate(zip(on_params, off_params)):
+                assert torch.equal(a, b), f"{door} {name}: parameter {i} differs, max {(a - b).abs().max()}"
+            _note(out, f"{door} {name} streams on vs off (rank {rank})", 0.0)
+    return out
+
+
+def test_streams_on_equal_streams_off():
+    """Side streams (core/streams.py [Note: streams and events]) give the single-stream path's bits: NCCL at
+    world size 1, and gloo with 2 ranks on the one GPU (real collectives, HYBRID's all-reduce over 2 ranks)."""
+    _report(run_ranks(_streams_on_off, 1, backend="nccl", timeout_s=300))
+    _report(run_ranks(_streams_on_off, 2, timeout_s=300))
+
+
+def _sync_free_step(rank, world):
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    base = M.make_model("gpt")
+    batches = [tuple(t.to(device) for t in M.batch("gpt", rank, step)) for step in range(2)]
+    out = {}
+    for door in DOORS:
+        for precision in (False, True):
+            model = _shard(door, base, device, precision=precision)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step, (x, y) in enumerate(batches):  # the first step builds what is built once
+                torch.cuda.synchronize()
+                if step:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    M.loss_fn("gpt", model, x, y).backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+                opt.step()
+                opt.zero_grad()
+            _note(out, f"{door} {'bf16' if precision else 'fp32'}: forward + backward without a host sync", 0.0)
+    return out
+
+
+def test_no_host_sync_in_forward_backward():
+    """Issue 27 item 1 on the GPU: a steady-state forward + backward of both doors (NCCL, world size 1) makes
+    no call that synchronizes the host with the GPU (``torch.cuda.set_sync_debug_mode("error")`` raises)."""
+    _report(run_ranks(_sync_free_step, 1, backend="nccl", timeout_s=300))

@@ -29,6 +29,13 @@ returned buffers are freed:
   never overlap (a GPT's root unit, used at both ends of the step, and its
   blocks) do not each keep their own set;
 * at most :data:`CACHE_FACTOR` times the largest buffer is cached.
+
+On a CUDA device with side streams (core/streams.py [Note: streams and
+events]) a returned buffer carries an event recorded on the stream that
+returned it (after every use of it there), and the stream that takes it next
+waits on that event first; a cached buffer the pool frees makes the stream
+that allocated it wait on the event, so the caching allocator cannot reuse
+the block ahead of its last use. Elsewhere no event is made.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ from typing import Optional
 
 import torch
 
-from . import torch_private
+from . import streams, torch_private
 
 CACHE_FACTOR = 8
 """Cap on cached bytes, as a multiple of the largest buffer handed out."""
@@ -62,7 +69,10 @@ class BufferPool:
     """Free storages keyed by ``(device, nbytes)``, most recently returned last."""
 
     def __init__(self) -> None:
-        self._free: "collections.OrderedDict[tuple, list[torch.UntypedStorage]]" = collections.OrderedDict()
+        # (device, nbytes) -> [(storage, event of its last use or None, the stream that recorded it)]
+        self._free: "collections.OrderedDict[tuple, list[tuple]]" = collections.OrderedDict()
+        # data_ptr -> the stream that allocated the block (CUDA with side streams only); see _drop.
+        self._home: dict = {}
         self._lock = threading.Lock()
         self.cached_bytes = 0
         self.largest_bytes = 0
@@ -82,12 +92,22 @@ class BufferPool:
             if stack:
                 self.hits += 1
                 self.cached_bytes -= nbytes
-                s = stack.pop()
+                s, event, recorded_on = stack.pop()
                 if not stack:
                     del self._free[key]
-                return s
-            self.misses += 1
-        return torch.UntypedStorage(nbytes, device=device)
+            else:
+                self.misses += 1
+                s = event = None
+        if s is None:
+            s = torch.UntypedStorage(nbytes, device=device)
+            taker = streams.current(device)
+            if taker is not None:
+                self._home[s.data_ptr()] = taker
+        elif event is not None:
+            taker = streams.current(device)
+            if taker != recorded_on:  # on the same stream the order is already kept
+                streams.wait(event, taker)
+        return s
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements (contents undefined) on ``device``."""
@@ -107,24 +127,36 @@ class BufferPool:
         if nbytes == 0:
             return
         key = (s.device, nbytes)
+        giver = streams.current(s.device)
+        entry = (s, streams.record(giver), giver)
         with self._lock:
             self.in_use_bytes -= nbytes
-            self._free.setdefault(key, []).append(s)
+            self._free.setdefault(key, []).append(entry)
             self._free.move_to_end(key)
             self.cached_bytes += nbytes
             limit = min(CACHE_FACTOR * self.largest_bytes, self.peak_in_use_bytes - self.in_use_bytes)
             while self.cached_bytes > limit and self._free:
                 old_key, stack = next(iter(self._free.items()))
-                stack.pop(0)
+                self._drop(stack.pop(0))
                 self.cached_bytes -= old_key[1]
                 if not stack:
                     del self._free[old_key]
 
-    def forget(self, nbytes: int) -> None:
-        """A buffer of ``nbytes`` handed out by :meth:`take` will not come back
-        (it lives on as an ordinary tensor): stop counting it as in use."""
+    def _drop(self, entry: tuple) -> None:
+        """Free a cached buffer: the stream that allocated it (whose later
+        allocations may reuse the block) first waits on its last use."""
+        s, event, recorded_on = entry
+        home = self._home.pop(s.data_ptr(), None)
+        if event is not None and home is not None and home != recorded_on:
+            streams.wait(event, home)
+
+    def forget(self, nbytes: int, ptr: Optional[int] = None) -> None:
+        """A buffer of ``nbytes`` (at ``ptr``, if known) handed out by
+        :meth:`take` will not come back (it lives on as an ordinary tensor):
+        stop counting it as in use."""
         with self._lock:
             self.in_use_bytes -= _rounded(nbytes)
+            self._home.pop(ptr, None)
 
     def lend(self, target: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty storage ``target`` at least ``nbytes`` of pooled memory."""
@@ -149,6 +181,9 @@ class BufferPool:
     def clear(self) -> None:
         """Free every cached buffer."""
         with self._lock:
+            for stack in self._free.values():
+                for entry in stack:
+                    self._drop(entry)
             self._free.clear()
             self.cached_bytes = 0
 

@@ -106,7 +106,7 @@ class PooledGrad:
             if not keep:
                 POOL.give(grad)
                 return
-        POOL.forget(nbytes)
+        POOL.forget(nbytes, ptr)
 
     def nbytes(self) -> int:
         """Bytes of the buffer handed out and not yet settled (0 if none)."""

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, comm, flat, grads, post_accumulate, used_flags
+from . import collectives, comm, flat, grads, overlap, post_accumulate, used_flags
 
 
 def reduce_input(unit, full_grad: Optional[torch.Tensor], used: list[bool], alloc=None) -> tuple[torch.Tensor, int]:
@@ -59,8 +59,12 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
     if alloc is not None:
         alloc.prepare(reduce_in, group)
         alloc.prepare(out, group)
-    work = collectives.reduce_scatter(out, reduce_in, group, async_op=True, tag=tag)
-    return PendingReduce(unit, work, reduce_in, out, post, alloc, all(used))
+    # On side streams the replicas' all-reduce follows at once, unless sums are held back
+    # (set_requires_all_reduce(False)) or one is held already: then finish() runs it as before.
+    rep = cfg.replicate_group
+    eager = rep is not None and unit.partial_out is None and settings.requires_all_reduce
+    work, all_reduced = overlap.reduce_scatter(out, reduce_in, group, tag, rep if eager else None)
+    return PendingReduce(unit, work, reduce_in, out, post, alloc, all(used), all_reduced)
 
 
 def _accumulate(unit, out: torch.Tensor, used: Optional[list[bool]]) -> None:
@@ -98,10 +102,11 @@ class PendingReduce:
     """An in-flight reduce-scatter (and, with replicas, its all-reduce)."""
 
     def __init__(self, unit, work, reduce_in: Optional[torch.Tensor], out: torch.Tensor, post: float = 1.0,
-                 alloc=None, all_used: bool = False):
+                 alloc=None, all_used: bool = False, all_reduced: bool = False):
         self.unit, self.work, self.reduce_in, self.out = unit, work, reduce_in, out
         self.post, self.alloc = post, alloc  # division after the sum (force_sum); reduce_in's allocator
         self.all_used = all_used  # this rank used every parameter: every summed flag is positive
+        self.all_reduced = all_reduced  # out was all-reduced over the replicas already (core/overlap.py)
 
     def finish(self, later: Optional[used_flags.UsedFlags] = None) -> None:
         """Wait, sum over replicas, run the all-reduce hook, divide what is
@@ -110,11 +115,11 @@ class PendingReduce:
         With ``later`` (the root's), the accumulation may wait for the end
         of backward's one read of the used flags (core/used_flags.py)."""
         if self.work is not None:
-            self.work.wait()
+            self.work.wait()  # side streams: the compute stream waits on the collective's event
         comm.give(self.alloc, self.reduce_in)
         self.reduce_in = None
         unit, rep = self.unit, self.unit.cfg.replicate_group
-        if rep is not None:
+        if rep is not None and not self.all_reduced:
             if unit.partial_out is not None:  # sums kept by set_requires_all_reduce(False)
                 self.out.add_(unit.partial_out)
                 unit.partial_out = None

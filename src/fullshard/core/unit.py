@@ -19,6 +19,7 @@ import torch.nn as nn
 from . import collectives, comm, extensions, flat, grads, optim_guard, optim_hooks, placement, registry, torch_private
 from .buffers import POOL
 from .invariant import start_fold
+from .overlap import all_gather as issue_all_gather
 from .params import ParamSlot
 from .reduce import PendingReduce, start_reduce
 from .settings import UnitSettings
@@ -264,16 +265,17 @@ class Unit:
         extensions.start(self)
         if self.aliased or not self.slots:
             return
-        send, group = self.flat_shard, self.cfg.shard_group
-        if self._partial is not None:  # kept after forward: gather within the post-forward group
-            send, group = self._partial, self.cfg.post_forward_group
-        elif send.dtype != self.compute_dtype or send.device != self.cfg.compute_device:
-            send = send.to(self.cfg.compute_device, self.compute_dtype, non_blocking=True)
         numel, dtype, device, tag = self.layout.unsharded_numel, self.compute_dtype, self.cfg.compute_device, \
             f"unit '{self.name}'"
+        send, group, cast = self.flat_shard, self.cfg.shard_group, None
+        if self._partial is not None:  # kept after forward: gather within the post-forward group
+            send, group = self._partial, self.cfg.post_forward_group
+        elif send.dtype != dtype or send.device != device:
+            cast = (device, dtype)
         settings = self.settings
         custom = settings.custom_all_gather if collectives.group_size(group) > 1 else None
         if custom is not None:
+            send = send if cast is None else send.to(device, dtype, non_blocking=True)
             self._gather_buf = comm.custom_all_gather(custom, send, group, numel, dtype, device,
                                                       collectives.group_rank(group), tag)
             self._gather_alloc = comm.FOREIGN
@@ -282,7 +284,8 @@ class Unit:
         self._gather_buf = comm.take(self._gather_alloc, numel, dtype, device)
         if settings.allocator is not None:
             settings.allocator.prepare(self._gather_buf, group)
-        self._gather_work = collectives.all_gather(self._gather_buf, send, group, async_op=True, tag=tag)
+        # On the side streams of a CUDA device (core/streams.py [Note: streams and events]).
+        self._gather_work = issue_all_gather(self._gather_buf, send, group, tag, cast)
 
     def wait_unshard(self) -> None:
         """Finish the all-gather and lay out full parameters. UNSHARDING → UNSHARDED."""

@@ -1,0 +1,107 @@
+"""A unit's all-gather and reduce-scatter (and HYBRID_SHARD's all-reduce)
+issued on the side streams of its compute device, so they overlap the
+compute stream's work (core/streams.py [Note: streams and events] says what
+waits on what). Without side streams (the CPU, ``FULLSHARD_STREAMS=0``)
+each function issues exactly today's asynchronous collective on the
+current stream and returns its work handle.
+
+Every function returns something with ``wait()``: called on the compute
+stream before the collective's output is read, it makes that stream wait
+for the collective (a CUDA event) or, without side streams, waits on the
+work handle as before.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import collectives, streams
+
+
+class SideWork:
+    """A collective issued on a side stream: ``event`` marks its end there.
+    The tensors in ``keep`` (read or written by the side stream) stay alive
+    until the compute stream waits on it, so the caching allocator cannot
+    reuse their memory ahead of the side stream."""
+
+    def __init__(self, event, device: torch.device, keep: tuple = ()):
+        self.event, self.device, self.keep = event, device, keep
+
+    def wait(self) -> bool:
+        """Make the current (compute) stream wait for the collective; no host sync."""
+        if self.event is not None:
+            streams.wait(self.event, streams.current(self.device))
+            self.event, self.keep = None, ()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+def all_gather(out: torch.Tensor, send: torch.Tensor, group, tag: str,
+               cast: Optional[tuple[torch.device, torch.dtype]] = None):
+    """All-gather ``send`` (1-D, this rank's shard) into ``out`` (1-D,
+    ``group_size × send.numel()`` elements, on the compute device),
+    asynchronously. ``cast``: (device, dtype) to copy ``send`` to first
+    (mixed precision, an offloaded shard); on side streams the copy runs on
+    the copy-in stream.
+
+    Returns:
+        A handle whose ``wait()`` precedes any read of ``out``, or None
+        (one-rank group without side streams: copied already).
+    """
+    sides = streams.side(out.device)
+    if sides is None:
+        if cast is not None:
+            send = send.to(cast[0], cast[1], non_blocking=True)
+        return collectives.all_gather(out, send, group, async_op=True, tag=tag)
+    if cast is not None:
+        copy = torch.empty(send.numel(), dtype=cast[1], device=cast[0])  # allocated on the compute stream
+    # After the buffers were taken: their earlier users and the shard's writers are done.
+    ready = streams.record(streams.current(out.device))
+    copied = None
+    if cast is not None:
+        with streams.on(sides.copy_in):
+            streams.wait(ready, sides.copy_in)
+            copy.copy_(send, non_blocking=True)
+            copied = streams.record(sides.copy_in)
+        send = copy
+    with streams.on(sides.all_gather):
+        streams.wait(ready, sides.all_gather)
+        streams.wait(copied, sides.all_gather)
+        _issue_and_wait(collectives.all_gather(out, send, group, async_op=True, tag=tag))
+        done = streams.record(sides.all_gather)
+    return SideWork(done, out.device, (send, out))
+
+
+def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group, tag: str, replicas=None):
+    """Reduce-scatter ``full`` (rank-major blocks, written on the compute
+    stream) into ``out``, asynchronously; with ``replicas`` (a group, side
+    streams only) then all-reduce ``out`` over it.
+
+    Returns:
+        (handle whose ``wait()`` precedes any read of ``out`` and any reuse
+        of ``full``, or None; whether ``out`` was all-reduced over ``replicas``).
+    """
+    sides = streams.side(out.device)
+    if sides is None:
+        return collectives.reduce_scatter(out, full, group, async_op=True, tag=tag), False
+    ready = streams.record(streams.current(out.device))
+    with streams.on(sides.reduce_scatter):
+        streams.wait(ready, sides.reduce_scatter)
+        _issue_and_wait(collectives.reduce_scatter(out, full, group, async_op=True, tag=tag))
+        done = streams.record(sides.reduce_scatter)
+    if replicas is not None:
+        with streams.on(sides.all_reduce):
+            streams.wait(done, sides.all_reduce)
+            collectives.all_reduce(out, replicas, "sum", tag=tag + " replicas")
+            done = streams.record(sides.all_reduce)
+    return SideWork(done, out.device, (full, out)), replicas is not None
+
+
+def _issue_and_wait(work) -> None:
+    """Wait for ``work`` inside the current side stream: NCCL makes that
+    stream (not the compute stream) wait; gloo completes on the host."""
+    if work is not None:
+        work.wait()

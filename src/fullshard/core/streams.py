@@ -1,0 +1,133 @@
+"""CUDA streams and events of the engine: one set of side streams per
+device, and helpers that are no-ops where there are none (the CPU, or
+``FULLSHARD_STREAMS=0``), so the same engine code runs on both.
+
+[Note: streams and events]
+Not yet verified on a GPU: tests/dist/test_cuda.py
+(``test_streams_on_equal_streams_off``, ``test_no_host_sync_in_forward_backward``)
+checks it; ``scripts/gpu_check.sh`` runs them.
+
+The stream that runs forward and backward (the *compute* stream) is
+whatever stream is current when the engine runs; it is never stored. Per
+compute device there are four side streams (torch FSDP2's set): copy-in,
+all-gather, reduce-scatter and all-reduce (HYBRID_SHARD's replicas). What
+waits on what:
+
+* unshard: the compute stream records an event *after* the all-gather
+  output buffer is taken (the shard's values are final: optimizer step,
+  copy-in of a new value, the previous users of the buffer). The copy-in
+  stream waits on it and casts / copies the shard to the compute dtype and
+  device (only when they differ); the all-gather stream waits on both, issues
+  the all-gather and waits for it *inside* the stream (so NCCL's internal
+  stream, or gloo's copies of CUDA tensors, are ordered before the
+  all-gather stream's next work), then records the gather event. Before the
+  copy-out into the unit's full parameters, the compute stream waits on the
+  gather event; only then are the send and gather buffers released.
+* reduce: the full gradient is copied into the reduce-scatter input on the
+  compute stream (so autograd's gradient may be freed at once, as torch
+  FSDP2 does); the reduce-scatter stream waits on the compute stream's event
+  recorded after that copy, runs the reduce-scatter (waited inside the
+  stream) and records its event. With replicas and nothing held back
+  (``set_requires_all_reduce(False)``), the all-reduce stream waits on that
+  event, all-reduces and records its own. The compute stream waits on the
+  last event before anything reads the reduced block (the all-reduce hook,
+  the division, the accumulation into ``.grad``, the used flags) and before
+  the reduce-scatter input goes back to the pool.
+* buffers: every allocation the engine makes is on the compute stream, and
+  a side stream touches a buffer only after waiting on a compute event
+  recorded after the buffer was taken, so the caching allocator's
+  per-stream reuse never hands a block to work that could overtake its last
+  use. The pool (core/buffers.py) also records, when a buffer is returned,
+  an event on the returning stream, and the stream that takes the buffer
+  next waits on it; a buffer it frees first makes the stream that allocated
+  it wait on that event.
+
+Events, never ``Tensor.record_stream``: the allocator's record_stream delays
+reuse until an unknown later time and hides what waits on what.
+Collectives are issued and waited inside their side stream (torch FSDP2's
+design): ``work.wait()`` there makes the side stream, not the compute
+stream, wait for NCCL, and the compute stream waits only on our events. With
+gloo on CUDA tensors the wait also blocks the host (gloo's CUDA support
+completes on the host); the result is the same.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+
+ENV = "FULLSHARD_STREAMS"
+"""``FULLSHARD_STREAMS=0``: no side streams on CUDA (the single-stream path, for A/B comparison)."""
+
+_FORCED: Optional[bool] = None
+_SETS: dict = {}  # torch.device (with index) -> StreamSet
+
+
+def set_enabled(on: Optional[bool]) -> None:
+    """Use side streams on CUDA (True), never (False), or as ``FULLSHARD_STREAMS`` says (None; default on)."""
+    global _FORCED
+    _FORCED = on
+
+
+def enabled() -> bool:
+    """Whether side streams are used on CUDA devices (see :func:`set_enabled`)."""
+    if _FORCED is not None:
+        return _FORCED
+    return os.environ.get(ENV, "1").strip() not in ("0", "", "false", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSet:
+    """The side streams of one CUDA device (see [Note: streams and events])."""
+
+    copy_in: "torch.cuda.Stream"
+    all_gather: "torch.cuda.Stream"
+    reduce_scatter: "torch.cuda.Stream"
+    all_reduce: "torch.cuda.Stream"
+
+
+def side(device: torch.device) -> Optional[StreamSet]:
+    """The side streams of ``device``, made on first use; None on a non-CUDA
+    device or with streams disabled (every helper below is then a no-op)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not enabled():
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    found = _SETS.get(device)
+    if found is None:
+        # High priority, as torch FSDP2's: communication is on the critical path of the compute it feeds.
+        found = StreamSet(*(torch.cuda.Stream(device=device, priority=-1) for _ in range(4)))
+        _SETS[device] = found
+    return found
+
+
+def current(device: torch.device) -> Optional["torch.cuda.Stream"]:
+    """The compute stream of ``device`` (the current one) when it has side streams, else None."""
+    if side(device) is None:
+        return None
+    device = torch.device(device)
+    return torch.cuda.current_stream(device if device.index is not None else None)
+
+
+def on(stream: Optional["torch.cuda.Stream"]):
+    """A context making ``stream`` current; does nothing for None."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def record(stream: Optional["torch.cuda.Stream"]) -> Optional["torch.cuda.Event"]:
+    """An event recorded now on ``stream`` (None for None)."""
+    return None if stream is None else stream.record_event()
+
+
+def wait(event: Optional["torch.cuda.Event"], stream: Optional["torch.cuda.Stream"] = None) -> None:
+    """Make ``stream`` (None: the current stream) wait on ``event``; does nothing for a None event."""
+    if event is None:
+        return
+    if stream is None:
+        event.wait()  # the current stream of the event's device
+    else:
+        stream.wait_event(event)
