@@ -1,6 +1,10 @@
 """CUDA streams and events of the engine: one set of side streams per
 device, and helpers that are no-ops where there are none (the CPU, or
-``FULLSHARD_STREAMS=0``), so the same engine code runs on both.
+CUDA without ``FULLSHARD_STREAMS=1``), so the same engine code runs on both.
+
+Off by default until tests/dist/test_cuda.py has passed on a GPU: a missing
+wait between streams would be a silent wrong result, and no GPU has run
+this code yet. ``FULLSHARD_STREAMS=1`` turns the side streams on.
 
 [Note: streams and events]
 Not yet verified on a GPU: tests/dist/test_cuda.py
@@ -60,14 +64,15 @@ from typing import Optional
 import torch
 
 ENV = "FULLSHARD_STREAMS"
-"""``FULLSHARD_STREAMS=0``: no side streams on CUDA (the single-stream path, for A/B comparison)."""
+"""``FULLSHARD_STREAMS=1``: side streams on CUDA; unset or ``0``: the single-stream path (the default until
+the CUDA tests have passed on a GPU)."""
 
 _FORCED: Optional[bool] = None
 _SETS: dict = {}  # torch.device (with index) -> StreamSet
 
 
 def set_enabled(on: Optional[bool]) -> None:
-    """Use side streams on CUDA (True), never (False), or as ``FULLSHARD_STREAMS`` says (None; default on)."""
+    """Use side streams on CUDA (True), never (False), or as ``FULLSHARD_STREAMS`` says (None; default off)."""
     global _FORCED
     _FORCED = on
 
@@ -76,7 +81,7 @@ def enabled() -> bool:
     """Whether side streams are used on CUDA devices (see :func:`set_enabled`)."""
     if _FORCED is not None:
         return _FORCED
-    return os.environ.get(ENV, "1").strip() not in ("0", "", "false", "off")
+    return os.environ.get(ENV, "0").strip() not in ("0", "", "false", "off")
 
 
 @dataclasses.dataclass(frozen=True)
