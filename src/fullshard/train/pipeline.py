@@ -33,7 +33,7 @@ from fullshard.core import collectives
 from fullshard.models import TransformerBlock, build_model, make_param_init_fn
 from fullshard.models.stages import check_split, cut_gpt, even_split, join_stages
 from fullshard.pipelining import PipelineStage
-from fullshard.train import sharding
+from fullshard.train import pipeline_plan, sharding
 from fullshard.train.pipeline_checks import LOOPED, check, microbatches, parse_split
 
 
@@ -55,8 +55,6 @@ def split_of(cfg, num_layers: int) -> list[int]:
     if cfg.pipeline_split == "even":
         return even_split(num_layers, stages)
     if cfg.pipeline_split == "auto":
-        from fullshard.train import pipeline_plan  # the planner (fullshard plan --pipeline-parallel-size)
-
         # Profiled on rank 0 only and handed to every rank: timings differ between processes, and
         # ranks that chose different splits would build stages that do not fit together.
         split = pipeline_plan.auto_split(cfg, stages) if collectives.rank() == 0 else None
