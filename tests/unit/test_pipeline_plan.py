@@ -72,6 +72,7 @@ def test_even_split_and_bubble():
     assert PP.in_flight("GPipe", 3, 4, 8) == 8
 
 
+@pytest.mark.heavy
 def test_planned_split_is_balanced_in_measured_stage_times():
     """The planner on a GPT whose head costs several layers (width 128, vocabulary 8192, 16 layers,
     P = 2): each stage of its split, timed whole as a pipeline runs it, is within 15% of the mean,
@@ -104,6 +105,7 @@ def test_planned_split_is_balanced_in_measured_stage_times():
     assert auto != even and auto[0] > auto[1]  # the head's stage holds fewer layers
 
 
+@pytest.mark.heavy
 def test_auto_split_of_a_train_config():
     cfg = TrainConfig(data_dir="unused", arch="transformer_lm_gpt_mini", decoder_layers=4, vocab_size=97,
                       max_positions=512, tokens_per_sample=16, batch_size=4, bf16=True)

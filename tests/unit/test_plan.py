@@ -69,6 +69,7 @@ def _tracked_bytes(rank, world):
                                 if torch.is_tensor(t) and t.dim() > 0)}
 
 
+@pytest.mark.heavy
 def test_matches_measured_model_state_within_10_percent():
     from tests.dist.harness import run_ranks
 
@@ -141,6 +142,7 @@ def test_ffn_width_enters_activations():
     assert got == spec.num_layers * 4 * 32 * 2 * 10
 
 
+@pytest.mark.heavy
 def test_a_reader_closing_stdout_early_is_not_a_traceback():
     """`fullshard plan ... | head`: the closed pipe ends the command quietly (exit 1, nothing on stderr)."""
     proc = subprocess.Popen([sys.executable, "-m", "fullshard.cli", "plan", "--arch", "transformer_lm_gpt3_small",

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import fullshard
 
 SRC = Path(fullshard.__file__).parent
@@ -55,6 +57,7 @@ def test_train_and_bench_import_rules():
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.heavy
 def test_cli_start_up_does_not_import_torch_distributed_checkpoint():
     """The lazy imports above are worth it: `fullshard --help` does not pay for torch.distributed.checkpoint."""
     code = ("import sys, fullshard.cli; "
