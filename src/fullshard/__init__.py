@@ -30,6 +30,7 @@ from .forward_methods import register_fsdp_forward_method
 from .fsdp import FSDP, FullyShardedDataParallel
 from .fsdp2 import FSDPModule, UnshardHandle, fully_shard
 from .memory import memory_stats
+from .optim import OffloadAdamW
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
            "CPUOffload", "StateDictType", "FullStateDictConfig",
@@ -38,5 +39,5 @@ __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy", "BackwardPref
            "apply_activation_checkpointing", "CheckpointWrapper", "offload_activations", "memory_stats", "wrap",
            "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
            "register_fsdp_forward_method", "clip_grad_norm_", "RowShard", "BlockShard", "Owned", "shard_info",
-           "optim"]
+           "optim", "OffloadAdamW"]
 __version__ = "0.1.0"

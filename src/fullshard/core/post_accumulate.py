@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from . import torch_private
+from . import offload, torch_private
 
 
 def mark(unit, index: int) -> None:
@@ -54,11 +54,13 @@ def run(unit) -> None:
     due, unit.hooks_due = sorted(unit.hooks_due), set()
     todo = [(p, hooks) for p in (unit.slots[i].sharded for i in due)
             for hooks in [torch_private.post_accumulate_grad_hooks(p)] if hooks]
-    if not todo:
-        return
-    if unit.state.name == "UNSHARDING":  # its all-gather may still read the shard a hook is about to step
-        unit.wait_unshard()
-    with torch.no_grad():
-        for param, hooks in todo:
-            for hook in hooks:
-                hook(param)
+    if todo:
+        if unit.state.name == "UNSHARDING":  # its all-gather may still read the shard a hook is about to step
+            unit.wait_unshard()
+        offload.wait(unit)  # an offloaded gradient may still be on its way to the host
+        with torch.no_grad():
+            for param, hooks in todo:
+                for hook in hooks:
+                    hook(param)
+    if due:
+        offload.run_ready(unit)

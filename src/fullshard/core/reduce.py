@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, comm, flat, grads, overlap, post_accumulate, used_flags
+from . import collectives, comm, flat, grads, offload, overlap, post_accumulate, used_flags
 
 
 def reduce_input(unit, full_grad: Optional[torch.Tensor], used: list[bool], alloc=None) -> tuple[torch.Tensor, int]:
@@ -80,7 +80,12 @@ def _accumulate(unit, out: torch.Tensor, used: Optional[list[bool]]) -> None:
     master, reduced = unit.flat_shard, out[:n_grad]
     # Stored in grad_dtype; added to an existing gradient in the master
     # dtype (keep_low_precision_grads: rounded once per backward).
-    store = flat.grad_shard_views(reduced.to(master.device, unit.grad_dtype), unit.layout, unit.rank)
+    if unit.cfg.offload_params:  # into a host buffer the unit reuses (core/offload.py)
+        adds = any(u and s.sharded.grad is not None for s, u in zip(unit.slots, used))
+        stored = offload.to_host(unit, reduced, unit.grad_dtype, blocking=adds)
+    else:
+        stored = reduced.to(master.device, unit.grad_dtype)
+    store = flat.grad_shard_views(stored, unit.layout, unit.rank)
     wide = store if unit.grad_dtype == master.dtype else None
     sentinels = unit.stash.take_sentinels()
     for i, (slot, view, u) in enumerate(zip(unit.slots, store, used)):

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, flat, grads, invariant, torch_private
+from . import collectives, flat, grads, invariant, offload, torch_private
 
 
 class GradStash:
@@ -161,7 +161,9 @@ class Window:
         missing = [i for i, slot in enumerate(unit.slots) if slot.layout.requires_grad and slot.sharded.grad is None]
         if missing:
             # One allocation for all sentinels of the unit.
-            zeros = torch.zeros(lay.grad_shard_numel, dtype=unit.grad_dtype, device=unit.flat_shard.device)
+            # Offloaded: a host buffer the unit reuses (core/offload.py [Note: offloaded gradient buffers]).
+            zeros = offload.zeros(unit, lay.grad_shard_numel, unit.grad_dtype) if unit.cfg.offload_params else \
+                torch.zeros(lay.grad_shard_numel, dtype=unit.grad_dtype, device=unit.flat_shard.device)
             views = flat.grad_shard_views(zeros, lay, unit.rank)
             for i in missing:
                 self._install_sentinel(unit, i, views[i])

@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from ..api import BackwardPrefetch
-from . import collectives, torch_private, used_flags
+from . import collectives, offload, torch_private, used_flags
 from .reduce import PendingReduce
 from .settings import UnitSettings
 from .torch_private import in_backward_pass
@@ -472,6 +472,7 @@ def end_of_backward(root: RootRuntime) -> None:
         # Units under set_requires_gradient_sync(False) keep accumulating.
         root.stash_window = not all(rt.settings.requires_gradient_sync for rt in root.runtimes)
     root.flags.flush()  # the one batched read of this backward, if any unit needs it
+    offload.wait_all(rt.unit for rt in root.runtimes)  # .grad final on the host (core/offload.py)
     root.flags.reset()
     for rt in root.runtimes:
         rt.unit.drop_partial()  # a unit the backward did not reach

@@ -136,3 +136,14 @@ def wait(event: Optional["torch.cuda.Event"], stream: Optional["torch.cuda.Strea
         event.wait()  # the current stream of the event's device
     else:
         stream.wait_event(event)
+
+
+def host_copy_event(device: torch.device) -> Optional["torch.cuda.Event"]:
+    """An event recorded now on ``device``'s current stream, with or without
+    side streams, for the host to wait on (``event.synchronize()``) before it
+    reads what a non-blocking copy to pinned host memory issued there
+    wrote; None on a non-CUDA device (the copy was synchronous)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device if device.index is not None else None).record_event()

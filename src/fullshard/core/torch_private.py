@@ -53,6 +53,18 @@ def version_counter(t: torch.Tensor) -> int:
     return t._version
 
 
+def storage_users(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) share ``t``'s memory, ``t``
+    included (``torch._C._storage_Use_Count``, less the storage object this
+    call makes). 1: nothing else can read or write it.
+
+    No public API tells whether a buffer the engine reuses is still held
+    elsewhere (a ``.grad`` view the user kept).
+    """
+    storage = t.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata) - 1
+
+
 # ---------------------------------------------------------------- autograd
 def in_backward_pass() -> bool:
     """Whether the autograd engine is executing a backward on this thread

@@ -15,16 +15,21 @@ Muon's matrices are each held whole by one rank::
 torch's optimizers that are not element-wise (``torch.optim.Muon``,
 ``Adafactor``, ``LBFGS``, ...) raise :class:`ShardedOptimizerError` at their
 first step on such parameters; :func:`allow_elementwise` opts a class out.
+
+``OffloadAdamW(model, ...)``: AdamW over a CPU-offloaded model whose host step
+of each unit starts as soon as the unit's gradient is on the host, during
+backward (bit for bit ``torch.optim.AdamW(fused=True)`` after backward).
 """
 from ..core.optim_guard import shard_aware
 from .adafactor import Adafactor
 from .guard import ELEMENTWISE, ShardedOptimizerError, allow_elementwise, disallow
 from .lamb import Lamb
 from .muon import Muon, muon_param_groups, muon_placement_fn
+from .offload import OffloadAdamW
 
 for _cls in (Muon, Adafactor, Lamb):
     shard_aware(_cls)
 del _cls
 
-__all__ = ["Muon", "Adafactor", "Lamb", "muon_param_groups", "muon_placement_fn", "allow_elementwise", "disallow",
-           "ELEMENTWISE", "ShardedOptimizerError"]
+__all__ = ["Muon", "Adafactor", "Lamb", "OffloadAdamW", "muon_param_groups", "muon_placement_fn",
+           "allow_elementwise", "disallow", "ELEMENTWISE", "ShardedOptimizerError"]

@@ -1,0 +1,223 @@
+"""AdamW whose CPU step of each offloaded unit overlaps the rest of backward.
+
+[Note: overlapped offload step]
+With CPU offload each unit's gradient shards reach the host one unit at a
+time during backward (core/offload.py [Note: offloaded gradient buffers]).
+:class:`OffloadAdamW` registers a grads-ready callback on every unit: when
+a unit's reduced gradient is in ``.grad``, a worker thread waits for its
+copy to land and steps that unit's parameters with torch's AdamW kernel
+(``fused=True``: one multi-threaded pass over the shards), while backward
+goes on with the next units. ``opt.step()`` after ``backward()`` waits for
+those steps and steps whatever backward did not (parameters outside every
+unit, a unit with gradients left from an earlier backward it did not
+reach). Each element's update depends only on that element's gradient and
+state, so stepping unit by unit gives the bits one ``AdamW.step()`` after
+backward gives.
+
+With ``max_norm`` the global gradient norm is needed before any step: the
+steps wait for ``opt.step()``, which clips exactly as
+``fullshard.clip_grad_norm_(model, max_norm, norm_type)`` does and then
+steps every unit (no overlap with backward; exact). A speculative step
+redone when the norm exceeds ``max_norm`` would overlap too, at the cost of
+a copy of each unit's parameters and AdamW state kept until the norm is
+known (3x the shards' bytes): not built.
+
+Gradient accumulation: micro-batches under ``no_sync()`` /
+``set_requires_gradient_sync(False)`` reduce nothing, so only the
+synchronizing backward steps. A unit whose gradient arrives a second time
+before ``opt.step()`` (two synchronizing backwards per step, or a unit
+reduced twice in one backward) raises: its step has already been taken.
+The next forward of the model waits for the steps in flight (a forward
+pre-hook), as do ``zero_grad``, ``state_dict`` and ``load_state_dict``.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.optim.adam import adam
+
+from ..core import collectives, norms, offload, optim_guard, state
+from ..core.module import UnitModule, unit_modules
+
+
+def _root(model: nn.Module, what: str, init: bool = True):
+    """The root runtime of ``model``, a root ``fully_shard`` / ``FullyShardedDataParallel``
+    module. ``init=False`` (construction): before the first forward, when no
+    root is known yet, only the type is checked (initializing here would
+    make a nested unit a root); :meth:`OffloadAdamW.step` checks again."""
+    if not isinstance(model, UnitModule):
+        raise TypeError(f"{what} takes the root fully_shard / FullyShardedDataParallel module, got "
+                        f"{type(model).__name__}")
+    rt = model._runtime
+    if not init and rt.root is None:
+        return rt
+    model._lazy_init()
+    if not rt.is_root:
+        raise ValueError(f"[rank {collectives.rank()}] {what}: pass the root module (the outermost fully_shard / "
+                         "FullyShardedDataParallel one), not a nested unit")
+    return rt
+
+
+class OffloadAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` over a CPU-offloaded model, each unit stepped on
+    the host as soon as its gradient shards arrive during backward (see
+    [Note: overlapped offload step]). Use it as an optimizer::
+
+        opt = fullshard.optim.OffloadAdamW(model, lr=3e-4, max_norm=1.0)
+        for batch in data:
+            model(batch).sum().backward()   # units step as their gradients land
+            opt.step()                      # waits for them (clips, then steps, with max_norm)
+            opt.zero_grad()
+
+    The parameters after ``opt.step()`` are bit for bit those of
+    ``backward()``, then ``fullshard.clip_grad_norm_(model, max_norm,
+    norm_type)`` when ``max_norm`` is set, then
+    ``torch.optim.AdamW(model.parameters(), fused=fused, ...).step()``; its
+    ``state_dict()`` is that optimizer's.
+
+    Args:
+        model: the root module; every unit must keep its shards on the host
+            (``CPUOffloadPolicy()`` / ``CPUOffload(offload_params=True)``),
+            unless the model computes on the CPU.
+        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
+        max_norm: clip the global gradient norm to it before stepping (the
+            steps then wait for ``opt.step()``); None: no clipping.
+        norm_type: p of the clipping norm.
+        fused: ``torch.optim.AdamW``'s ``fused`` (True: one fused kernel
+            per dtype; False: its ``foreach`` path).
+    Raises:
+        TypeError: ``model`` is not a ``fully_shard`` / wrapper module.
+        ValueError: a nested unit; a unit that keeps its shards on an
+            accelerator; fp16 parameters or gradients (a gradient scaler's
+            inf check must precede the step).
+    """
+
+    def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 max_norm: Optional[float] = None, norm_type: float = 2.0, fused: bool = True):
+        _root(model, "OffloadAdamW", init=False)
+        units = [m.unit for m in unit_modules(model)]
+        for unit in units:
+            if not unit.cfg.offload_params and unit.cfg.compute_device.type != "cpu":
+                raise ValueError(f"OffloadAdamW: unit '{unit.name}' keeps its shards on {unit.cfg.compute_device}; "
+                                 "wrap with CPUOffloadPolicy() / CPUOffload(offload_params=True), or use "
+                                 "torch.optim.AdamW")
+            if torch.float16 in (unit.compute_dtype, unit.reduce_dtype, unit.grad_dtype):
+                raise ValueError(f"OffloadAdamW: unit '{unit.name}' computes or reduces in float16, which needs a "
+                                 "gradient scaler whose inf check must come before any step; use bfloat16, or "
+                                 "torch.optim.AdamW with the scaler")
+        super().__init__(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad, maximize=maximize, fused=fused or None, foreach=None if fused else True)
+        self.max_norm, self.norm_type = max_norm, float(norm_type)
+        self.grad_norm: Optional[torch.Tensor] = None  # the norm before clipping of the last step (max_norm)
+        self._model = weakref.ref(model)
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._jobs: list[concurrent.futures.Future] = []
+        self._stepped: dict[int, str] = {}  # id(unit) -> name: units whose gradient arrived since step()
+        self._done: set[int] = set()  # id() of parameters stepped since the last step()
+        me = weakref.ref(self)
+
+        def ready(unit, me=me):
+            opt = me()
+            if opt is not None:
+                opt._unit_ready(unit)
+        for unit in units:
+            offload.on_grads_ready(unit, me, ready)
+        self._handle = model.register_forward_pre_hook(lambda *_: me() and me()._drain(), prepend=True)
+
+    # ------------------------------------------------------------ backward
+    def _unit_ready(self, unit) -> None:
+        """A unit's gradient is in ``.grad`` (possibly still landing): step it now, or at step() with max_norm."""
+        if id(unit) in self._stepped and self.max_norm is None:
+            raise RuntimeError(
+                f"[rank {collectives.rank()}] OffloadAdamW: unit '{unit.name}' got a gradient again before "
+                "opt.step(); it steps each unit in the backward that reduces the unit's gradient, so call "
+                "opt.step() after every synchronizing backward and accumulate micro-batches under no_sync() "
+                "(set_requires_gradient_sync(False))")
+        self._stepped[id(unit)] = unit.name
+        if self.max_norm is not None:
+            return  # the global norm comes first: step() clips, then steps
+        if unit.state.name == "UNSHARDING":  # an all-gather in flight still reads the shard
+            unit.wait_unshard()
+        params = [s.sharded for s in unit.slots if s.sharded.grad is not None]
+        self._done.update(id(p) for p in params)
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fullshard-offload-adamw")
+        self._jobs.append(self._pool.submit(self._step_unit, unit, params))
+
+    def _step_unit(self, unit, params: list[torch.Tensor]) -> None:
+        offload.wait(unit)  # its gradient copy has landed on the host
+        self._update(params)
+
+    def _drain(self) -> None:
+        """Wait for the unit steps in flight; re-raise the first failure."""
+        jobs, self._jobs = self._jobs, []
+        errors = [e for e in (job.exception() for job in jobs) if e is not None]
+        if errors:
+            raise errors[0]
+
+    @torch.no_grad()
+    def _update(self, params: list[torch.Tensor]) -> None:
+        """``AdamW.step()`` restricted to ``params`` (each group's settings; the same kernel and arguments)."""
+        ids = {id(p) for p in params}
+        for group in self.param_groups:
+            mine = dict(group, params=[p for p in group["params"] if id(p) in ids])
+            if not mine["params"]:
+                continue
+            p_, g_, m_, v_, vmax_, steps = [], [], [], [], [], []
+            has_complex = self._init_group(mine, p_, g_, m_, v_, vmax_, steps)
+            beta1, beta2 = group["betas"]
+            adam(p_, g_, m_, v_, vmax_, steps, amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1,
+                 beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                 maximize=group["maximize"], foreach=group["foreach"], capturable=group["capturable"],
+                 differentiable=group["differentiable"], fused=group["fused"],
+                 decoupled_weight_decay=group["decoupled_weight_decay"])
+
+    # ------------------------------------------------------------ public
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Finish this iteration's step: wait for the units stepped during
+        backward, then (with ``max_norm``) clip and step every unit, and step
+        every parameter with a gradient that was not stepped yet.
+
+        Raises:
+            ValueError: a closure (backward has already run).
+            RuntimeError: the model is in forward or backward; a gradient
+                scaler drives the step (fp16 is refused); a unit step failed.
+        """
+        if closure is not None:
+            raise ValueError("OffloadAdamW.step() takes no closure: the steps follow the backward you ran")
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            raise RuntimeError("OffloadAdamW cannot be stepped through a gradient scaler: its units step before "
+                               "the scaler's inf check; train in bfloat16 or float32 without one")
+        model, done = self._model(), self._done
+        try:
+            self._drain()
+        finally:
+            self._stepped, self._done = {}, set()
+        if model is not None:
+            rt = _root(model, "OffloadAdamW.step()")
+            state.require_idle(rt.root, "OffloadAdamW.step()")
+            if self.max_norm is not None:
+                self.grad_norm = norms.clip_root_(rt, list(model.parameters()), self.max_norm, self.norm_type)
+        self._update([p for g in self.param_groups for p in g["params"] if p.grad is not None and id(p) not in done])
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._drain()
+        super().zero_grad(set_to_none)
+
+    def state_dict(self):
+        self._drain()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self._drain()
+        super().load_state_dict(state_dict)
+
+
+optim_guard.shard_aware(OffloadAdamW)  # element-wise: stepping rows gives the whole tensor's update

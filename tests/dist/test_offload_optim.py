@@ -1,0 +1,215 @@
+"""CPU offload: host gradient buffers reused across steps (core/offload.py
+[Note: offloaded gradient buffers]) and the overlapped AdamW step
+(``fullshard.optim.OffloadAdamW``, [Note: overlapped offload step]), both
+front doors, 2 gloo ranks, one spawned group.
+
+Five iterations: plain; the root's ``norm`` skipped by every rank (its
+parameters keep ``grad None``); two micro-batches, the first under
+``no_sync`` / ``set_requires_gradient_sync(False)``; plain, then
+``zero_grad(set_to_none=False)``; plain (added into the zeroed gradients).
+``OffloadAdamW`` (without and with ``max_norm``) must give, bit for bit, the
+parameters and AdamW state of ``backward()``, ``fullshard.clip_grad_norm_`` and
+``torch.optim.AdamW(fused=True).step()``; each gradient must live in the same
+host storage at every step.
+"""
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import fullshard
+from fullshard import FullyShardedDataParallel as FSDP
+from fullshard.optim import OffloadAdamW
+from fullshard.wrap import ModuleWrapPolicy
+from tests.dist import fsdp2_parity as P
+from tests.dist.harness import run_ranks
+
+LR = 1e-2
+CLIP = 0.05  # below every step's global norm here, so each step is clipped
+
+
+class Net(P.Net):
+    """``fsdp2_parity.Net`` whose forward skips ``norm`` while ``skip_norm`` is set."""
+
+    skip_norm = False
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(h if self.skip_norm else self.norm(h))
+
+
+def _make(door: str, **options):
+    torch.manual_seed(0)
+    model = Net(layers=2)
+    if door == "fully_shard":
+        for layer in model.layers:
+            fullshard.fully_shard(layer, offload_policy=fullshard.CPUOffloadPolicy(), **options)
+        return fullshard.fully_shard(model, offload_policy=fullshard.CPUOffloadPolicy(), **options)
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({P.Block}),
+                cpu_offload=fullshard.CPUOffload(offload_params=True), **options)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _backward(model, rank: int, step: int, micro: int, sync: bool) -> None:
+    x, y = P.tokens(10 * rank + micro, step)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    if sync:
+        loss.backward()
+    elif isinstance(model, FSDP):
+        with model.no_sync():
+            loss.backward()
+    else:
+        model.set_requires_gradient_sync(False)
+        loss.backward()
+        model.set_requires_gradient_sync(True)
+
+
+def _train(model, rank: int, overlap: bool, max_norm):
+    """The five iterations; returns (full parameters and this rank's AdamW state, whether the parameters
+    had changed after the first backward before step(), the global norms,
+    per parameter name whether its gradient kept one storage at every step)."""
+    if overlap:
+        opt = OffloadAdamW(model, lr=LR, max_norm=max_norm)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    base = model.module if isinstance(model, FSDP) else model
+    named = list(model.named_parameters())
+    storages, norms, moved = {n: [] for n, _ in named}, [], None
+    for step in range(5):
+        base.skip_norm = step == 1
+        before = [_local(p).clone() for _, p in named]
+        if step == 2:
+            _backward(model, rank, step, 0, sync=False)
+        _backward(model, rank, step, 1, sync=True)
+        for n, p in named:
+            if p.grad is not None:
+                storages[n].append(weakref.ref(_local(p.grad).untyped_storage()))
+        if step == 0 and overlap:
+            opt.state_dict()  # waits for the unit steps taken during backward
+            moved = any(not torch.equal(b, _local(p)) for b, (_, p) in zip(before, named))
+        if max_norm is not None:
+            if overlap:
+                opt.step()
+                norms.append(float(opt.grad_norm))
+            else:
+                norms.append(float(fullshard.clip_grad_norm_(model, max_norm)))
+                opt.step()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=step != 3)
+    full = {n: P.full(p) for n, p in named}
+    for i, st in opt.state_dict()["state"].items():  # AdamW's state, the step counts included
+        full.update({f"state {i} {k}": _local(v).clone() for k, v in st.items()})
+    # While the model lives: each parameter's gradient had one storage at every step.
+    alive = {n: [r() for r in refs] for n, refs in storages.items()}
+    reused = {n: len(a) >= 4 and a[0] is not None and all(s is a[0] for s in a) for n, a in alive.items()}
+    return full, moved, norms, reused
+
+
+def _refusals(rank: int) -> None:
+    model = _make("fully_shard")
+    _backward(model, rank, 0, 0, sync=True)  # the root is known after the first forward
+    model.zero_grad()
+    with pytest.raises(ValueError, match="root module"):
+        OffloadAdamW(model.layers[0])
+    with pytest.raises(TypeError, match="root fully_shard"):
+        OffloadAdamW(torch.nn.Linear(2, 2))
+    half = _make("fully_shard", mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=torch.float16))
+    with pytest.raises(ValueError, match="float16"):
+        OffloadAdamW(half)
+    opt = OffloadAdamW(model, lr=LR)
+    _backward(model, rank, 0, 0, sync=True)
+    with pytest.raises(RuntimeError, match="got a gradient again before opt.step"):
+        _backward(model, rank, 1, 0, sync=True)  # two synchronizing backwards for one step
+    with pytest.raises(ValueError, match="no closure"):
+        opt.step(lambda: None)
+
+
+def _ranks(rank: int, world: int):
+    report = {}
+    for door in ("fully_shard", "FullyShardedDataParallel"):
+        for max_norm in (None, CLIP):
+            want, _, want_norms, storages = _train(_make(door), rank, False, max_norm)
+            got, moved, got_norms, got_storages = _train(_make(door), rank, True, max_norm)
+            what = f"{door} max_norm={max_norm}"
+            assert got.keys() == want.keys(), (what, sorted(got.keys() ^ want.keys()))
+            for name in want:
+                assert torch.equal(got[name], want[name]), (what, name, (got[name] - want[name]).abs().max())
+            assert got_norms == want_norms, (what, got_norms, want_norms)
+            assert all(n > CLIP for n in want_norms), (what, want_norms)  # clipping really happened
+            # Steps during backward without clipping; none before step() with it.
+            assert moved is (max_norm is None), (what, moved)
+            for run, reused in (("AdamW", storages), ("OffloadAdamW", got_storages)):
+                assert all(reused.values()), (what, run, "gradient storage not reused across steps", reused)
+            report[what] = "bitwise equal"
+    _refusals(rank)
+    dist.barrier()
+    return report
+
+
+def test_offload_adamw_bitwise_and_reused_grad_buffers():
+    """OffloadAdamW (steps during backward; with max_norm clipped at step())
+    equals backward + clip_grad_norm_ + fused AdamW bit for bit under both
+    front doors with CPU offload, an unused parameter, no_sync accumulation
+    and zero_grad(set_to_none=False); gradient shards stay in one host
+    buffer per unit across steps; what it cannot do is refused."""
+    print(run_ranks(_ranks, 2)[0])
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+def _cuda_one_rank(rank, world, device_type="cuda"):
+    """One NCCL rank on the GPU, pinned offload, both doors, with side streams on and off:
+    OffloadAdamW equals fused AdamW bit for bit (non-blocking copies waited on before the host step),
+    and the host gradient buffers are pinned. ``device_type="cpu"`` (gloo) runs the same checks here."""
+    from fullshard.core import offload, streams
+    from fullshard.core.module import unit_modules
+    from tests.dist import models as M
+    from tests.dist.test_cuda import _shard
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    base = M.make_model("gpt")
+
+    def run(door, overlap, max_norm):
+        model = _shard(door, base, device, offload=True)
+        opt = OffloadAdamW(model, lr=LR, max_norm=max_norm) if overlap else \
+            torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+        for step in range(3):
+            x, y = (t.to(device) for t in M.batch("gpt", rank, step))
+            M.loss_fn("gpt", model, x, y).backward()
+            if max_norm is not None and not overlap:
+                fullshard.clip_grad_norm_(model, max_norm)
+            opt.step()
+            opt.zero_grad()
+        pinned = all(b.is_pinned() == (device.type == "cuda") for m in unit_modules(model)
+                     for b in offload.buffers(m.unit))
+        return {n: _local(p).detach().cpu() for n, p in model.named_parameters()}, pinned
+
+    out = {}
+    for on in (False, True):
+        streams.set_enabled(on)
+        for door in ("wrapper", "fully_shard"):
+            for max_norm in (None, 1e-3):
+                want, _ = run(door, False, max_norm)
+                got, pinned = run(door, True, max_norm)
+                assert pinned, f"{door}: host gradient buffers not pinned"
+                for n in want:
+                    assert torch.equal(got[n], want[n]), (door, on, max_norm, n)
+                out[f"{door} streams={on} max_norm={max_norm}"] = "bitwise equal"
+    streams.set_enabled(None)
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_offload_adamw_on_cuda():
+    print(run_ranks(_cuda_one_rank, 1, backend="nccl", timeout_s=300))
