@@ -133,6 +133,17 @@ def _refusals(rank: int) -> None:
         _backward(model, rank, 1, 0, sync=True)  # two synchronizing backwards for one step
     with pytest.raises(ValueError, match="no closure"):
         opt.step(lambda: None)
+    # A clip after backward comes too late for the steps taken during it: loud, never ignored.
+    for door in ("fully_shard", "wrapper"):
+        model = _make(door)
+        opt = OffloadAdamW(model, lr=LR)
+        _backward(model, rank, 0, 0, sync=True)
+        if door == "fully_shard":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # torch's clip on the DTensor gradients
+        else:
+            model.clip_grad_norm_(1e-3)
+        with pytest.raises(RuntimeError, match="changed after it was stepped during backward"):
+            opt.step()
 
 
 def _ranks(rank: int, world: int):

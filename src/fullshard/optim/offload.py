@@ -119,6 +119,9 @@ class OffloadAdamW(torch.optim.AdamW):
         self._jobs: list[concurrent.futures.Future] = []
         self._stepped: dict[int, str] = {}  # id(unit) -> name: units whose gradient arrived since step()
         self._done: set[int] = set()  # id() of parameters stepped since the last step()
+        # id(parameter) -> (parameter, fingerprint of its .grad when stepped during backward): a gradient
+        # changed afterwards (a clip, a scaler's unscale_) came too late for that step.
+        self._versions: dict[int, tuple] = {}
         me = weakref.ref(self)
 
         def ready(unit, me=me):
@@ -151,6 +154,7 @@ class OffloadAdamW(torch.optim.AdamW):
 
     def _step_unit(self, unit, params: list[torch.Tensor]) -> None:
         offload.wait(unit)  # its gradient copy has landed on the host
+        self._versions.update((id(p), (p, _fingerprint(p))) for p in params)
         self._update(params)
 
     def _drain(self) -> None:
@@ -194,11 +198,18 @@ class OffloadAdamW(torch.optim.AdamW):
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             raise RuntimeError("OffloadAdamW cannot be stepped through a gradient scaler: its units step before "
                                "the scaler's inf check; train in bfloat16 or float32 without one")
-        model, done = self._model(), self._done
+        model, done, versions = self._model(), self._done, self._versions
         try:
             self._drain()
         finally:
-            self._stepped, self._done = {}, set()
+            self._stepped, self._done, self._versions = {}, set(), {}
+        changed = next((p for p, v in versions.values() if not _same(_fingerprint(p), v)), None)
+        if changed is not None:
+            raise RuntimeError(
+                f"[rank {collectives.rank()}] OffloadAdamW: a gradient changed after it was stepped during backward "
+                f"(shape {tuple(changed.shape)}; a clip_grad_norm_, a scaler's unscale_ or zero_grad before step()), "
+                "so that step did not see the change; pass max_norm=... to OffloadAdamW to clip, and change "
+                "gradients only with a torch.optim.AdamW")
         if model is not None:
             rt = _root(model, "OffloadAdamW.step()")
             state.require_idle(rt.root, "OffloadAdamW.step()")
@@ -218,6 +229,27 @@ class OffloadAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict) -> None:
         self._drain()
         super().load_state_dict(state_dict)
+
+
+_STRIDE = 61  # every 61st element: about 2% of a pass over the gradient
+
+
+def _fingerprint(p: torch.Tensor) -> Optional[tuple]:
+    """``p.grad``'s in-place version counter and a strided sample of its (local) values; None
+    without a gradient. The sample catches writes the counter misses (in-place foreach ops on
+    DTensor gradients leave both counters alone): a clip scales every element, so it changes
+    the sample unless every sampled element is 0, when the step is unchanged anyway."""
+    g = p.grad
+    if g is None:
+        return None
+    local = getattr(g, "_local_tensor", g)
+    return g._version, local._version, local.detach().reshape(-1)[::_STRIDE].clone()
+
+
+def _same(a: Optional[tuple], b: Optional[tuple]) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a[:2] == b[:2] and torch.equal(a[2], b[2])
 
 
 optim_guard.shard_aware(OffloadAdamW)  # element-wise: stepping rows gives the whole tensor's update
