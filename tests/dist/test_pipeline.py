@@ -7,6 +7,7 @@ pipelining (no weight staleness).
 - pp=2 x dp=1 equals dp=2 without pipelining;
 - a checkpoint saved at pp=2 x dp=2 resumes at pp=1 x dp=4 (no pipelining) and gives the
   uninterrupted run's parameters;
+- --hybrid-shard: pp=2 x replicate 2 x shard 1 equals one process (the norm counts replicas once);
 - --world-size-invariant: pp=2 x dp=2 and pp=2 x dp=1 give bitwise the same losses, gradient norms,
   validation loss and parameters (dropout, --update-freq > 1, both accumulation modes).
 """
@@ -33,6 +34,7 @@ GLOBAL = 8  # sequences per update over all data-parallel ranks
 UPDATES = 3
 SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2))
 MODES = ("reduce_scatter", "unsharded")
+HYBRID_CASES = (("1F1B", "reduce_scatter"), ("GPipe", "unsharded"))
 
 
 def _cfg(dp: int, **over) -> TrainConfig:
@@ -163,6 +165,16 @@ def _pipelined_cases(rank, world, tmp):
             out[(schedule, mode)] = dict(history=history, params=_full_params(trainer.model),
                                          reduce_scatters=trainer.reduce_scatters)
     out["reference"] = _reference(UPDATES) if rank == 0 else None
+    # --hybrid-shard: shard groups of gcd(D, LOCAL_WORLD_SIZE) = 1 rank, 2 replicas.
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        for schedule, mode in HYBRID_CASES:
+            cfg = _cfg(2, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_microbatches=2,
+                       pipeline_grad_accumulation=mode, hybrid_shard=True)
+            trainer, history = _train(cfg, rank, world, UPDATES)
+            out[("hybrid", schedule, mode)] = dict(history=history, params=_full_params(trainer.model))
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = str(world)
     # Resume: 2 updates at pp=2 x dp=2, save, then the third at pp=1 x dp=4.
     from fullshard import checkpoint
     from fullshard.train.trainer import Trainer
@@ -221,6 +233,10 @@ def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
             assert once > 0 and every == 2 * once, (schedule, every, once)
     _assert_close(per_rank[0]["resumed"]["history"], per_rank[0]["resumed"]["params"], want,
                   "saved at pp=2 x dp=2, resumed at pp=1 x dp=4")
+    for schedule, mode in HYBRID_CASES:
+        key = ("hybrid", schedule, mode)
+        _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want,
+                      f"pp=2 x replicate 2 x shard 1 (--hybrid-shard) {schedule} {mode}")
 
 
 def _pp2_dp1_cases(rank, world):

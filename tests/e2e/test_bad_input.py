@@ -177,6 +177,8 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
      "--pipeline-schedule Interleaved1F1B needs --pipeline-stages-per-rank >= 2"),
     (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--fsdp-version", "1"],
      "--pipeline-parallel-size 2 does not support --fsdp-version 1"),
+    (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--hybrid-shard", "--world-size-invariant"],
+     "--pipeline-parallel-size 2 does not support --hybrid-shard with --world-size-invariant"),
     (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--pipeline-microbatches", "3"],
      "--batch-size 4 is not divisible by --pipeline-microbatches 3"),
 ]

@@ -34,6 +34,8 @@ shards are summed by a two-rank all-reduce (a + b = b + a, bitwise).
 """
 from __future__ import annotations
 
+import math
+import os
 from typing import Optional
 
 import torch
@@ -78,6 +80,20 @@ def split_of(cfg, num_layers: int) -> list[int]:
     return check_split(parse_split(cfg.pipeline_split), num_layers, stages)
 
 
+def pipeline_mesh(cfg, device_type: str, p: int, d: int):
+    """(the world's mesh, a stage's data-parallel mesh). ``(pp, dp)`` = (P, D), stages sharded over
+    ``dp``; --hybrid-shard: ``(pp, replicate, shard)`` = (P, D / S, S) with shard groups of
+    S = gcd(D, LOCAL_WORLD_SIZE) consecutive ranks (within a node when a node's ranks are
+    consecutive) replicated over the rest of the data-parallel group, stages on the 2-D
+    ``(replicate, shard)`` sub-mesh. Rank ``r`` is data-parallel rank ``r % D`` either way."""
+    if not cfg.hybrid_shard:
+        mesh = init_device_mesh(device_type, (p, d), mesh_dim_names=("pp", "dp"))
+        return mesh, mesh["dp"]
+    shard = math.gcd(d, int(os.environ.get("LOCAL_WORLD_SIZE", d)))
+    mesh = init_device_mesh(device_type, (p, d // shard, shard), mesh_dim_names=("pp", "replicate", "shard"))
+    return mesh, mesh["replicate", "shard"]
+
+
 class Pipeline:
     """This rank's pipeline stages, their schedule and the tied weight's bookkeeping.
 
@@ -96,8 +112,10 @@ class Pipeline:
         check(cfg, world, cfg.arch_spec().num_layers)
         p, v = cfg.pipeline_parallel_size, cfg.pipeline_stages_per_rank
         d = world // p
-        self.mesh = init_device_mesh(device.type, (p, d), mesh_dim_names=("pp", "dp"))
-        self.pp_rank, self.dp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("dp")
+        self.mesh, self.dp_mesh = pipeline_mesh(cfg, device.type, p, d)
+        self.pp_rank, self.dp_size = self.mesh.get_local_rank("pp"), d
+        # --hybrid-shard: replicas hold the same shards; only replica 0 counts them in the norm.
+        self.counts_norm = not cfg.hybrid_shard or self.mesh.get_local_rank("replicate") == 0
         num_stages = p * v
         self.stage_ids = [self.pp_rank + p * i for i in range(v)]
         shape = cfg.arch_spec()
@@ -111,7 +129,7 @@ class Pipeline:
             init_fn = make_param_init_fn(whole, cfg.seed, device)
             stage = cut_gpt(whole, split, s)
             self._checkpoint_blocks(stage)
-            stage = sharding.shard_stage(stage, cfg, device, init_fn, self.mesh["dp"])
+            stage = sharding.shard_stage(stage, cfg, device, init_fn, self.dp_mesh)
             self.modules.append(stage)
             inputs, outputs = self._metadata(s, num_stages, cfg.batch_size // m, whole.config)
             stages.append(_Stage(stage, s, num_stages, device, input_args=inputs, output_args=outputs,
@@ -182,7 +200,7 @@ class Pipeline:
         micro-batch, for `ordered_sums`.
         """
         invariant = self.cfg.world_size_invariant
-        dp = self.mesh.size(1) if invariant else 1
+        dp = self.dp_size if invariant else 1
         self._denominator, self._sums, self._ids = float(targets.numel() * k * dp), [], ids
         for module in self.modules:
             module.train()
@@ -212,7 +230,7 @@ class Pipeline:
         rank's D data-parallel ranks' added in global order (`invariance.sum_interleaved`; the
         other ranks' rows are zeros). Every rank calls it; returns F floats, the same on all."""
         gathered = invariance.gather_rows(rows, self.device)
-        return invariance.sum_interleaved(gathered[-self.mesh.size(1):], block)
+        return invariance.sum_interleaved(gathered[-self.dp_size:], block)
 
     def _run(self, fn, inputs, targets) -> None:
         args = (inputs.to(self.device),) if self.is_first else ()
@@ -279,7 +297,8 @@ class Pipeline:
         the last stage's tied copy not counted); returns the pre-clip norm, the same on every rank."""
         copy = self.model.output_projection.weight if self.is_last else None
         grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
-        counted = [_local(p.grad) for p in self.model.parameters() if p.grad is not None and p is not copy]
+        counted = [_local(p.grad) for p in self.model.parameters()
+                   if p.grad is not None and p is not copy and self.counts_norm]
         if self.cfg.world_size_invariant:  # summed exactly: shard boundaries move with D
             norm = norms.reduced_norm([((self.group,), counted)], 2.0, exact=True)
             return self._scale(grads, norm, max_norm)

@@ -33,7 +33,8 @@ def check(cfg, world_size: int, num_layers: int) -> None:
                          f"multiple of {p} ranks")
     unsupported = [(cfg.ddp_backend != "fully_sharded", "--ddp-backend c10d"),
                    (cfg.fsdp_version == 1, "--fsdp-version 1 (use --fsdp-version 2)"),
-                   (cfg.hybrid_shard, "--hybrid-shard"),
+                   (cfg.hybrid_shard and cfg.world_size_invariant,
+                    "--hybrid-shard with --world-size-invariant (the replicas' fold runs over the world; drop one)"),
                    (cfg.optimizer == "muon", "--optimizer muon"),
                    (bool(cfg.finetune_from_model), "--finetune-from-model")]
     for bad, what in unsupported:

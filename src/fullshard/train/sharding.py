@@ -102,12 +102,13 @@ def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_f
 
 def shard_stage(stage: nn.Module, cfg: TrainConfig, device: torch.device, init_fn, mesh: DeviceMesh) -> nn.Module:
     """Shard one pipeline stage (``fullshard.models.stages.GPTStage`` on meta) as --fsdp-version 2 does a
-    whole model (one unit per block, then the stage), over the 1-D data-parallel ``mesh``.
+    whole model (one unit per block, then the stage), over the data-parallel ``mesh``.
 
     Args:
         stage: the stage on meta, activation checkpointing already applied to its blocks.
         init_fn: ``make_param_init_fn`` of the model the stage was cut from.
-        mesh: the stage's data-parallel sub-mesh (``mesh["dp"]`` of the (pp, dp) mesh).
+        mesh: the stage's data-parallel sub-mesh: 1-D ``mesh["dp"]`` of the (pp, dp) mesh, or 2-D
+            ``mesh["replicate", "shard"]`` under --hybrid-shard (`pipeline.pipeline_mesh`).
     """
     return _fully_shard(stage, cfg, device, init_fn, mesh)
 
