@@ -35,6 +35,7 @@ UPDATES = 3
 SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2))
 MODES = ("reduce_scatter", "unsharded")
 HYBRID_CASES = (("1F1B", "reduce_scatter"), ("GPipe", "unsharded"))
+FSDP1_CASES = (("1F1B", 1, "unsharded"), ("GPipe", 1, "reduce_scatter"))  # --fsdp-version 1
 
 
 def _cfg(dp: int, **over) -> TrainConfig:
@@ -56,6 +57,11 @@ def _rank_batch(update: int, dp_rank: int, dp: int) -> list:
 
 def _full_params(model) -> dict:
     """Every parameter this rank's part holds, whole (an all-gather over its data-parallel group)."""
+    from fullshard import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):  # --fsdp-version 1
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+            return {clean_name(n): p.detach().numpy().copy() for n, p in model.named_parameters()}
     out = {}
     for name, p in model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -165,6 +171,11 @@ def _pipelined_cases(rank, world, tmp):
             out[(schedule, mode)] = dict(history=history, params=_full_params(trainer.model),
                                          reduce_scatters=trainer.reduce_scatters)
     out["reference"] = _reference(UPDATES) if rank == 0 else None
+    for schedule, v, mode in FSDP1_CASES:
+        cfg = _cfg(2, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_stages_per_rank=v,
+                   pipeline_microbatches=2, pipeline_grad_accumulation=mode, fsdp_version=1)
+        trainer, history = _train(cfg, rank, world, UPDATES)
+        out[("fsdp1", schedule, mode)] = dict(history=history, params=_full_params(trainer.model))
     # --hybrid-shard: shard groups of gcd(D, LOCAL_WORLD_SIZE) = 1 rank, 2 replicas.
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     try:
@@ -188,6 +199,17 @@ def _pipelined_cases(rank, world, tmp):
     plain.num_updates = UPDATES - 1
     _, last = _train(_cfg(4), rank, world, 1, start=UPDATES - 1, trainer=plain)
     out["resumed"] = dict(history=first + last, params=_full_params(plain.model))
+    # --fsdp-version 1 stages save the same checkpoint: resumed at pp=2 x dp=2 under fully_shard.
+    cfg1 = _cfg(2, pipeline_parallel_size=2, pipeline_schedule="1F1B", pipeline_microbatches=2, fsdp_version=1)
+    trainer, first = _train(cfg1, rank, world, UPDATES - 1)
+    path = os.path.join(tmp, "ckpt_fsdp1")
+    checkpoint.save(path, trainer.model, trainer.optimizer, process_group=trainer.checkpoint_group)
+    again = Trainer(cfg, torch.device("cpu"))
+    checkpoint.load(path, again.model, again.optimizer, process_group=again.checkpoint_group)
+    again.after_load()
+    again.num_updates = UPDATES - 1
+    _, last = _train(cfg, rank, world, 1, start=UPDATES - 1, trainer=again)
+    out["resumed_fsdp1"] = dict(history=first + last, params=_full_params(again.model))
     return out
 
 
@@ -233,6 +255,12 @@ def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
             assert once > 0 and every == 2 * once, (schedule, every, once)
     _assert_close(per_rank[0]["resumed"]["history"], per_rank[0]["resumed"]["params"], want,
                   "saved at pp=2 x dp=2, resumed at pp=1 x dp=4")
+    _assert_close(per_rank[0]["resumed_fsdp1"]["history"], _merge(per_rank, "resumed_fsdp1"), want,
+                  "saved at pp=2 x dp=2 --fsdp-version 1, resumed at pp=2 x dp=2 --fsdp-version 2")
+    for schedule, _, mode in FSDP1_CASES:
+        key = ("fsdp1", schedule, mode)
+        _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want,
+                      f"pp=2 x dp=2 --fsdp-version 1 {schedule} {mode}")
     for schedule, mode in HYBRID_CASES:
         key = ("hybrid", schedule, mode)
         _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want,

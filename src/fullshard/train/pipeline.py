@@ -5,8 +5,10 @@ Rank ``r`` is pipeline rank ``r // D`` and data-parallel rank ``r % D`` (D = wor
 one data-parallel group are consecutive, and each pipeline group (one per data-parallel rank) feeds
 the same batches through its stages. A pipeline rank holds stages ``p, p + P, ..., p + (V-1) P``
 (torch's loop placement), each cut by `fullshard.models.stages.cut_gpt` and sharded with
-``fully_shard`` (one unit per block, then the stage) over the data-parallel group, in a
-`fullshard.pipelining.PipelineStage` with the chosen gradient accumulation.
+``fully_shard`` (one unit per block, then the stage; --fsdp-version 1: a FullyShardedDataParallel
+wrapper auto-wrapping the blocks, one stage per rank) over the data-parallel group (--hybrid-shard:
+a 2-D (replicate, shard) sub-mesh, `pipeline_mesh`), in a `fullshard.pipelining.PipelineStage` with
+the chosen gradient accumulation.
 
 The tied embedding crosses stages (see [Note: pipeline stages]): after backward the first and last
 stages' gradient shards are summed (both ranks of the pair get the sum), the optimizer steps the
