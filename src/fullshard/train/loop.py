@@ -210,8 +210,9 @@ class Run:
                         + (" (--threads-per-rank)" if cfg.threads_per_rank is not None else ""))
         if cfg.world_size_invariant:
             logger.info(f"world-size invariant: global batch {cfg.global_batch_size} = {cfg.batch_size} sequences x "
-                        f"{cfg.update_freq} micro-batches x {dist.get_world_size()} ranks; an incomplete last "
-                        "update of an epoch is dropped")
+                        f"{cfg.update_freq} micro-batches x {pipeline.data_parallel(cfg)[1]} ranks"
+                        + (" of each pipeline stage" if cfg.pipeline_parallel_size > 1 else "")
+                        + "; an incomplete last update of an epoch is dropped")
         elif cfg.global_batch_size is not None:
             logger.info(f"global batch {cfg.global_batch_size} = {cfg.batch_size} sequences x {cfg.update_freq} "
                         f"micro-batches x {dist.get_world_size()} ranks")
