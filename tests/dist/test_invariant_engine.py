@@ -179,7 +179,9 @@ def _bad_uses(rank, world):
     errors = []
     own = [collectives.new_group([0]), collectives.new_group([1])][rank]
     try:
-        FSDP(_model(), process_group=own, world_size_invariant=True)
+        # Replicas on a sub-group (the wrappers' own checks refuse such groups first).
+        from fullshard.core import invariant
+        invariant.check_layout(own, own, "unit 'GPT'")
     except ValueError as e:
         errors.append(str(e))
     mesh = init_device_mesh("cpu", (2, 1))
@@ -196,7 +198,7 @@ def _bad_uses(rank, world):
 def test_layouts_it_cannot_order_are_refused_with_one_line():
     for rank, errors in enumerate(run_ranks(_bad_uses, 2, timeout_s=120)):
         assert len(errors) == 2, errors
-        assert "world_size_invariant=True needs the unit's ranks to be the whole world (shard group 1 x " \
-               "replicas 1 != world size 2)" in errors[0]
+        assert "world_size_invariant=True with replicas needs the unit's ranks to be the whole world (shard " \
+               "group 1 x replicas 1 != world size 2)" in errors[0]
         assert errors[1].startswith(f"[rank {rank}] unit ") and \
             "set_requires_all_reduce(False) cannot be used with world_size_invariant=True" in errors[1]

@@ -6,10 +6,15 @@ pipelining (no weight staleness).
   (per-update losses, gradient norms, every parameter);
 - pp=2 x dp=1 equals dp=2 without pipelining;
 - a checkpoint saved at pp=2 x dp=2 resumes at pp=1 x dp=4 (no pipelining) and gives the
-  uninterrupted run's parameters.
+  uninterrupted run's parameters;
+- --hybrid-shard: pp=2 x replicate 2 x shard 1 equals one process (the norm counts replicas once);
+- --world-size-invariant: pp=2 x dp=2 and pp=2 x dp=1 give bitwise the same losses, gradient norms,
+  validation loss and parameters (dropout, --update-freq > 1, both accumulation modes).
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import tempfile
 
@@ -29,6 +34,8 @@ GLOBAL = 8  # sequences per update over all data-parallel ranks
 UPDATES = 3
 SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2))
 MODES = ("reduce_scatter", "unsharded")
+HYBRID_CASES = (("1F1B", "reduce_scatter"), ("GPipe", "unsharded"))
+FSDP1_CASES = (("1F1B", 1, "unsharded"), ("GPipe", 1, "reduce_scatter"))  # --fsdp-version 1
 
 
 def _cfg(dp: int, **over) -> TrainConfig:
@@ -50,6 +57,11 @@ def _rank_batch(update: int, dp_rank: int, dp: int) -> list:
 
 def _full_params(model) -> dict:
     """Every parameter this rank's part holds, whole (an all-gather over its data-parallel group)."""
+    from fullshard import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):  # --fsdp-version 1
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+            return {clean_name(n): p.detach().numpy().copy() for n, p in model.named_parameters()}
     out = {}
     for name, p in model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -96,9 +108,61 @@ def _reference(updates: int) -> dict:
     return dict(history=history, params=params)
 
 
-def _pipelined_cases(rank, world, tmp):
-    """pp=2 x dp=2: every schedule and mode; then the resume at pp=1 x dp=4."""
+# --world-size-invariant: 8 sequences per update in pipeline micro-batches of one sequence
+# (--batch-size 2, M = 2): 4 micro-batches per rank at dp=1, 2 at dp=2.
+INVARIANT_CASES = {"1F1B reduce_scatter": dict(pipeline_schedule="1F1B"),
+                   "Interleaved1F1B unsharded, activation checkpointing": dict(
+                       pipeline_schedule="Interleaved1F1B", pipeline_stages_per_rank=2,
+                       pipeline_grad_accumulation="unsharded", checkpoint_activations=True)}
+INVARIANT_ITEMS = 3 * GLOBAL + 3  # 3 updates; the incomplete 4th is dropped
+
+
+class _Tokens:
+    """Synthetic token blocks: item i is (input (T,), target (T,)) int64, as TokenBlockDataset's."""
+
+    def __init__(self, n: int, seed: int):
+        self.data = torch.randint(0, VOCAB, (n, T + 1), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return self.data.size(0)
+
+    def __getitem__(self, i: int):
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+def _invariant_runs(dp: int) -> dict:
+    """Each INVARIANT_CASES run through the loop's sampler at pp=2 x dp: per-update (loss, norm,
+    tokens) reprs, the validation sum, and a digest of this rank's full parameters."""
+    from fullshard.train.loop import collate, epoch_updates, update_ids, valid_batches
+    from fullshard.train.trainer import Trainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # kernels' sums depend on the thread count: fixed at every dp
     out = {}
+    try:
+        for name, over in INVARIANT_CASES.items():
+            cfg = _cfg(dp, batch_size=2, global_batch_size=GLOBAL, world_size_invariant=True, dropout=0.1,
+                       pipeline_parallel_size=2, pipeline_microbatches=2, **over).at_world_size(dp)
+            train, valid = _Tokens(INVARIANT_ITEMS, seed=11), _Tokens(7, seed=12)
+            trainer = Trainer(cfg, torch.device("cpu"))
+            history = []
+            for group in epoch_updates(cfg, train, epoch=1):
+                step = trainer.train_step([collate(train, idx) for _, idx in group], update_ids(group))
+                history.append((repr(step["loss_sum"]), repr(step["gnorm"]), step["ntokens"]))
+            val = trainer.valid_step(valid_batches(cfg, valid))
+            digest = hashlib.sha256()
+            for name_, value in sorted(_full_params(trainer.model).items()):
+                digest.update(name_.encode() + value.tobytes())
+            out[name] = dict(history=history, valid=(repr(val["loss_sum"]), val["ntokens"]),
+                             params=digest.hexdigest())
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _pipelined_cases(rank, world, tmp):
+    """pp=2 x dp=2: every schedule and mode; then the resume at pp=1 x dp=4; the invariant runs."""
+    out = {"invariant": _invariant_runs(2)}
     for schedule, v in SCHEDULES:
         for mode in MODES:
             cfg = _cfg(2, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_stages_per_rank=v,
@@ -107,6 +171,21 @@ def _pipelined_cases(rank, world, tmp):
             out[(schedule, mode)] = dict(history=history, params=_full_params(trainer.model),
                                          reduce_scatters=trainer.reduce_scatters)
     out["reference"] = _reference(UPDATES) if rank == 0 else None
+    for schedule, v, mode in FSDP1_CASES:
+        cfg = _cfg(2, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_stages_per_rank=v,
+                   pipeline_microbatches=2, pipeline_grad_accumulation=mode, fsdp_version=1)
+        trainer, history = _train(cfg, rank, world, UPDATES)
+        out[("fsdp1", schedule, mode)] = dict(history=history, params=_full_params(trainer.model))
+    # --hybrid-shard: shard groups of gcd(D, LOCAL_WORLD_SIZE) = 1 rank, 2 replicas.
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        for schedule, mode in HYBRID_CASES:
+            cfg = _cfg(2, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_microbatches=2,
+                       pipeline_grad_accumulation=mode, hybrid_shard=True)
+            trainer, history = _train(cfg, rank, world, UPDATES)
+            out[("hybrid", schedule, mode)] = dict(history=history, params=_full_params(trainer.model))
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = str(world)
     # Resume: 2 updates at pp=2 x dp=2, save, then the third at pp=1 x dp=4.
     from fullshard import checkpoint
     from fullshard.train.trainer import Trainer
@@ -120,6 +199,17 @@ def _pipelined_cases(rank, world, tmp):
     plain.num_updates = UPDATES - 1
     _, last = _train(_cfg(4), rank, world, 1, start=UPDATES - 1, trainer=plain)
     out["resumed"] = dict(history=first + last, params=_full_params(plain.model))
+    # --fsdp-version 1 stages save the same checkpoint: resumed at pp=2 x dp=2 under fully_shard.
+    cfg1 = _cfg(2, pipeline_parallel_size=2, pipeline_schedule="1F1B", pipeline_microbatches=2, fsdp_version=1)
+    trainer, first = _train(cfg1, rank, world, UPDATES - 1)
+    path = os.path.join(tmp, "ckpt_fsdp1")
+    checkpoint.save(path, trainer.model, trainer.optimizer, process_group=trainer.checkpoint_group)
+    again = Trainer(cfg, torch.device("cpu"))
+    checkpoint.load(path, again.model, again.optimizer, process_group=again.checkpoint_group)
+    again.after_load()
+    again.num_updates = UPDATES - 1
+    _, last = _train(cfg, rank, world, 1, start=UPDATES - 1, trainer=again)
+    out["resumed_fsdp1"] = dict(history=first + last, params=_full_params(again.model))
     return out
 
 
@@ -142,9 +232,17 @@ def _assert_close(got_history, got_params, want, where):
         np.testing.assert_allclose(got_params[name], value, rtol=RTOL, atol=ATOL, err_msg=f"{where}: {name}")
 
 
-def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
+@functools.lru_cache(maxsize=None)
+def _spawned(world: int) -> list:
+    """Each spawned group's results, once per session (the tests below share them)."""
+    if world == 2:
+        return run_ranks(_pp2_dp1_cases, 2)
     with tempfile.TemporaryDirectory() as tmp:
-        per_rank = run_ranks(_pipelined_cases, 4, tmp)
+        return run_ranks(_pipelined_cases, 4, tmp)
+
+
+def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
+    per_rank = _spawned(4)
     want = per_rank[0]["reference"]
     for schedule, _ in SCHEDULES:
         for mode in MODES:
@@ -157,11 +255,21 @@ def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
             assert once > 0 and every == 2 * once, (schedule, every, once)
     _assert_close(per_rank[0]["resumed"]["history"], per_rank[0]["resumed"]["params"], want,
                   "saved at pp=2 x dp=2, resumed at pp=1 x dp=4")
+    _assert_close(per_rank[0]["resumed_fsdp1"]["history"], _merge(per_rank, "resumed_fsdp1"), want,
+                  "saved at pp=2 x dp=2 --fsdp-version 1, resumed at pp=2 x dp=2 --fsdp-version 2")
+    for schedule, _, mode in FSDP1_CASES:
+        key = ("fsdp1", schedule, mode)
+        _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want,
+                      f"pp=2 x dp=2 --fsdp-version 1 {schedule} {mode}")
+    for schedule, mode in HYBRID_CASES:
+        key = ("hybrid", schedule, mode)
+        _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want,
+                      f"pp=2 x replicate 2 x shard 1 (--hybrid-shard) {schedule} {mode}")
 
 
 def _pp2_dp1_cases(rank, world):
     plain, dp_history = _train(_cfg(2), rank, world, UPDATES)
-    out = {"dp2": dict(history=dp_history, params=_full_params(plain.model))}
+    out = {"dp2": dict(history=dp_history, params=_full_params(plain.model)), "invariant": _invariant_runs(1)}
     for schedule, v in SCHEDULES:
         for mode in MODES:
             cfg = _cfg(1, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_stages_per_rank=v,
@@ -172,9 +280,21 @@ def _pp2_dp1_cases(rank, world):
 
 
 def test_pp2_dp1_equals_dp2_without_pipelining():
-    per_rank = run_ranks(_pp2_dp1_cases, 2)
+    per_rank = _spawned(2)
     want = per_rank[0]["dp2"]
     for schedule, _ in SCHEDULES:
         for mode in MODES:
             key = (schedule, mode)
             _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want, f"pp=2 x dp=1 {schedule} {mode}")
+
+
+def test_world_size_invariant_pipeline_is_bitwise_the_same_at_dp_1_and_2():
+    """pp=2: dp=1 (2 ranks) and dp=2 (4 ranks) give the same bits; pipeline rank p is world rank p at
+    dp=1 and ranks 2p, 2p + 1 at dp=2."""
+    one, two = _spawned(2), _spawned(4)
+    for name in INVARIANT_CASES:
+        for p in range(2):
+            want = one[p]["invariant"][name]
+            assert len(want["history"]) == 3 and want["history"][0][2] == GLOBAL * T, (name, want)
+            for r in (2 * p, 2 * p + 1):
+                assert two[r]["invariant"][name] == want, f"{name}: pipeline rank {p}, dp=2 rank {r} != dp=1"

@@ -20,6 +20,9 @@ size in the last bits. Here the order is fixed by the data instead:
 * Gradients are summed, not averaged (the caller divides its loss by the
   global count); ``set_gradient_divide_factor(f)`` divides each micro-batch
   by ``f`` before the fold.
+* A unit sharded over a sub-group without replicas (a pipeline stage on its
+  data-parallel group) folds over that group instead of the world, in its
+  group-rank order: invariant in that group's size (:func:`fold_group`).
 
 The bytes sent per backward equal a reduce-scatter's, plus an all-gather
 of the shard with replicas (an all-reduce's second half). ``no_sync``
@@ -55,22 +58,28 @@ def is_marked(param) -> bool:
 
 
 def check_layout(shard_group, replicate_group, where: str) -> tuple:
-    """The (shard-group rank, replicate-group rank) of every world rank, for
-    a unit sharded over ``shard_group`` and replicated over
-    ``replicate_group`` (None: no replicas). One ``all_gather_object`` over
-    the world per pair of groups; every rank must call it (construction is).
+    """The (shard-group rank, replicate-group rank) of every rank of the
+    unit's fold group (:func:`fold_group`), for a unit sharded over
+    ``shard_group`` and replicated over ``replicate_group`` (None: no
+    replicas). Groups that tile the world: one ``all_gather_object`` over
+    the world per pair of groups, every rank must call it (construction
+    is). A shard group that is a sub-group without replicas (a pipeline
+    stage's data-parallel group) folds over itself, in its group-rank
+    order: no collective.
 
     Raises:
-        ValueError: the groups do not tile the world (a unit on a sub-group,
-            tensor parallelism's extra mesh dimensions): the fold needs every
-            rank's micro-batch.
+        ValueError: replicas whose groups do not tile the world (the fold
+            of a replicated unit runs over the world).
     """
     rep_size = collectives.group_size(replicate_group) if replicate_group is not None else 1
+    if replicate_group is None and collectives.group_size(shard_group) != collectives.world_size():
+        return tuple((y, 0) for y in range(collectives.group_size(shard_group)))
     if collectives.group_size(shard_group) * rep_size != collectives.world_size():
         raise ValueError(
-            f"{where}: world_size_invariant=True needs the unit's ranks to be the whole world (shard group "
-            f"{collectives.group_size(shard_group)} x replicas {rep_size} != world size "
-            f"{collectives.world_size()}); shard over the world, or HYBRID_SHARD / NO_SHARD groups that tile it")
+            f"{where}: world_size_invariant=True with replicas needs the unit's ranks to be the whole world "
+            f"(shard group {collectives.group_size(shard_group)} x replicas {rep_size} != world size "
+            f"{collectives.world_size()}); shard over the world, HYBRID_SHARD / NO_SHARD groups that tile it, or "
+            "a sub-group without replicas")
     key = (id(shard_group), id(replicate_group))
     known = _LAYOUTS.get(key)
     if known is None or known[0] is not shard_group or known[1] is not replicate_group:  # ids are reused
@@ -79,6 +88,17 @@ def check_layout(shard_group, replicate_group, where: str) -> tuple:
         layout = tuple(collectives.all_gather_object(mine, None, tag="world_size_invariant layout"))
         _LAYOUTS[key] = known = (shard_group, replicate_group, layout)
     return known[2]
+
+
+def fold_group(unit):
+    """The ranks whose micro-batches ``unit``'s fold adds, in their group-rank
+    order: the world, or the shard group when it is a sub-group without
+    replicas (the micro-batch of its group rank ``r`` at step ``j`` is then
+    global micro-batch ``j·D + r``, D its size)."""
+    cfg = unit.cfg
+    if cfg.replicate_group is None and len(cfg.invariant_layout) != collectives.world_size():
+        return cfg.shard_group
+    return collectives.world_group()
 
 
 def start_fold(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "PendingFold":
@@ -117,7 +137,7 @@ def start_fold(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "Pe
         send.view(world, part).copy_(pieces[idx_s, idx_q])
         POOL.give(reduce_in)
     recv = POOL.take(world * part, unit.reduce_dtype, cfg.compute_device)
-    work = collectives.all_to_all(recv, send, collectives.world_group(), async_op=True,
+    work = collectives.all_to_all(recv, send, fold_group(unit), async_op=True,
                                   tag=f"unit '{unit.name}' (world_size_invariant)")
     return PendingFold(unit, work, send, recv, block, part, reps, all(used))
 

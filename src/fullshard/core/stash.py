@@ -115,7 +115,7 @@ def _fold(unit, window: Optional[Window]) -> None:
     """
     parts = window.micro_batches() if window is not None else []
     counts = torch.tensor([len(parts), -len(parts)], dtype=torch.int64)
-    collectives.all_reduce(counts, collectives.world_group(), "max", tag=f"unit '{unit.name}' no_sync count")
+    collectives.all_reduce(counts, invariant.fold_group(unit), "max", tag=f"unit '{unit.name}' no_sync count")
     if counts[0] != -counts[1]:
         raise RuntimeError(
             f"[rank {collectives.rank()}] unit '{unit.name}': under world_size_invariant=True every rank's "

@@ -408,7 +408,7 @@ class TrainConfig(ModelOptions, DistributedOptions, PipelineOptions, PrecisionOp
 
     def __post_init__(self) -> None:
         if self.fsdp_version is None:  # not given, or a checkpoint's args from before the flag
-            # Pipelining shards its stages with fully_shard (train/pipeline.py).
+            # Pipelining shards its stages with fully_shard by default (train/pipeline.py).
             object.__setattr__(self, "fsdp_version", 2 if self.pipeline_parallel_size > 1 else DEFAULT_FSDP_VERSION)
         if self.update_freq is None and self.global_batch_size is None:
             object.__setattr__(self, "update_freq", 1)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,16 +46,21 @@ MicroBatchId = Tuple[int, int]
 """(epoch, global micro-batch index within the epoch)."""
 
 
-def micro_batch_seed(seed: int, epoch: int, index: int) -> int:
+def micro_batch_seed(seed: int, epoch: int, index: int, stage: Optional[int] = None) -> int:
     """The generator seed of global micro-batch ``index`` of ``epoch``: the first 63 bits of
-    SHA-256 over the three numbers (independent streams for neighbouring keys, unlike ``seed + i``)."""
-    digest = hashlib.sha256(f"fullshard micro-batch seed={seed} epoch={epoch} index={index}".encode()).digest()
+    SHA-256 over the three numbers (independent streams for neighbouring keys, unlike ``seed + i``);
+    ``stage``: a pipeline stage's stream for that micro-batch (each stage's forward draws its own)."""
+    text = f"fullshard micro-batch seed={seed} epoch={epoch} index={index}"
+    if stage is not None:
+        text += f" stage={stage}"
+    digest = hashlib.sha256(text.encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def seed_micro_batch(seed: int, micro_batch: MicroBatchId) -> None:
-    """Seed torch's default CPU generator and every CUDA device's for ``micro_batch``."""
-    torch.manual_seed(micro_batch_seed(seed, *micro_batch))
+def seed_micro_batch(seed: int, micro_batch: MicroBatchId, stage: Optional[int] = None) -> None:
+    """Seed torch's default CPU generator and every CUDA device's for ``micro_batch`` (of pipeline
+    ``stage``, when given)."""
+    torch.manual_seed(micro_batch_seed(seed, *micro_batch, stage=stage))
 
 
 def check_schedule(ids: Sequence[MicroBatchId], rank: int, world_size: int, micro_batches_per_update: int) -> None:

@@ -21,6 +21,7 @@ from fullshard.data import GlobalBatchSampler, ShardedBatchSampler, TokenBlockDa
 from fullshard.train import checkpoint_utils, invariance, optimizers, pipeline
 from fullshard.train.config import GlobalBatchError, TrainConfig
 from fullshard.train.launcher import threads_per_rank
+from fullshard.train.pipeline_checks import microbatches
 from fullshard.train.progress import UpdateMeters, progress_bar, valid_stats
 from fullshard.train.sigterm import PeerSigterm, SigtermWatch, StoppedBySigterm
 from fullshard.train.trainer import Trainer
@@ -99,7 +100,9 @@ def collate(dataset, indices) -> tuple:
 
 
 MicroBatch = Tuple[Optional[invariance.MicroBatchId], list]
-"""(its (epoch, global index) under --world-size-invariant, else None; its dataset indices)."""
+"""(its (epoch, global index) under --world-size-invariant, else None; its dataset indices).
+Under --pipeline-parallel-size with --world-size-invariant the first is the list of its M pipeline
+micro-batches' ids (see [Note: world-size-invariant pipelining] in ``pipeline.py``)."""
 
 
 def epoch_updates(cfg: TrainConfig, dataset, epoch: int) -> List[List[MicroBatch]]:
@@ -114,14 +117,26 @@ def epoch_updates(cfg: TrainConfig, dataset, epoch: int) -> List[List[MicroBatch
     """
     rank, world = pipeline.data_parallel(cfg)
     if cfg.world_size_invariant:
-        sampler = GlobalBatchSampler(len(dataset), cfg.batch_size, cfg.global_batch_size, rank, world,
+        # Pipelined: a global micro-batch is one pipeline micro-batch; M consecutive ones of this
+        # rank make one --batch-size micro-batch.
+        m = microbatches(cfg) if cfg.pipeline_parallel_size > 1 else 1
+        sampler = GlobalBatchSampler(len(dataset), cfg.batch_size // m, cfg.global_batch_size, rank, world,
                                      seed=cfg.seed, epoch=epoch)
-        return [[((epoch, m), list(idx)) for m, idx in update] for update in sampler]
+        if m == 1:
+            return [[((epoch, i), list(idx)) for i, idx in update] for update in sampler]
+        return [[([(epoch, i) for i, _ in update[s:s + m]], [x for _, idx in update[s:s + m] for x in idx])
+                 for s in range(0, len(update), m)] for update in sampler]
     sampler = ShardedBatchSampler(len(dataset), cfg.batch_size, rank, world,
                                   seed=cfg.seed, epoch=epoch, shuffle=True, drop_last=True)
     batches = [(None, list(b)) for b in sampler]
     k = cfg.update_freq
     return [batches[i:i + k] for i in range(0, len(batches), k)]
+
+
+def update_ids(group: List[MicroBatch]) -> list:
+    """--world-size-invariant: the ids `Trainer.train_step` takes for one update's micro-batches
+    (under pipelining every pipeline micro-batch's, in order)."""
+    return [one for ids, _ in group for one in (ids if isinstance(ids, list) else [ids])]
 
 
 def valid_batches(cfg: TrainConfig, dataset) -> List[tuple]:
@@ -195,8 +210,9 @@ class Run:
                         + (" (--threads-per-rank)" if cfg.threads_per_rank is not None else ""))
         if cfg.world_size_invariant:
             logger.info(f"world-size invariant: global batch {cfg.global_batch_size} = {cfg.batch_size} sequences x "
-                        f"{cfg.update_freq} micro-batches x {dist.get_world_size()} ranks; an incomplete last "
-                        "update of an epoch is dropped")
+                        f"{cfg.update_freq} micro-batches x {pipeline.data_parallel(cfg)[1]} ranks"
+                        + (" of each pipeline stage" if cfg.pipeline_parallel_size > 1 else "")
+                        + "; an incomplete last update of an epoch is dropped")
         elif cfg.global_batch_size is not None:
             logger.info(f"global batch {cfg.global_batch_size} = {cfg.batch_size} sequences x {cfg.update_freq} "
                         f"micro-batches x {dist.get_world_size()} ranks")
@@ -233,7 +249,7 @@ class Run:
         for i, group in enumerate(groups):
             if i < offset:
                 continue
-            ids = [mid for mid, _ in group] if cfg.world_size_invariant else None
+            ids = update_ids(group) if cfg.world_size_invariant else None
             out = self.trainer.train_step([collate(self.train_data, idx) for _, idx in group], ids)
             bar.update(i)
             n = self.trainer.num_updates

@@ -32,14 +32,21 @@ def check(cfg, world_size: int, num_layers: int) -> None:
         raise ValueError(f"--pipeline-parallel-size {p} does not divide the world size {world_size}; launch a "
                          f"multiple of {p} ranks")
     unsupported = [(cfg.ddp_backend != "fully_sharded", "--ddp-backend c10d"),
-                   (cfg.fsdp_version == 1, "--fsdp-version 1 (use --fsdp-version 2)"),
-                   (cfg.hybrid_shard, "--hybrid-shard"), (cfg.world_size_invariant, "--world-size-invariant"),
+                   (cfg.hybrid_shard and cfg.fsdp_version == 1,
+                    "--hybrid-shard with --fsdp-version 1 (the wrapper's HYBRID_SHARD groups tile the world; use "
+                    "--fsdp-version 2)"),
+                   (cfg.hybrid_shard and cfg.world_size_invariant,
+                    "--hybrid-shard with --world-size-invariant (the replicas' fold runs over the world; drop one)"),
                    (cfg.optimizer == "muon", "--optimizer muon"),
                    (bool(cfg.finetune_from_model), "--finetune-from-model")]
     for bad, what in unsupported:
         if bad:
             raise ValueError(f"--pipeline-parallel-size {p} does not support {what} yet")
     looped = cfg.pipeline_schedule in LOOPED
+    if looped and cfg.fsdp_version == 1:
+        raise ValueError(f"--pipeline-schedule {cfg.pipeline_schedule} with --fsdp-version 1: a rank's several "
+                         "stage wrappers have no one module under the plain names for checkpoints; use "
+                         "--fsdp-version 2, or GPipe / 1F1B")
     if looped and v < 2:
         raise ValueError(f"--pipeline-schedule {cfg.pipeline_schedule} needs --pipeline-stages-per-rank >= 2")
     if not looped and v != 1:

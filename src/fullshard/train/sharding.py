@@ -102,13 +102,17 @@ def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_f
 
 def shard_stage(stage: nn.Module, cfg: TrainConfig, device: torch.device, init_fn, mesh: DeviceMesh) -> nn.Module:
     """Shard one pipeline stage (``fullshard.models.stages.GPTStage`` on meta) as --fsdp-version 2 does a
-    whole model (one unit per block, then the stage), over the 1-D data-parallel ``mesh``.
+    whole model (one unit per block, then the stage), over the data-parallel ``mesh``.
 
     Args:
         stage: the stage on meta, activation checkpointing already applied to its blocks.
         init_fn: ``make_param_init_fn`` of the model the stage was cut from.
-        mesh: the stage's data-parallel sub-mesh (``mesh["dp"]`` of the (pp, dp) mesh).
+        mesh: the stage's data-parallel sub-mesh: 1-D ``mesh["dp"]`` of the (pp, dp) mesh, or 2-D
+            ``mesh["replicate", "shard"]`` under --hybrid-shard (`pipeline.pipeline_mesh`).
     """
+    if cfg.fsdp_version == 1:
+        groups = mesh.get_group(0) if mesh.ndim == 1 else (mesh.get_group(1), mesh.get_group(0))
+        return _fsdp1(stage, cfg, device, init_fn, groups)
     return _fully_shard(stage, cfg, device, init_fn, mesh)
 
 
@@ -125,7 +129,7 @@ def invariance_kwargs(cfg: TrainConfig) -> dict:
     return {"world_size_invariant": True} if cfg.world_size_invariant else {}
 
 
-def _fsdp1(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn) -> nn.Module:
+def _fsdp1(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn, process_group=None) -> nn.Module:
     extra = {**invariance_kwargs(cfg), **placement_kwargs(cfg, model)}
     low = low_precision(cfg)
     if low is not None:
@@ -134,7 +138,7 @@ def _fsdp1(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn) ->
         extra["cpu_offload"] = CPUOffload(offload_params=True)
     return FullyShardedDataParallel(model, sharding_strategy=strategy_of(cfg), param_init_fn=init_fn,
                                     auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=device,
-                                    **extra)
+                                    process_group=process_group, **extra)
 
 
 def device_mesh(strategy: ShardingStrategy, device_type: str) -> DeviceMesh:

@@ -156,7 +156,9 @@ class Trainer:
             micro_batches: this rank's K (input (B, T), target (B, T)) int64 micro-batches.
             micro_batch_ids: --world-size-invariant only (ignored otherwise): each micro-batch's
                 (epoch, global micro-batch index), as `fullshard.data.GlobalBatchSampler` yields
-                them; K must be ``cfg.update_freq``.
+                them; K must be ``cfg.update_freq``. Under --pipeline-parallel-size, K x M ids: each
+                pipeline micro-batch's, M per micro-batch (see [Note: world-size-invariant
+                pipelining] in ``pipeline.py``).
 
         With --fp16 the loss is multiplied by the loss scale before backward and
         the gradient shards divided by it before clipping. When any rank finds
@@ -175,17 +177,16 @@ class Trainer:
         k = len(micro_batches)
         invariant = self.cfg.world_size_invariant
         if invariant:
-            per_update = self.cfg.update_freq * self.world_size
-            invariance.check_schedule(micro_batch_ids or [], self.rank, self.world_size, per_update)
-            if k != len(micro_batch_ids):
-                raise ValueError(f"[rank {self.rank}] --world-size-invariant: {k} micro-batches for "
-                                 f"{len(micro_batch_ids)} micro-batch ids; pass one id per micro-batch")
+            per_update, m = self._check_ids(micro_batch_ids, k)
         local, rows = torch.zeros(3, dtype=torch.float64), []
         for j, batch in enumerate(micro_batches):
             if self.pipeline is not None:  # the M pipeline micro-batches of this one, through the schedule
                 if j == 0:
                     faults.in_update(self.num_updates + 1)
-                local += torch.tensor(self.pipeline.train_micro_batch(*batch, k), dtype=torch.float64)
+                if invariant:
+                    rows += self.pipeline.train_micro_batch(*batch, k, micro_batch_ids[j * m:(j + 1) * m])
+                else:
+                    local += torch.tensor(self.pipeline.train_micro_batch(*batch, k), dtype=torch.float64)
                 continue
             # no_sync: keep unsharded gradients until the last micro-batch;
             # reduce_scatter: every backward reduce-scatters into the gradient shards.
@@ -207,7 +208,9 @@ class Trainer:
                 rows.append(row)
             else:
                 local += torch.tensor(row, dtype=torch.float64)
-        if invariant:
+        if invariant and self.pipeline is not None:
+            loss_sum, ntokens, nsentences = self.pipeline.ordered_sums(torch.tensor(rows, dtype=torch.float64))
+        elif invariant:
             gathered = invariance.gather_rows(torch.tensor(rows, dtype=torch.float64), self.device)
             loss_sum, ntokens, nsentences = invariance.sum_interleaved(gathered)
         else:
@@ -236,6 +239,24 @@ class Trainer:
         return dict(loss_sum=loss_sum, ntokens=int(ntokens), nsentences=int(nsentences), gnorm=gnorm,
                     seconds=time.perf_counter() - start, overflow=overflow, loss_scale=self.scaler.get_scale())
 
+    def _check_ids(self, ids, k: int) -> Tuple[int, int]:
+        """--world-size-invariant: check ``ids`` against this rank's schedule; returns (global
+        micro-batches per update, ids per micro-batch: M under pipelining, else 1).
+
+        Raises:
+            ValueError: ids missing, not this rank's schedule, or not ``m`` per micro-batch.
+        """
+        if self.pipeline is not None:  # data-parallel rank and size; a global micro-batch per pipeline one
+            (rank, world), m = pipeline.data_parallel(self.cfg), self.pipeline.microbatches
+        else:
+            rank, world, m = self.rank, self.world_size, 1
+        per_update = self.cfg.update_freq * world * m
+        invariance.check_schedule(ids or [], rank, world, per_update)
+        if k * m != len(ids):
+            raise ValueError(f"[rank {self.rank}] --world-size-invariant: {k} micro-batches for {len(ids)} "
+                             f"micro-batch ids; pass {m} id(s) per micro-batch")
+        return per_update, m
+
     def _check_finite(self, loss: float) -> None:
         """fp32 / bf16: stop on a NaN or inf loss (fp16: the loss scaler skips such updates)."""
         if self.cfg.fp16 or math.isfinite(loss):
@@ -260,6 +281,9 @@ class Trainer:
         self.model.eval()
         local, rows = torch.zeros(3, dtype=torch.float64), []
         for inputs, targets, counted in batches:
+            if self.pipeline is not None and self.cfg.world_size_invariant:
+                rows.append(self.pipeline.valid_batch(inputs, targets, counted))
+                continue
             if self.pipeline is not None:
                 local += torch.tensor(self.pipeline.valid_batch(inputs, targets, counted), dtype=torch.float64)
                 continue
@@ -272,8 +296,12 @@ class Trainer:
             else:
                 local += torch.stack([(per_seq * mask).sum(), mask.sum() * targets.size(1), mask.sum()])
         if self.cfg.world_size_invariant and batches:
-            gathered = invariance.gather_rows(torch.cat(rows), self.device)
-            loss_sum, ntokens, nsentences = invariance.sum_interleaved(gathered, block=batches[0][0].size(0))
+            block = batches[0][0].size(0)
+            if self.pipeline is not None:
+                loss_sum, ntokens, nsentences = self.pipeline.ordered_sums(torch.cat(rows), block)
+            else:
+                gathered = invariance.gather_rows(torch.cat(rows), self.device)
+                loss_sum, ntokens, nsentences = invariance.sum_interleaved(gathered, block=block)
             return dict(loss_sum=loss_sum, ntokens=int(ntokens), nsentences=int(nsentences), steps=len(batches))
         total = local.to(self.device)
         collectives.all_reduce(total, collectives.world_group(), "sum", tag="validation loss")
