@@ -59,12 +59,15 @@ def read_config(path: str):
     """The ``transformers`` config of a causal-LM checkpoint directory ``path``.
 
     Raises:
-        HFModelError: not a directory, no ``config.json`` or no ``*.safetensors`` in it, a
+        HFModelError: transformers or peft not installed; not a directory, no ``config.json`` or no ``*.safetensors`` in it, a
             ``model_type`` transformers does not know, or one with no causal-LM class.
     """
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
+    try:
+        import peft  # noqa: F401  (--lora-rank; checked here so a missing one fails before any rank starts)
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    except ImportError as e:
+        raise HFModelError(f"--hf-model needs transformers and peft ({e}); pip install 'fullshard[hf]'") from None
     if not os.path.isdir(path):
         raise HFModelError(f"--hf-model {path!r} is not a directory; give a local Hugging Face checkpoint "
                            "directory (config.json and *.safetensors, as save_pretrained writes)")
