@@ -59,8 +59,8 @@ def read_config(path: str):
     """The ``transformers`` config of a causal-LM checkpoint directory ``path``.
 
     Raises:
-        HFModelError: transformers or peft not installed; not a directory, no ``config.json`` or no ``*.safetensors`` in it, a
-            ``model_type`` transformers does not know, or one with no causal-LM class.
+        HFModelError: transformers or peft not installed; not a directory, no ``config.json`` or no
+            ``*.safetensors`` in it, a ``model_type`` transformers does not know, or one with no causal-LM class.
     """
     try:
         import peft  # noqa: F401  (--lora-rank; checked here so a missing one fails before any rank starts)

@@ -19,6 +19,7 @@ import torch
 
 from fullshard.data import DataError, TokenBlockDataset, read_meta
 from fullshard.models import ARCHS, ArchSpec, build_model
+from fullshard.train import hf_options
 from fullshard.train.config import (
     TRAIN_GROUPS,
     GlobalBatchError,
@@ -28,7 +29,6 @@ from fullshard.train.config import (
     derive_update_freq,
     node_range,
 )
-from fullshard.train import hf_options
 from fullshard.train.flags import add_options, option_string, values_of
 from fullshard.train.optimizers import check_flags as check_optimizer_flags
 
