@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import glob
 import json
+import math
 import os
 from typing import Optional
 
@@ -193,10 +194,12 @@ class RowReader:
 
     def __init__(self, model: nn.Module, path: str, base_names: dict[int, list[str]],
                  adapters: dict[str, torch.Tensor]):
-        from safetensors import safe_open
-
-        self._handles = [safe_open(f, framework="pt") for f in safetensors_files(path)]
-        self._where = {key: h for h in self._handles for key in h.keys()}
+        self._where: dict[str, tuple[str, dict, int]] = {}  # tensor name -> (file, header entry, data start)
+        for file in safetensors_files(path):
+            header, start = read_header(file)
+            for key, entry in header.items():
+                if key != "__metadata__":
+                    self._where[key] = (file, entry, start)
         self._params = list(model.parameters())  # keeps the ids below valid
         self._source: dict[int, object] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -210,10 +213,11 @@ class RowReader:
                                        f"{' or '.join(map(repr, names)) or repr(name)}; the checkpoint does not "
                                        f"match its config.json ({type(model).__name__})")
                 self._source[id(p)] = found[0]
-                shape = tuple(self._where[found[0]].get_slice(found[0]).get_shape())
-                if shape != tuple(p.shape):
-                    raise HFModelError(f"--hf-model {path!r}: tensor {found[0]!r} has shape {list(shape)}, "
-                                       f"its config.json gives {list(p.shape)}; the checkpoint does not match it")
+                entry = self._where[found[0]][1]
+                if tuple(entry["shape"]) != tuple(p.shape) or entry["dtype"] not in _DTYPES:
+                    raise HFModelError(f"--hf-model {path!r}: tensor {found[0]!r} is {entry['dtype']} "
+                                       f"{list(entry['shape'])}, its config.json gives {list(p.shape)} (floating "
+                                       "dtypes: F32, F16, BF16, F64); the checkpoint does not match it")
 
     def __call__(self, module: nn.Module) -> None:
         raise RuntimeError("the Hugging Face loader initializes rows only (init_rows); report this")
@@ -230,10 +234,39 @@ class RowReader:
         if source is None:
             raise ValueError("init_rows: the parameter is not one of the Hugging Face model's")
         if isinstance(source, torch.Tensor):
-            rows = source[row_start:row_end]
-        else:
-            rows = self._where[source].get_slice(source)[row_start:row_end]
-        return rows.to(device=device, dtype=param.dtype).clone()
+            return source[row_start:row_end].to(device=device, dtype=param.dtype, copy=True)
+        return read_rows(*self._where[source], row_start, row_end).to(device=device, dtype=param.dtype)
+
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def read_header(file: str) -> tuple[dict, int]:
+    """The JSON header of a safetensors file (``{name: {"dtype", "shape", "data_offsets"}}``) and the
+    byte offset where its data starts (the format: an 8-byte little-endian header length, the header,
+    the data)."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size)), 8 + size
+
+
+def read_rows(file: str, entry: dict, start: int, row_start: int, row_end: int) -> torch.Tensor:
+    """Rows ``[row_start, row_end)`` of one tensor of a safetensors file, read with one positioned read
+    of their bytes alone. (``safe_open(...).get_slice(name)[lo:hi]`` materializes the whole tensor in
+    safetensors 0.8: every rank would then hold each full parameter for a moment.)
+
+    Returns:
+        A new tensor ``(row_end - row_start, *shape[1:])`` of the stored dtype.
+    """
+    shape = entry["shape"]
+    dtype = _DTYPES[entry["dtype"]]
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    out = torch.empty((row_end - row_start, *shape[1:]), dtype=dtype)
+    if out.numel():
+        with open(file, "rb") as f:
+            f.seek(start + entry["data_offsets"][0] + row_start * row_bytes)
+            f.readinto(memoryview(out.view(torch.uint8).numpy()).cast("B"))
+    return out
 
 
 def base_names(model: nn.Module) -> dict[int, list[str]]:
