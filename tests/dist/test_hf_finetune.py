@@ -78,9 +78,12 @@ def _full_group(rank: int, world: int, dirs: dict) -> dict:
     from fullshard.train.hf_export import export, gather_state_dict
 
     out = {}
-    for name, kind, version in (("llama_v1", "llama", 1), ("llama_v2", "llama", 2), ("qwen2_v2", "qwen2", 2),
-                                ("gpt2_v1", "gpt2", 1)):
-        cfg = _cfg(dirs[kind], fsdp_version=version)
+    for name, kind, version, over in (("llama_v1", "llama", 1, {}), ("llama_v2", "llama", 2, {}),
+                                      ("qwen2_v2", "qwen2", 2, {}), ("gpt2_v1", "gpt2", 1, {}),
+                                      ("llama_v2_checkpointed", "llama", 2, dict(checkpoint_activations=True)),
+                                      ("llama_v1_bf16", "llama", 1, dict(bf16=True)),
+                                      ("llama_v2_bf16", "llama", 2, dict(bf16=True))):
+        cfg = _cfg(dirs[kind], fsdp_version=version, **over)
         trainer, losses, logits = _train(cfg, rank)
         state = gather_state_dict(trainer.model)
         saved = export(cfg, trainer.model, None, os.path.join(dirs["out"], name)) if name == "llama_v2" else None
@@ -181,9 +184,14 @@ def test_full_finetune_matches_single_process(dirs):
     assert len([f for f in os.listdir(dirs["qwen2"]) if f.endswith(".safetensors")]) > 1
 
     got = run_ranks(_full_group, 2, dirs)[0]
+    refs = {kind: _reference(dirs[kind], lora=False) for kind in ("llama", "qwen2", "gpt2")}
+    # --bf16 (MixedPrecision over fp32 shards, buffers kept fp32): both front doors alike, bit for bit
+    bf16 = [got.pop(f"llama_v{v}_bf16")["losses"] for v in (1, 2)]
+    assert bf16[0] == bf16[1], bf16
+    _close(bf16[0], refs["llama"][1], "bf16 losses vs fp32", tol=3e-2)
     diffs = {}
     for name, result in got.items():
-        ref, losses, logits = _reference(dirs[name.split("_")[0]], lora=False)
+        ref, losses, logits = refs[name.split("_")[0]]
         want = {n: p.detach().numpy() for n, p in ref.state_dict().items()}
         assert want.keys() <= result["state"].keys(), (name, sorted(want.keys() - result["state"].keys()))
         # Parameters after 3 AdamW steps: Adam's division by sqrt(v) magnifies rounding of tiny gradients.

@@ -127,7 +127,10 @@ def _fsdp1(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn, cl
     extra = {**invariance_kwargs(cfg), **placement_kwargs(cfg, model)}
     low = low_precision(cfg)
     if low is not None:
-        extra["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
+        # --hf-model: buffers stay fp32 (rotary inv_freq, which transformers reads in fp32), as under
+        # fully_shard's MixedPrecisionPolicy, which casts no buffers.
+        extra["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32,
+                                                  buffer_dtype=None if cfg.hf_model else low)
     if cfg.cpu_offload:
         extra["cpu_offload"] = CPUOffload(offload_params=True)
     return FullyShardedDataParallel(model, sharding_strategy=strategy_of(cfg), param_init_fn=init_fn,
