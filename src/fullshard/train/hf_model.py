@@ -7,10 +7,10 @@ meta device (``accelerate.init_empty_weights(include_buffers=False)``: buffers s
 weights tied (``tie_weights``). Its decoder layers (the classes of ``_no_split_modules``) become
 units, and each unit materializes only this rank's dim-0 rows of each parameter through the
 engine's row initializer (the ``init_rows`` protocol of ``param_init_fn``, docs/design.md), which
-reads them with ``safetensors.safe_open(...).get_slice(name)[lo:hi]``: a rank reads only its rows
-from the (memory-mapped) files. Values are cast to the parameter's dtype (fp32: the dtype the run
-trains in is its precision flags', as for the GPT; ``--bf16`` is ``MixedPrecision`` over fp32
-shards).
+reads their bytes alone from the safetensors file with one positioned read (`read_rows`; safetensors'
+own ``get_slice(name)[lo:hi]`` materializes the whole tensor first). Values are cast to the
+parameter's dtype (fp32: the dtype the run trains in is its precision flags', as for the GPT;
+``--bf16`` is ``MixedPrecision`` over fp32 shards).
 
 LoRA goes through PEFT (``peft.get_peft_model`` with a ``LoraConfig``) before sharding, so the units
 hold the adapters next to the frozen base they adapt. The adapters must start where single-process
