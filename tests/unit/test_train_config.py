@@ -46,7 +46,10 @@ NEW_FIELDS = {"global_batch_size": None, "world_size_invariant": False, "threads
               "adafactor_eps": (None, 1e-3), "adafactor_d": 1.0, "lamb_betas": (0.9, 0.999), "lamb_eps": 1e-8,
               # --pipeline-* (issue 28): no pipelining
               "pipeline_parallel_size": 1, "pipeline_schedule": "1F1B", "pipeline_microbatches": None,
-              "pipeline_stages_per_rank": 1, "pipeline_split": "even", "pipeline_grad_accumulation": "reduce_scatter"}
+              "pipeline_stages_per_rank": 1, "pipeline_split": "even", "pipeline_grad_accumulation": "reduce_scatter",
+              # --hf-model, LoRA (issue 29)
+              "hf_model": None, "save_hf": None, "lora_rank": 0, "lora_alpha": 8.0, "lora_dropout": 0.0,
+              "lora_target_modules": None, "merge_lora": False}
 ELASTIC_DEFAULTS = {"rdzv_last_call_s": 30, "rdzv_keep_alive_s": 5, "save_on_sigterm": False}
 """Flags added after SAVED_BEFORE was captured, at their defaults (--nnodes became text then)."""
 ARGV = ["data-bin/wiki", "--arch", "transformer_lm_gpt_mini", "--fp16", "--lr", "0.001", "--adam-betas", "(0.9,0.98)",
@@ -75,7 +78,8 @@ def test_the_train_parser_is_the_config_fields():
     assert {f.name for f in dataclasses.fields(TrainConfig)} - set(flags) == {"max_positions", "vocab_size"}
     titles = [g.title for g in p._action_groups][2:]  # after "positional arguments" and "options"
     assert titles == [g.TITLE for g in TRAIN_GROUPS] == ["model", "distributed", "pipeline", "mixed precision",
-                                                         "dataset", "optimization", "logging and checkpoints"]
+                                                         "dataset", "optimization", "logging and checkpoints",
+                                                         "Hugging Face fine-tuning"]
     for f in flag_fields(TrainConfig):
         assert f.metadata["fullshard.flag"].help, f"{f.name} has no help text"
     assert option_string(TrainConfig, "collective_timeout_s") == "--collective-timeout"

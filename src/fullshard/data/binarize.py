@@ -36,7 +36,7 @@ from fullshard.digest import file_sha256
 
 from .corpus import BUILTIN_CORPUS_NAME, builtin_corpus_documents, builtin_corpus_path, read_text_documents, text_files
 from .errors import DataError
-from .tokenizer import GPT2Tokenizer, load_gpt2_tokenizer
+from .tokenizer import GPT2Tokenizer, HFTokenizer, load_gpt2_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +157,9 @@ def _load_documents(sources, trainpref, validpref, testpref, builtin, valid_frac
 def preprocess(destdir: str | Path, trainpref: str | Path | None = None,
                validpref: str | Path | None = None, testpref: str | Path | None = None,
                builtin: bool = False, valid_fraction: float = 0.01, seed: int = 1,
-               workers: int = 1) -> PreprocessResult:
-    """Tokenizes corpora with GPT-2 BPE and writes ``{split}.bin`` + ``meta.json``.
+               workers: int = 1, tokenizer: str | Path | None = None) -> PreprocessResult:
+    """Tokenizes corpora with GPT-2 BPE (or a Hugging Face checkpoint's tokenizer) and writes
+    ``{split}.bin`` + ``meta.json``.
 
     Documents (see :mod:`.corpus`: blank-line-separated blocks of text files,
     or articles of the built-in corpus) are encoded and each is followed by
@@ -179,6 +180,8 @@ def preprocess(destdir: str | Path, trainpref: str | Path | None = None,
         workers: 1 encodes sequentially; more uses the tokenizers library's
             parallel Rust batch encoding (thread count: ``RAYON_NUM_THREADS``,
             default all cores). The output is identical either way.
+        tokenizer: a Hugging Face checkpoint directory whose ``tokenizer.json`` encodes (see
+            :class:`HFTokenizer`); None: GPT-2 BPE.
 
     Returns:
         :class:`PreprocessResult` with the meta dict and whether it was cached.
@@ -193,7 +196,7 @@ def preprocess(destdir: str | Path, trainpref: str | Path | None = None,
         raise DataError(f"workers must be >= 1, got {workers}")
     destdir = Path(destdir)
     sources = _resolve_sources(trainpref, validpref, testpref, builtin)
-    tokenizer = load_gpt2_tokenizer()
+    tokenizer = load_gpt2_tokenizer() if tokenizer is None else HFTokenizer(tokenizer)
     fingerprint = _fingerprint(sources, builtin, valid_fraction, seed, tokenizer.name)
     cached = _cached_meta(destdir, fingerprint)
     if cached is not None:

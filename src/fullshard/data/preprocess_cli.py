@@ -31,6 +31,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "--validpref is given (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1,
                         help="seed of the train/valid document split (default: %(default)s)")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="tokenize with this Hugging Face checkpoint's tokenizer.json (the model "
+                             "`fullshard train --hf-model DIR` fine-tunes) instead of GPT-2 BPE")
     parser.add_argument("--workers", type=int, default=1,
                         help="1: sequential encoding; >1: parallel batch encoding "
                              "(default: %(default)s)")
@@ -49,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         result = preprocess(args.destdir, trainpref=args.trainpref, validpref=args.validpref,
                             testpref=args.testpref, builtin=args.builtin_corpus,
                             valid_fraction=args.valid_fraction, seed=args.seed,
-                            workers=args.workers)
+                            workers=args.workers, tokenizer=args.tokenizer)
     except DataError as e:
         print(f"fullshard preprocess: error: {e}", file=sys.stderr)
         return 2

@@ -92,3 +92,67 @@ def load_gpt2_tokenizer() -> GPT2Tokenizer:
         DataError: The package or its files are missing (run ``make setup``).
     """
     return GPT2Tokenizer(*gpt2_bpe_files())
+
+
+class HFTokenizer:
+    """A Hugging Face checkpoint's own tokenizer (its ``tokenizer.json``, read by ``tokenizers``), with
+    `GPT2Tokenizer`'s interface, for ``fullshard preprocess --tokenizer DIR``.
+
+    Attributes:
+        name: ``"hf:<directory name>:<first 12 hex digits of tokenizer.json's SHA-256>"`` (meta.json and
+            the preprocess fingerprint: another tokenizer file re-tokenizes).
+        vocab_size: token ids it can produce (added tokens included).
+        eos_id: the id appended after each document: ``eos_token`` of ``tokenizer_config.json``, else
+            ``eos_token_id`` of ``config.json``.
+
+    Args:
+        path: the checkpoint directory.
+
+    Raises:
+        DataError: no ``tokenizer.json``, no end-of-sequence token found, or more than 65,536 ids
+            (data files hold uint16 ids).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        import hashlib
+        import json
+
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise DataError(f"--tokenizer {str(path)!r} has no tokenizer.json (a fast Hugging Face tokenizer); save "
+                            "one with AutoTokenizer.from_pretrained(...).save_pretrained(DIR)")
+        self._tok = Tokenizer.from_file(str(file))
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()[:12]
+        self.name = f"hf:{path.resolve().name}:{digest}"
+        self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        if self.vocab_size > 2**16:
+            raise DataError(f"--tokenizer {str(path)!r} has {self.vocab_size:,} ids; data files hold uint16 ids "
+                            "(at most 65,536): this tokenizer is not supported yet")
+        eos = None
+        for name, key in (("tokenizer_config.json", "eos_token"), ("config.json", "eos_token_id")):
+            if (path / name).is_file():
+                value = json.loads((path / name).read_text()).get(key)
+                value = value.get("content") if isinstance(value, dict) else value
+                value = value[0] if isinstance(value, list) and value else value
+                eos = self._tok.token_to_id(value) if isinstance(value, str) else value
+                if isinstance(eos, int):
+                    break
+        if not isinstance(eos, int):
+            raise DataError(f"--tokenizer {str(path)!r}: no end-of-sequence token (eos_token in "
+                            "tokenizer_config.json or eos_token_id in config.json); documents need one between them")
+        self.eos_id: int = eos
+
+    def encode(self, text: str) -> list[int]:
+        """Encodes one text to token ids (no special tokens added, no eos appended)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encodes many texts; parallel in Rust threads."""
+        return [enc.ids for enc in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Decodes token ids back to text."""
+        return self._tok.decode(list(ids), skip_special_tokens=False)

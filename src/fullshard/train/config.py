@@ -390,14 +390,38 @@ class LoggingCheckpointOptions:
                                               "a checkpoint directory) when --save-dir has no checkpoint_last")
 
 
+# --- Hugging Face fine-tuning (train/hf_model.py, train/hf_export.py; checks: train/hf_options.py) ---
+@dataclass(frozen=True, kw_only=True)
+class FinetuneOptions:
+    """Fine-tuning a local Hugging Face checkpoint, fully or with LoRA adapters (PEFT)."""
+
+    TITLE: ClassVar[str] = "Hugging Face fine-tuning"
+    # None: the GPT of --arch. Its vocabulary must hold the data's (`fullshard preprocess --tokenizer DIR`).
+    hf_model: Optional[str] = flag(None, "train this local transformers checkpoint (config.json + *.safetensors) "
+                                   "instead of --arch: one unit per decoder layer, each rank reading only its rows",
+                                   metavar="DIR")
+    # None: <--save-dir>/hf (nothing with --no-save).
+    save_hf: Optional[str] = flag(None, "--hf-model: at the end write the trained model here in save_pretrained "
+                                  "format (with --lora-rank: the PEFT adapter, or the merged model with --merge-lora) "
+                                  "(default: <--save-dir>/hf)", metavar="DIR")
+    # 0: full fine-tuning. Else peft.LoraConfig(r, lora_alpha, lora_dropout, target_modules).
+    lora_rank: int = flag(0, "--hf-model: train LoRA adapters of this rank on a frozen base (0 = full fine-tuning)")
+    lora_alpha: float = flag(8.0, "LoRA scaling numerator: the update is (alpha / rank) B A (default: %(default)s)")
+    lora_dropout: float = flag(0.0, "dropout on the LoRA branch's input (default: %(default)s)")
+    # None: PEFT's default targets for the architecture.
+    lora_target_modules: Optional[str] = flag(None, "comma-separated module names to adapt, e.g. q_proj,v_proj "
+                                              "(default: PEFT's for the architecture)", metavar="NAMES")
+    merge_lora: bool = flag(False, "--lora-rank: export the base with the adapters merged in, not the adapter")
+
+
 TRAIN_GROUPS = (ModelOptions, DistributedOptions, PipelineOptions, PrecisionOptions, DatasetOptions,
-                OptimizationOptions, LoggingCheckpointOptions)
+                OptimizationOptions, LoggingCheckpointOptions, FinetuneOptions)
 """The option groups of `fullshard train`, in ``--help`` order."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig(ModelOptions, DistributedOptions, PipelineOptions, PrecisionOptions, DatasetOptions,
-                  OptimizationOptions, LoggingCheckpointOptions):
+                  OptimizationOptions, LoggingCheckpointOptions, FinetuneOptions):
     """Everything one rank needs to train: every group's fields (resolved by `options.validate`)
     and the sizes below. Field names follow fairseq-train flags."""
 

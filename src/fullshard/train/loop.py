@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from fullshard.core import collectives
 from fullshard.data import GlobalBatchSampler, ShardedBatchSampler, TokenBlockDataset
-from fullshard.train import checkpoint_utils, invariance, optimizers, pipeline
+from fullshard.train import checkpoint_utils, hf_export, invariance, optimizers, pipeline
 from fullshard.train.config import GlobalBatchError, TrainConfig
 from fullshard.train.launcher import threads_per_rank
 from fullshard.train.pipeline_checks import microbatches
@@ -176,10 +176,15 @@ class Run:
     def log_header(self) -> None:
         n = self.trainer.num_params
         kind = "GPUs" if self.device.type == "cuda" else "CPUs"
-        logger.info(f"model {self.cfg.arch} ({self.cfg.arch_spec().describe()}), "
+        cfg = self.cfg
+        if cfg.hf_model:
+            described = f"Hugging Face {cfg.hf_model}" + (f" + LoRA rank {cfg.lora_rank}" if cfg.lora_rank else "")
+        else:
+            described = f"{cfg.arch} ({cfg.arch_spec().describe()})"
+        logger.info(f"model {described}, "
                     f"ddp-backend {self.cfg.ddp_backend}"
                     + ("" if self.cfg.ddp_backend == "c10d" else f" ({self._strategy()})"))
-        logger.info(f"num. model params: {n:,} (num. trained: {n:,})")
+        logger.info(f"num. model params: {n:,} (num. trained: {self.trainer.num_trained:,})")
         logger.info(optimizers.describe(self.cfg, self.trainer.optimizer))
         cfg, parts = self.cfg, []
         if cfg.fp16:
@@ -298,6 +303,10 @@ class Run:
             epoch, offset = epoch + 1, 0
         if not self.cfg.no_save:
             checkpoint_utils.save(self, *self.position)
+        if self.cfg.hf_model and not self.stopped_by_sigterm and (self.cfg.save_hf or not self.cfg.no_save):
+            out = hf_export.export(self.cfg, self.trainer.model, self.trainer.peft_model)
+            what = "merged model" if self.cfg.merge_lora else "LoRA adapter" if self.cfg.lora_rank else "model"
+            logger.info(f"wrote the Hugging Face {what} to {out}")
         n = self.trainer.num_updates
         if not self.stopped_by_sigterm:
             logger.info("done training in {:.1f} seconds".format(self.wall()))

@@ -19,7 +19,7 @@ import torch
 
 from fullshard.data import DataError, TokenBlockDataset, read_meta
 from fullshard.models import ARCHS, ArchSpec, build_model
-from fullshard.train import pipeline_checks
+from fullshard.train import hf_options, pipeline_checks
 from fullshard.train.config import (
     TRAIN_GROUPS,
     GlobalBatchError,
@@ -411,7 +411,9 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
         shape = resolve_arch(args.arch, vars(args))
     except ValueError as e:
         p.fail(str(e))
-    check_tokens_per_sample(p, args, shape)
+    hf_positions = hf_options.check(p, args, meta)  # --hf-model: the model's positions
+    if hf_positions is None:
+        check_tokens_per_sample(p, args, shape)
     _check_split_sizes(p, args, meta, world_size, resolve_batch(args, world_size)[1])
     if args.log_file and os.path.isdir(args.log_file):
         p.fail(f"--log-file {args.log_file!r} is a directory; give a file path")
@@ -425,10 +427,12 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     if args.finetune_from_model and not os.path.exists(args.finetune_from_model):
         p.fail(f"--finetune-from-model {args.finetune_from_model!r} does not exist; give a consolidated "
                "file or a checkpoint directory")
-    _check_restore(p, args, shape, int(meta["vocab_size"]))
+    if hf_positions is None:  # --hf-model: the checkpoint's keys are checked when it loads
+        _check_restore(p, args, shape, int(meta["vocab_size"]))
     _warn_fp16_on_cpu(args)
-    return config_from_args(args, shape=shape, vocab_size=int(meta["vocab_size"]), world_size=world_size,
-                            scale_window=scale_window, rdzv_endpoint=rdzv_endpoint)
+    cfg = config_from_args(args, shape=shape, vocab_size=int(meta["vocab_size"]), world_size=world_size,
+                           scale_window=scale_window, rdzv_endpoint=rdzv_endpoint)
+    return cfg if hf_positions is None else dataclasses.replace(cfg, max_positions=hf_positions)
 
 
 def config_from_args(args, *, shape: ArchSpec, vocab_size: int, world_size: int, scale_window: int,

@@ -38,7 +38,8 @@ def check(cfg, world_size: int, num_layers: int) -> None:
                    (cfg.hybrid_shard and cfg.world_size_invariant,
                     "--hybrid-shard with --world-size-invariant (the replicas' fold runs over the world; drop one)"),
                    (cfg.optimizer == "muon", "--optimizer muon"),
-                   (bool(cfg.finetune_from_model), "--finetune-from-model")]
+                   (bool(cfg.finetune_from_model), "--finetune-from-model"),
+                   (bool(cfg.hf_model), "--hf-model (stages are cut from fullshard's GPT)")]
     for bad, what in unsupported:
         if bad:
             raise ValueError(f"--pipeline-parallel-size {p} does not support {what} yet")

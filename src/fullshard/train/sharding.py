@@ -78,7 +78,7 @@ def low_precision(cfg: TrainConfig):
     return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
 
 
-def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn) -> nn.Module:
+def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn, blocks=None) -> nn.Module:
     """Shard ``model`` (a GPT built on the meta device) as ``cfg.fsdp_version`` says (see [Note: fsdp
     versions]); every rank calls it.
 
@@ -86,7 +86,11 @@ def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_f
         model: the GPT on meta, activation checkpointing already applied to its blocks.
         cfg: the run's configuration (strategy, precision, offload, version).
         device: the compute device.
-        init_fn: ``fullshard.models.make_param_init_fn(model, seed, device)``, made before any wrapping.
+        init_fn: ``fullshard.models.make_param_init_fn(model, seed, device)``, made before any wrapping
+            (for a Hugging Face model: ``hf_model.RowReader``).
+        blocks: the modules that become units before the root (default: ``model.layers``, whose
+            TransformerBlocks the wrapper's auto-wrap policy finds); under activation checkpointing,
+            the CheckpointWrappers that hold them.
     Returns:
         The model to train: a FullyShardedDataParallel root (version 1) or ``model`` itself, now a
         ``FSDPModule`` with DTensor parameters (version 2).
@@ -94,9 +98,10 @@ def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_f
         ValueError: an fsdp version other than 1 or 2.
     """
     if cfg.fsdp_version == 1:
-        return _fsdp1(model, cfg, device, init_fn)
+        classes = {TransformerBlock} if blocks is None else {type(_inner(b)) for b in blocks}
+        return _fsdp1(model, cfg, device, init_fn, classes)
     if cfg.fsdp_version == 2:
-        return _fully_shard(model, cfg, device, init_fn)
+        return _fully_shard(model, cfg, device, init_fn, model.layers if blocks is None else blocks)
     raise ValueError(f"[rank {collectives.rank()}] --fsdp-version {cfg.fsdp_version!r}: use 1 or 2")
 
 
@@ -112,8 +117,8 @@ def shard_stage(stage: nn.Module, cfg: TrainConfig, device: torch.device, init_f
     """
     if cfg.fsdp_version == 1:
         groups = mesh.get_group(0) if mesh.ndim == 1 else (mesh.get_group(1), mesh.get_group(0))
-        return _fsdp1(stage, cfg, device, init_fn, groups)
-    return _fully_shard(stage, cfg, device, init_fn, mesh)
+        return _fsdp1(stage, cfg, device, init_fn, {TransformerBlock}, groups)
+    return _fully_shard(stage, cfg, device, init_fn, None, mesh)
 
 
 def placement_kwargs(cfg: TrainConfig, model: nn.Module) -> dict:
@@ -129,15 +134,24 @@ def invariance_kwargs(cfg: TrainConfig) -> dict:
     return {"world_size_invariant": True} if cfg.world_size_invariant else {}
 
 
-def _fsdp1(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn, process_group=None) -> nn.Module:
+def _inner(block: nn.Module) -> nn.Module:
+    """The block a CheckpointWrapper holds, or ``block``."""
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
+def _fsdp1(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn, classes: set,
+           process_group=None) -> nn.Module:
     extra = {**invariance_kwargs(cfg), **placement_kwargs(cfg, model)}
     low = low_precision(cfg)
     if low is not None:
-        extra["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
+        # --hf-model: buffers stay fp32 (rotary inv_freq, which transformers reads in fp32), as under
+        # fully_shard's MixedPrecisionPolicy, which casts no buffers.
+        extra["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32,
+                                                  buffer_dtype=None if cfg.hf_model else low)
     if cfg.cpu_offload:
         extra["cpu_offload"] = CPUOffload(offload_params=True)
     return FullyShardedDataParallel(model, sharding_strategy=strategy_of(cfg), param_init_fn=init_fn,
-                                    auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}), device_id=device,
+                                    auto_wrap_policy=ModuleWrapPolicy(classes), device_id=device,
                                     process_group=process_group, **extra)
 
 
@@ -164,7 +178,7 @@ def device_mesh(strategy: ShardingStrategy, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
 
 
-def _fully_shard(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn,
+def _fully_shard(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn, blocks=None,
                  mesh: DeviceMesh | None = None) -> nn.Module:
     strategy = strategy_of(cfg)
     low = low_precision(cfg)
@@ -174,8 +188,8 @@ def _fully_shard(model: nn.Module, cfg: TrainConfig, device: torch.device, init_
                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
                   **invariance_kwargs(cfg))
     originals = dict(model.named_parameters())  # meta parameters, a tied one once
-    # A pipeline stage (models/stages.py) keeps its blocks in a ModuleDict.
-    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    if blocks is None:  # a pipeline stage (models/stages.py) keeps its blocks in a ModuleDict
+        blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for block in blocks:  # a CheckpointWrapper(block) under --checkpoint-activations
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

@@ -31,7 +31,7 @@ from fullshard.amp import ShardedGradScaler
 from fullshard.core import collectives
 from fullshard.memory import TOTAL_FIELDS, memory_stats, memory_totals
 from fullshard.models import TransformerBlock, build_model, make_param_init_fn, num_params
-from fullshard.train import invariance, optimizers, pipeline, sharding
+from fullshard.train import hf_model, invariance, optimizers, pipeline, sharding
 from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import build_lr_scheduler
 from fullshard.train.progress import safe_round
@@ -53,7 +53,10 @@ class Trainer:
         # --pipeline-parallel-size > 1: this rank's stages (train/pipeline.py); self.model is then
         # the module holding them under the plain model's names.
         self.pipeline: Optional[pipeline.Pipeline] = None
-        self.model, shapes, self.num_params = self._build_model()
+        self.peft_model = None  # --lora-rank: the PeftModel inside self.model (adapter export)
+        self.model, shapes, self.num_params = self._build_hf_model() if cfg.hf_model else self._build_model()
+        if not cfg.hf_model:
+            self.num_trained = self.num_params  # every GPT parameter trains
         stepped = self.pipeline.optim_model if self.pipeline is not None else self.model
         self.optimizer = optimizers.build(cfg, stepped, shapes, self._host_shards())
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
@@ -100,6 +103,26 @@ class Trainer:
         self._checkpoint_blocks(model)
         return sharding.shard_model(model, cfg, self.device, init_fn), shapes, total
 
+    def _build_hf_model(self):
+        """--hf-model: the Hugging Face model (LoRA-wrapped with --lora-rank) built on meta, each rank
+        reading its rows from the checkpoint (see [Note: sharded Hugging Face load] in hf_model.py)."""
+        cfg = self.cfg
+        if cfg.ddp_backend != "fully_sharded":
+            raise ValueError(f"[rank {self.rank}] --hf-model needs --ddp-backend fully_sharded")
+        model, layers, reader = hf_model.load_meta(cfg)
+        self.peft_model = model if cfg.lora_rank else None
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        total = sum(p.numel() for p in model.parameters())
+        self.num_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if cfg.checkpoint_activations:
+            classes = tuple({type(b) for b in layers})
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, classes),
+                                           offload_to_cpu=cfg.offload_activations)
+        buffers = hf_model.buffers_of(model)  # fully_shard's to_empty loses their values
+        wrapped = sharding.shard_model(model, cfg, self.device, reader, blocks=list(layers))
+        hf_model.restore_buffers(buffers)
+        return wrapped, shapes, total
+
     def _host_shards(self) -> bool:
         """The optimizer's shards live in host memory (CPU device or --cpu-offload)."""
         return self.device.type == "cpu" or self.cfg.cpu_offload
@@ -115,9 +138,11 @@ class Trainer:
     def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
         """Model forward (B, T) -> (B, T, V); under autocast for c10d --fp16/--bf16."""
         if self.autocast_dtype is None:
-            return self.model(inputs)
-        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
-            return self.model(inputs)
+            out = self.model(inputs)
+        else:
+            with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
+                out = self.model(inputs)
+        return getattr(out, "logits", out)  # --hf-model: a transformers ModelOutput
 
     def _loss(self, batch: Batch) -> Tuple[torch.Tensor, int]:
         """Summed token cross entropy (nats) of one micro-batch and its target-token count."""

@@ -1,0 +1,54 @@
+"""Checks of the Hugging Face fine-tuning flags of `fullshard train` (`config.FinetuneOptions`), run by
+`options.validate` on the launching process: each bad input is one line and exit 2, before any rank
+starts."""
+from __future__ import annotations
+
+from typing import Optional
+
+from fullshard.train import hf_model
+
+
+def check(p, args, meta: dict) -> Optional[int]:
+    """Check --hf-model and the --lora-* / --save-hf / --merge-lora flags against each other and the data.
+
+    Args:
+        p: the `options.OneLineArgumentParser` (its ``fail`` prints one line and exits 2).
+        args: the parsed train arguments.
+        meta: the data directory's meta.json.
+    Returns:
+        The model's position-table size (tokens) with --hf-model, else None.
+    """
+    if not args.hf_model:
+        for name, given in (("--lora-rank", args.lora_rank), ("--save-hf", args.save_hf),
+                            ("--merge-lora", args.merge_lora), ("--lora-target-modules", args.lora_target_modules)):
+            if given:
+                p.fail(f"{name} needs --hf-model DIR (LoRA and Hugging Face export are for Hugging Face checkpoints)")
+        return None
+    if args.ddp_backend != "fully_sharded":
+        p.fail("--hf-model needs --ddp-backend fully_sharded")
+    if args.lora_rank < 0:
+        p.fail(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {args.lora_rank}")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        p.fail(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    if not args.lora_rank:
+        for name, given in (("--merge-lora", args.merge_lora), ("--lora-target-modules", args.lora_target_modules)):
+            if given:
+                p.fail(f"{name} needs --lora-rank R (> 0)")
+    if args.optimizer == "muon":
+        p.fail("--hf-model with --optimizer muon is not supported yet; use adam, cpu_adam, adafactor or lamb")
+    try:
+        config = hf_model.read_config(args.hf_model)
+        # The structure on meta (no weights read): decoder layers found, LoRA targets matched, files complete.
+        hf_model.load_meta(args, args.hf_model)
+    except hf_model.HFModelError as e:
+        p.fail(str(e))
+    data_vocab, vocab = int(meta["vocab_size"]), int(config.vocab_size)
+    if data_vocab > vocab:
+        p.fail(f"the data in {args.data_dir!r} has {data_vocab:,} token ids ({meta.get('tokenizer')}), the model in "
+               f"{args.hf_model!r} embeds {vocab:,}; preprocess with the model's tokenizer: `fullshard preprocess "
+               f"--tokenizer {args.hf_model} ...`")
+    positions = hf_model.max_positions(config) or args.tokens_per_sample
+    if args.tokens_per_sample > positions:
+        p.fail(f"--tokens-per-sample {args.tokens_per_sample} exceeds the {positions} positions of the model in "
+               f"{args.hf_model!r}; use --tokens-per-sample <= {positions}")
+    return positions

@@ -1,0 +1,116 @@
+"""`fullshard preprocess --tokenizer DIR` and `fullshard train --hf-model DIR` as a user runs them: a tiny
+Llama with its own tokenizer (trained here on the corpus, no network) fine-tuned with LoRA at 2 ranks, its
+adapter written for PEFT; and the bad inputs of the Hugging Face flags, each one line and exit 2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from tests.e2e.common import main_in_process  # noqa: E402
+
+T = 16
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, corpus_dir):
+    """A tiny random Llama saved with a 300-id byte-level BPE tokenizer trained on the corpus text."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("llama")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = (corpus_dir.parent / "corpus.txt").read_text().split("\n\n")
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_data(tmp_path_factory, cli, corpus_dir, llama_dir):
+    """The corpus preprocessed with the Llama's tokenizer."""
+    data = tmp_path_factory.mktemp("llama_data") / "data"
+    proc = cli("preprocess", "--trainpref", str(corpus_dir.parent / "corpus.txt"), "--destdir", str(data),
+               "--valid-fraction", "0.1", "--tokenizer", str(llama_dir))
+    assert proc.returncode == 0, proc.stderr
+    return data
+
+
+def test_preprocess_with_model_tokenizer_then_lora_finetune(cli, llama_data, llama_dir, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    data = llama_data
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["vocab_size"] == 300 and meta["eos_id"] == 1 and meta["tokenizer"].startswith("hf:"), meta
+    save = tmp_path / "ckpt"
+
+    def train(updates: int):
+        proc = cli("train", str(data), "--hf-model", str(llama_dir), "--lora-rank", "4", "--lora-target-modules",
+                   "q_proj,v_proj", "--nproc-per-node", "2", "--fsdp-version", "2", "--tokens-per-sample", str(T),
+                   "--batch-size", "2", "--max-update", str(updates), "--lr", "1e-2", "--log-format", "simple",
+                   "--save-dir", str(save))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    out = train(2)
+    # q_proj: A 4x32 + B 32x4, v_proj: A 4x32 + B 16x4 (2 key-value heads of 8), in 2 layers
+    assert "+ LoRA rank 4" in out and "num. trained: 896)" in out, out[-3000:]
+    assert (save / "checkpoint_last").is_dir()
+    out = train(3)  # resumes the adapters and their optimizer state from checkpoint_last
+    assert "@ 2 updates" in out and "num_updates 3" in out, out[-3000:]
+    adapter = save / "hf"
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in adapter.iterdir()}
+    base = AutoModelForCausalLM.from_pretrained(llama_dir)
+    with torch.no_grad():
+        ids = torch.tensor([[5, 9, 33, 120]])
+        before = base(ids).logits
+        after = PeftModel.from_pretrained(base, str(adapter))(ids).logits
+    assert (after - before).abs().max() > 1e-4  # the trained adapter changes the model
+
+
+def _bad_dirs(tmp_path, llama_dir) -> dict:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
+    (unknown / "model.safetensors").write_bytes(b"")
+    return {"empty": empty, "unknown": unknown}
+
+
+@pytest.mark.parametrize("case, extra, expected", [
+    ("missing", [], "is not a directory"),
+    ("empty", [], "has no config.json"),
+    ("unknown", [], "transformers cannot read its config.json"),
+    ("llama", ["--lora-rank", "4", "--lora-target-modules", "nope_proj"], "--lora-target-modules 'nope_proj' matches"),
+    ("llama", ["--merge-lora"], "--merge-lora needs --lora-rank"),
+    ("llama", ["--tokens-per-sample", "65"], "exceeds the 64 positions"),
+    ("vocab", [], "preprocess with the model's tokenizer"),
+    (None, ["--lora-rank", "4"], "--lora-rank needs --hf-model"),
+])
+def test_bad_input_one_line_exit_2(capsys, corpus_dir, llama_data, llama_dir, tmp_path, case, extra, expected):
+    dirs = {**_bad_dirs(tmp_path, llama_dir), "missing": tmp_path / "nowhere", "llama": llama_dir,
+            "vocab": llama_dir}
+    # GPT-2 BPE data has 50,257 ids, more than the Llama's 300
+    data = corpus_dir if case in (None, "vocab") else llama_data
+    argv = ["train", str(data), "--tokens-per-sample", str(T), "--batch-size", "2", "--no-save",
+            *(["--hf-model", str(dirs[case])] if case else []), *extra]
+    code, _, err = main_in_process(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("fullshard train: error: ") and expected in lines[0], lines[0]

@@ -1,0 +1,49 @@
+"""The pieces of the sharded Hugging Face load (fullshard/train/hf_model.py) in one process: row reads
+equal the stored tensor's rows in every stored dtype, a model with no decoder-layer list is refused in
+one line, and a checkpoint whose tensors do not match its config is refused naming the tensor."""
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from safetensors.torch import save_file  # noqa: E402
+
+from fullshard.train import hf_model  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_read_rows_equal_the_stored_rows(tmp_path, dtype):
+    tensors = {"a": torch.randn(7, 5).to(dtype), "b": torch.randn(9).to(dtype), "c": torch.randn(3, 2, 4).to(dtype)}
+    file = str(tmp_path / "model.safetensors")
+    save_file(tensors, file)
+    header, start = hf_model.read_header(file)
+    for name, full in tensors.items():
+        for lo, hi in ((0, full.shape[0]), (1, 3), (2, 2), (full.shape[0] - 1, full.shape[0])):
+            rows = hf_model.read_rows(file, header[name], start, lo, hi)
+            assert rows.dtype == dtype and torch.equal(rows, full[lo:hi]), (name, lo, hi)
+
+
+def test_no_decoder_layer_list_is_refused():
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(hf_model.HFModelError, match="found no list of decoder layers"):
+        hf_model.layer_list(model, "somewhere")
+
+
+def test_tensor_of_another_shape_is_refused(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, bos_token_id=0, eos_token_id=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 48  # the MLP weights in the file are 32 wide
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(hf_model.HFModelError, match="mlp.*has shape|mlp.*is F32"):
+        hf_model.load_meta(types.SimpleNamespace(lora_rank=0), str(tmp_path))
