@@ -11,6 +11,7 @@ not by default."""
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -108,8 +109,14 @@ def _area(module: str) -> str:
     return parts[1] if len(parts) > 1 else "fullshard"
 
 
+@functools.lru_cache(maxsize=1)
+def _parsed() -> tuple:
+    return tuple((_module_name(p), frozenset(_imports(p))) for p in sorted(PKG.rglob("*.py")))
+
+
 def _graph() -> dict[str, set[str]]:
-    return {_module_name(p): _imports(p) for p in sorted(PKG.rglob("*.py"))}
+    """module -> the fullshard modules it imports; the source is parsed once per test run."""
+    return {name: set(targets) for name, targets in _parsed()}
 
 
 def violations(graph: dict[str, set[str]]) -> list[str]:
