@@ -5,8 +5,8 @@ pipelining (no weight staleness).
   accumulation modes, equals one process training the plain tied GPT on the same global batch
   (per-update losses, gradient norms, every parameter);
 - pp=2 x dp=1 equals dp=2 without pipelining;
-- a checkpoint saved at pp=2 x dp=2 resumes at pp=1 x dp=4 (no pipelining) and gives the
-  uninterrupted run's parameters;
+- a checkpoint saved at pp=2 x dp=2 resumes at pp=1 x dp=4 (no pipelining) and at pp=2 x dp=1 (the
+  2-rank group loads what the 4-rank group saved) and gives the uninterrupted run's parameters;
 - --hybrid-shard: pp=2 x replicate 2 x shard 1 equals one process (the norm counts replicas once);
 - --world-size-invariant: pp=2 x dp=2 and pp=2 x dp=1 give bitwise the same losses, gradient norms,
   validation loss and parameters (dropout, --update-freq > 1, both accumulation modes).
@@ -233,12 +233,20 @@ def _assert_close(got_history, got_params, want, where):
 
 
 @functools.lru_cache(maxsize=None)
+def _checkpoints() -> tempfile.TemporaryDirectory:
+    """The session's checkpoint directory: the 4-rank group saves there, the 2-rank group loads."""
+    return tempfile.TemporaryDirectory()
+
+
+@functools.lru_cache(maxsize=None)
 def _spawned(world: int) -> list:
-    """Each spawned group's results, once per session (the tests below share them)."""
+    """Each spawned group's results, once per session (the tests below share them). The 2-rank
+    group resumes the 4-rank group's pp=2 x dp=2 checkpoint, so that group runs first."""
+    tmp = _checkpoints().name
     if world == 2:
-        return run_ranks(_pp2_dp1_cases, 2)
-    with tempfile.TemporaryDirectory() as tmp:
-        return run_ranks(_pipelined_cases, 4, tmp)
+        _spawned(4)
+        return run_ranks(_pp2_dp1_cases, 2, os.path.join(tmp, "ckpt"))
+    return run_ranks(_pipelined_cases, 4, tmp)
 
 
 def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
@@ -267,7 +275,12 @@ def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
                       f"pp=2 x replicate 2 x shard 1 (--hybrid-shard) {schedule} {mode}")
 
 
-def _pp2_dp1_cases(rank, world):
+def _pp2_dp1_cases(rank, world, saved):
+    """pp=2 x dp=1: every schedule and mode against dp=2; the invariant runs; the third update
+    resumed at pp=2 x dp=1 from ``saved``, the 4-rank group's checkpoint after 2 updates at pp=2 x dp=2."""
+    from fullshard import checkpoint
+    from fullshard.train.trainer import Trainer
+
     plain, dp_history = _train(_cfg(2), rank, world, UPDATES)
     out = {"dp2": dict(history=dp_history, params=_full_params(plain.model)), "invariant": _invariant_runs(1)}
     for schedule, v in SCHEDULES:
@@ -276,16 +289,27 @@ def _pp2_dp1_cases(rank, world):
                        pipeline_microbatches=2, pipeline_grad_accumulation=mode)
             trainer, history = _train(cfg, rank, world, UPDATES)
             out[(schedule, mode)] = dict(history=history, params=_full_params(trainer.model))
+    cfg = _cfg(1, pipeline_parallel_size=2, pipeline_schedule="1F1B", pipeline_microbatches=2)
+    resumed = Trainer(cfg, torch.device("cpu"))
+    checkpoint.load(saved, resumed.model, resumed.optimizer, process_group=resumed.checkpoint_group)
+    resumed.after_load()
+    resumed.num_updates = UPDATES - 1
+    _, last = _train(cfg, rank, world, 1, start=UPDATES - 1, trainer=resumed)
+    out["resumed"] = dict(history=last, params=_full_params(resumed.model))
     return out
 
 
-def test_pp2_dp1_equals_dp2_without_pipelining():
+def test_pp2_dp1_equals_dp2_without_pipelining_and_resumes_a_pp2_dp2_checkpoint():
     per_rank = _spawned(2)
     want = per_rank[0]["dp2"]
     for schedule, _ in SCHEDULES:
         for mode in MODES:
             key = (schedule, mode)
             _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want, f"pp=2 x dp=1 {schedule} {mode}")
+    # The 4-rank group's first 2 updates at pp=2 x dp=2 (saved), then the third here at pp=2 x dp=1.
+    saved = _spawned(4)[0]["resumed"]["history"][:UPDATES - 1]
+    _assert_close(saved + per_rank[0]["resumed"]["history"], _merge(per_rank, "resumed"),
+                  _spawned(4)[0]["reference"], "saved at pp=2 x dp=2, resumed at pp=2 x dp=1")
 
 
 def test_world_size_invariant_pipeline_is_bitwise_the_same_at_dp_1_and_2():
