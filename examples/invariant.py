@@ -38,7 +38,7 @@ for step in range(4):
         loss = sum(losses.tolist()) / (MICRO * B * T)  # summed in global micro-batch order
         print(f"step {step}: loss {loss!r} gnorm {gnorm.item()!r}")
 digest = hashlib.sha256()
-for name, param in model.named_parameters():
+for _name, param in model.named_parameters():
     digest.update(param.detach().full_tensor().numpy().tobytes())
 if rank == 0:
     print(f"{world} ranks: parameters sha256 {digest.hexdigest()[:16]}")
