@@ -80,7 +80,7 @@ def _pooled_full_grad(rank, world):
 
     forgotten = []
     real_forget = POOL.forget
-    POOL.forget = lambda nbytes: (forgotten.append(nbytes), real_forget(nbytes))
+    POOL.forget = lambda nbytes, ptr=None: (forgotten.append(nbytes), real_forget(nbytes, ptr))
     try:
         for mp in (None, MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)):
             model = FSDP(make_model("gpt"), auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
