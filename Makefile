@@ -33,11 +33,12 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# Every single-process test (tests/unit) plus the distributed cases marked
-# `fast` (parity with DDP at 2 ranks, the usage patterns, the state-dict round
-# trip, the collectives); see docs/testing.md. `make test` still runs everything.
+# Every single-process test (tests/unit) but the few marked `heavy`, the
+# distributed cases marked `fast` (parity with DDP at 2 ranks, the usage
+# patterns, the state-dict round trip, the collectives) and one end-to-end run
+# (tests/e2e/test_smoke.py); see docs/testing.md. `make test` runs everything.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "fast and not slow" tests/unit tests/dist
+	$(PY) -m pytest -q -m "fast and not slow" tests/unit tests/dist tests/e2e
 
 # ruff comes with the dev extras; its settings are in pyproject.toml.
 lint: $(STAMP)
