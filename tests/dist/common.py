@@ -18,6 +18,20 @@ from fullshard.train.sharding import no_sync  # noqa: F401 (either API's no_sync
 from fullshard.wrap import recursive_wrap
 from tests.dist import models as M
 
+
+class Tokens:
+    """A fixed synthetic token dataset: item i is (input (T,), target (T,)) int64 ids below ``vocab``, as
+    TokenBlockDataset's."""
+
+    def __init__(self, n: int, seed: int, vocab: int, T: int):
+        self.data = torch.randint(0, vocab, (n, T + 1), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return self.data.size(0)
+
+    def __getitem__(self, i: int):
+        return self.data[i, :-1], self.data[i, 1:]
+
 RTOL, ATOL = 1.3e-6, 1e-5
 """Tolerances of fp32 parity with DDP (losses, parameters)."""
 BF16_RTOL = 1.6e-2

@@ -65,6 +65,18 @@ class Net(nn.Module):
         return F.linear(F.embedding(tokens, self.tok_embeddings.weight), self.output.weight)
 
 
+class SkipNormNet(Net):
+    """``Net`` whose forward skips ``norm`` while ``skip_norm`` is set (an unused parameter)."""
+
+    skip_norm = False
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(h if self.skip_norm else self.norm(h))
+
+
 def make(seed: int = 0, **kwargs) -> Net:
     torch.manual_seed(seed)
     return Net(**kwargs)

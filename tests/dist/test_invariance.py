@@ -19,6 +19,7 @@ import torch
 
 from fullshard.models import ARCHS
 from fullshard.train.config import TrainConfig
+from tests.dist.common import Tokens as SyntheticTokens
 from tests.dist.harness import run_ranks
 
 ARCH = "transformer_lm_gpt_mini"
@@ -29,17 +30,8 @@ TRAIN_ITEMS, VALID_ITEMS = 3 * GLOBAL_BATCH + 5, 7  # 5 left over: the incomplet
 WORLDS = (1, 2, 3, 4)
 
 
-class Tokens:
-    """A fixed synthetic token dataset: item i is (input (T,), target (T,)) int64, as TokenBlockDataset's."""
-
-    def __init__(self, n: int, seed: int):
-        self.data = torch.randint(0, VOCAB, (n, T + 1), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return self.data.size(0)
-
-    def __getitem__(self, i: int):
-        return self.data[i, :-1], self.data[i, 1:]
+def Tokens(n: int, seed: int):
+    return SyntheticTokens(n, seed, VOCAB, T)
 
 
 def _cfg(**over) -> TrainConfig:

@@ -33,16 +33,7 @@ LR = 1e-2
 CLIP = 0.05  # below every step's global norm here, so each step is clipped
 
 
-class Net(P.Net):
-    """``fsdp2_parity.Net`` whose forward skips ``norm`` while ``skip_norm`` is set."""
-
-    skip_norm = False
-
-    def forward(self, tokens):
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(h if self.skip_norm else self.norm(h))
+Net = P.SkipNormNet
 
 
 def _make(door: str, **options):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from fullshard.construct import clean_name
 from fullshard.models import ARCHS
 from fullshard.train.config import TrainConfig
-from tests.dist.common import ATOL, RTOL  # summation orders differ: fp32 rounding, as DDP parity
+from tests.dist.common import ATOL, RTOL, Tokens as SyntheticTokens  # tolerances: fp32 summation orders, as DDP parity
 from tests.dist.harness import run_ranks
 
 ARCH = "transformer_lm_gpt_mini"
@@ -117,17 +117,8 @@ INVARIANT_CASES = {"1F1B reduce_scatter": dict(pipeline_schedule="1F1B"),
 INVARIANT_ITEMS = 3 * GLOBAL + 3  # 3 updates; the incomplete 4th is dropped
 
 
-class _Tokens:
-    """Synthetic token blocks: item i is (input (T,), target (T,)) int64, as TokenBlockDataset's."""
-
-    def __init__(self, n: int, seed: int):
-        self.data = torch.randint(0, VOCAB, (n, T + 1), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return self.data.size(0)
-
-    def __getitem__(self, i: int):
-        return self.data[i, :-1], self.data[i, 1:]
+def _Tokens(n: int, seed: int):
+    return SyntheticTokens(n, seed, VOCAB, T)
 
 
 def _invariant_runs(dp: int) -> dict:

@@ -34,16 +34,7 @@ from tests.dist.harness import run_ranks
 LR = 1e-2
 
 
-class Net(P.Net):
-    """``fsdp2_parity.Net`` whose forward skips ``norm`` while ``skip_norm`` is set."""
-
-    skip_norm = False
-
-    def forward(self, tokens):
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(h if self.skip_norm else self.norm(h))
+Net = P.SkipNormNet
 
 
 def _build() -> Net:
