@@ -3,6 +3,7 @@ from here, never from each other): running the CLI, reading its json logs,
 loading a checkpoint's parameters."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -16,6 +17,22 @@ ARCH = "transformer_lm_gpt_mini"
 TRAIN_INNER_KEYS = ["epoch", "update", "loss", "ppl", "wps", "ups", "wpb", "bsz", "num_updates", "lr",
                     "gnorm", "loss_scale", "train_wall", "gb_free", "wall"]
 """Keys of a ``train_inner`` json log record, in order."""
+WORKERS = int(os.environ.get("FULLSHARD_E2E_WORKERS", "2"))
+"""CLI runs at a time where a test has independent ones (env FULLSHARD_E2E_WORKERS, default 2): a run
+spends much of its time starting and stopping processes (imports, rendezvous, exit), which leaves a core
+idle; results don't depend on timing."""
+
+
+def pool(workers: int = WORKERS) -> concurrent.futures.ThreadPoolExecutor:
+    """A thread pool that runs CLI calls (subprocesses) ``workers`` at a time."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=workers)
+
+
+def run_all(calls: dict, workers: int = WORKERS) -> dict:
+    """{name: fn()} for the thunks of ``calls``, ``workers`` at a time."""
+    with pool(workers) as p:
+        futures = {name: p.submit(fn) for name, fn in calls.items()}
+    return {name: f.result() for name, f in futures.items()}
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

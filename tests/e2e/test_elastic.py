@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from tests.e2e.common import ARCH, checkpoint_params, json_records, run_cli
+from tests.e2e.common import ARCH, checkpoint_params, json_records, run_all, run_cli
 
 SMALL = ["--arch", ARCH, "--tokens-per-sample", "16", "--batch-size", "2", "--log-interval", "1",
          "--log-format", "json", "--seed", "3", "--lr", "0.001", "--save-interval-updates", "2"]
@@ -147,9 +147,10 @@ def straight(corpus_dir, tmp_path_factory):
     """Uninterrupted --world-size-invariant runs at 4 and 2 ranks: {world: (params, records)}."""
     root = tmp_path_factory.mktemp("straight")
     out = {}
-    for world in (4, 2):
-        proc = run_cli("train", str(corpus_dir), *INVARIANT, "--nproc-per-node", str(world),
-                       "--save-dir", str(root / str(world)), timeout=300)
+    procs = run_all({world: lambda world=world: run_cli("train", str(corpus_dir), *INVARIANT, "--nproc-per-node",
+                                                        str(world), "--save-dir", str(root / str(world)), timeout=300)
+                     for world in (4, 2)})
+    for world, proc in procs.items():
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[world] = (checkpoint_params(corpus_dir, root / str(world) / "checkpoint_last")[0], _records(proc.stdout))
     assert out[4][1] == out[2][1] and len(out[4][1]) == 12  # the trainer's invariance, which this file relies on

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.e2e.common import json_records, main_in_process
+from tests.e2e.common import json_records, main_in_process, run_all
 
 ARCH = "transformer_lm_gpt_mini"
 TRAIN = ["--arch", ARCH, "--tokens-per-sample", "64", "--batch-size", "4", "--lr", "0.003", "--seed", "3",
@@ -32,8 +32,12 @@ def test_eval_lm_equals_trainer_valid_loss(cli, corpus_dir, trained):
     """The checkpoint directory at world size 2 and the consolidated file at world size 1 give the
     trainer's last logged valid loss and perplexity (same blocks and batching)."""
     ckpt, valid, st, _ = trained
-    for path, nproc in ((ckpt, "2"), (st, "1")):
-        proc = cli("eval-lm", str(corpus_dir), "--path", str(path), "--nproc-per-node", nproc, "--log-format", "json")
+    cases = ((ckpt, "2"), (st, "1"))
+    procs = run_all({path: lambda path=path, nproc=nproc: cli("eval-lm", str(corpus_dir), "--path", str(path),
+                                                               "--nproc-per-node", nproc, "--log-format", "json")
+                     for path, nproc in cases})
+    for path, _ in cases:
+        proc = procs[path]
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         got = json_records(proc.stdout)["valid"][-1]
         assert (got["valid_loss"], got["valid_ppl"]) == (valid["valid_loss"], valid["valid_ppl"]), (path, got, valid)

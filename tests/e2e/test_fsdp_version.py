@@ -1,12 +1,12 @@
 """`fullshard train --fsdp-version 1|2` as a user runs it (2 gloo ranks, fp32): the same per-update
 log records (losses and gradient norms, bit for bit) and the same checkpoints, and a checkpoint
-written under one version resumes under the other exactly where it left off. One chain of four
-short CLI runs (each costs mostly process start-up)."""
+written under one version resumes under the other exactly where it left off. Four short CLI runs,
+two at a time (each costs mostly process start-up)."""
 from __future__ import annotations
 
 import torch
 
-from tests.e2e.common import ARCH, checkpoint_params, json_records
+from tests.e2e.common import ARCH, checkpoint_params, json_records, run_all
 
 UPDATES = 4
 # --update-freq 2: the first micro-batch of each update accumulates without communication
@@ -40,8 +40,10 @@ def _assert_same_params(corpus_dir, a, b):
 
 def test_versions_give_the_same_run_and_resume_each_others_checkpoints(cli, corpus_dir, tmp_path):
     runs = {}
+    straight = run_all({version: lambda v=version: _train(cli, corpus_dir, tmp_path / f"v{v}", v,
+                                                          "--save-interval-updates", "2") for version in (1, 2)})
     for version in (1, 2):
-        out, records = _train(cli, corpus_dir, tmp_path / f"v{version}", version, "--save-interval-updates", "2")
+        out, records = straight[version]
         assert f"; fsdp-version {version})" in out
         assert [r["num_updates"] for r in records] == [str(u) for u in range(1, UPDATES + 1)]
         runs[version] = records
@@ -50,10 +52,13 @@ def test_versions_give_the_same_run_and_resume_each_others_checkpoints(cli, corp
     _assert_same_params(corpus_dir, tmp_path / "v1" / "checkpoint_last", tmp_path / "v2" / "checkpoint_last")
     # Resume the 2-update checkpoint of one version under the other: the remaining updates and the
     # final parameters (and optimizer state, through them) equal the straight run's, bit for bit.
-    for saved, resumed in ((1, 2), (2, 1)):
+    pairs = ((1, 2), (2, 1))
+    done = run_all({(saved, resumed): lambda s=saved, r=resumed: _train(
+        cli, corpus_dir, tmp_path / f"v{s}_to_v{r}", r, "--restore-file", str(tmp_path / f"v{s}" / "checkpoint_1_2"))
+        for saved, resumed in pairs})
+    for saved, resumed in pairs:
         save_dir = tmp_path / f"v{saved}_to_v{resumed}"
-        out, records = _train(cli, corpus_dir, save_dir, resumed, "--restore-file",
-                              str(tmp_path / f"v{saved}" / "checkpoint_1_2"))
+        out, records = done[saved, resumed]
         assert "epoch 1 offset 2 @ 2 updates" in out
         assert _training_fields(records) == _training_fields(runs[1])[2:]
         _assert_same_params(corpus_dir, save_dir / "checkpoint_last", tmp_path / "v1" / "checkpoint_last")

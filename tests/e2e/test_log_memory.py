@@ -8,13 +8,12 @@ checked against sizes computed from the model's parameter shapes.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import math
 
 import pytest
 
-from tests.e2e.common import ARCH, TRAIN_INNER_KEYS, json_records
+from tests.e2e.common import ARCH, TRAIN_INNER_KEYS, json_records, run_all
 
 MEM_KEYS = ["mem_sharded_mb", "mem_unsharded_mb", "mem_full_grad_mb", "mem_stashed_grad_mb", "mem_pending_rs",
             "mem_pool_in_use_mb", "mem_pool_cached_mb"]
@@ -31,9 +30,8 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def runs(cli, corpus_dir):
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        procs = dict(zip(RUNS, pool.map(lambda flags: cli("train", str(corpus_dir), *BASE, *flags),
-                                        RUNS.values())))
+    procs = run_all({name: lambda flags=flags: cli("train", str(corpus_dir), *BASE, *flags)
+                     for name, flags in RUNS.items()})
     for name, proc in procs.items():
         assert proc.returncode == 0, name + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
     return {name: proc.stdout for name, proc in procs.items()}

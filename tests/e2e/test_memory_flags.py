@@ -15,13 +15,12 @@ losses agree to the logged precision.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import math
 
 import pytest
 
-from tests.e2e.common import ARCH, json_records
+from tests.e2e.common import ARCH, json_records, main_in_process, run_all
 
 UPDATES = 6
 BASE = ["--nproc-per-node", "2", "--arch", ARCH, "--tokens-per-sample", "64", "--lr", "0.001",
@@ -44,11 +43,8 @@ OVERFLOW = "NOTE: gradient overflow detected, ignoring gradient, setting loss sc
 
 @pytest.fixture(scope="module")
 def runs(cli, corpus_dir):
-    # Two runs at a time: a run spends most of its ~20 s starting ranks (imports,
-    # rendezvous), leaving the second core idle. Losses don't depend on timing.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        procs = dict(zip(RUNS, pool.map(lambda flags: cli("train", str(corpus_dir), *BASE, *flags),
-                                        RUNS.values())))
+    procs = run_all({name: lambda flags=flags: cli("train", str(corpus_dir), *BASE, *flags)
+                     for name, flags in RUNS.items()})
     out = {}
     for name, proc in procs.items():
         assert proc.returncode == 0, name + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -108,15 +104,22 @@ def test_bf16_close_to_fp32(runs):
         assert abs(a - b) < 0.1, (_losses(runs["bf16"]), _losses(runs["ref"]))
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--ddp-backend", "c10d", "--cpu-offload"], "--cpu-offload needs --ddp-backend fully_sharded"),
-    (["--fp16", "--bf16"], "--fp16 and --bf16 are mutually exclusive"),
-    (["--fp16", "--fp16-scale-window", "0"], "--fp16-scale-window must be >= 1"),
+@pytest.mark.parametrize("argv, expected, subprocess", [
+    (["--ddp-backend", "c10d", "--cpu-offload"], "--cpu-offload needs --ddp-backend fully_sharded", True),
+    (["--fp16", "--bf16"], "--fp16 and --bf16 are mutually exclusive", False),
+    (["--fp16", "--fp16-scale-window", "0"], "--fp16-scale-window must be >= 1", False),
 ])
-def test_bad_memory_flags_exit_2(cli, corpus_dir, tmp_path, argv, expected):
-    proc = cli("train", str(corpus_dir), "--arch", ARCH, "--tokens-per-sample", "64", "--batch-size", "4",
-               "--nproc-per-node", "2", "--save-dir", str(tmp_path / "ckpt"), *argv)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
+def test_bad_memory_flags_exit_2(cli, capsys, corpus_dir, tmp_path, argv, expected, subprocess):
+    """Checked before any rank starts: the first case through the command (its exit code), the others
+    in this process."""
+    argv = ["train", str(corpus_dir), "--arch", ARCH, "--tokens-per-sample", "64", "--batch-size", "4",
+            "--nproc-per-node", "2", "--save-dir", str(tmp_path / "ckpt"), *argv]
+    if subprocess:
+        proc = cli(*argv)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+    else:
+        code, out, err = main_in_process(capsys, *argv)
+    assert code == 2, err
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fullshard train: error: ") and expected in lines[0], lines
-    assert proc.stdout == "" and not (tmp_path / "ckpt").exists()
+    assert out == "" and not (tmp_path / "ckpt").exists()

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from tests.e2e.common import json_records, run_cli
+from tests.e2e.common import json_records, pool, run_cli
 
 ARGS = ["--arch", "transformer_lm_gpt_mini", "--tokens-per-sample", "64", "--batch-size", "2",
         "--log-interval", "1", "--log-format", "json", "--seed", "3", "--lr", "0.001", "--max-update", "3",
@@ -29,6 +29,9 @@ def _losses(stdout: str) -> list:
 def test_two_nodes_hybrid_shard_match_single_node_full_shard(corpus_dir):
     endpoint = f"127.0.0.1:{_free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    background = pool(1)  # the single-node run, meanwhile
+    single = background.submit(run_cli, "train", str(corpus_dir), *ARGS, "--nproc-per-node", "4", timeout=300)
+    background.shutdown(wait=False)
     nodes = [subprocess.Popen([sys.executable, "-m", "fullshard.cli", "train", str(corpus_dir), *ARGS,
                                "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", str(n),
                                "--rdzv-endpoint", endpoint, "--rdzv-timeout", "120", "--hybrid-shard"],
@@ -39,7 +42,7 @@ def test_two_nodes_hybrid_shard_match_single_node_full_shard(corpus_dir):
         assert p.returncode == 0, err[-3000:]
     assert "training on 4 devices (CPUs)" in outs[0][0]
     assert "HYBRID_SHARD: shard within 2 ranks, replicate across nodes" in outs[0][0]
-    single = run_cli("train", str(corpus_dir), *ARGS, "--nproc-per-node", "4", timeout=300)
+    single = single.result()
     assert single.returncode == 0, single.stderr[-3000:]
     assert _losses(outs[0][0]) == _losses(single.stdout) and len(_losses(single.stdout)) == 3
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.e2e.common import checkpoint_params, json_records
+from tests.e2e.common import checkpoint_params, json_records, run_all
 
 ARCH = "transformer_lm_gpt_mini"
 # No --clip-norm: DDP's norm and the sharded one differ in the last bit, and Muon's Newton-Schulz
@@ -40,9 +40,20 @@ def test_fully_sharded_gives_c10d_run_for_each_optimizer(cli, corpus_dir, tmp_pa
     logged losses, and parameters bitwise equal for Muon, within fp32 reduction order for Adafactor and
     LAMB; both headers name the optimizer. An Adafactor run resumed after 2 updates ends bit for bit as
     the straight one (its row factors, column factors and step come back)."""
+    half = tmp_path / "adafactor" / "half"
+
+    def half_then_resume():  # 2 updates, save, resume, 1 == 3 straight (row and column factors)
+        _train(cli, corpus_dir, half, "adafactor", updates=2)
+        return _train(cli, corpus_dir, half, "adafactor")
+
+    calls = {"half": half_then_resume}  # first: the longest chain
     for optimizer in FLAGS:
-        out, sharded = _train(cli, corpus_dir, tmp_path / optimizer / "fs", optimizer)
-        out_ddp, ddp = _train(cli, corpus_dir, tmp_path / optimizer / "ddp", optimizer, "--ddp-backend", "c10d")
+        calls[optimizer, "fs"] = lambda o=optimizer: _train(cli, corpus_dir, tmp_path / o / "fs", o)
+        calls[optimizer, "ddp"] = lambda o=optimizer: _train(cli, corpus_dir, tmp_path / o / "ddp", o,
+                                                             "--ddp-backend", "c10d")
+    done = run_all(calls)
+    for optimizer in FLAGS:
+        (out, sharded), (out_ddp, ddp) = done[optimizer, "fs"], done[optimizer, "ddp"]
         assert HEADERS[optimizer] in out and HEADERS[optimizer] in out_ddp, out[:3000]
         assert [n for n, _ in sharded] == [n for n, _ in ddp] == ["1", "2", "3"]
         for (_, a), (_, b) in zip(sharded, ddp):
@@ -52,10 +63,8 @@ def test_fully_sharded_gives_c10d_run_for_each_optimizer(cli, corpus_dir, tmp_pa
         assert extra["args"]["optimizer"] == optimizer
         diff = max((a[k] - b[k]).abs().max().item() for k in a)
         assert diff <= TOLERANCE[optimizer], (optimizer, diff)
-        if optimizer == "adafactor":  # 2 updates, save, resume, 1 == 3 straight (row and column factors)
-            half = tmp_path / optimizer / "half"
-            _train(cli, corpus_dir, half, optimizer, updates=2)
-            _, resumed = _train(cli, corpus_dir, half, optimizer)
+        if optimizer == "adafactor":
+            _, resumed = done["half"]
             assert resumed == sharded[2:]
             c, _ = checkpoint_params(corpus_dir, half / "checkpoint_last")
             assert all(torch.equal(a[k], c[k]) for k in a)
@@ -66,18 +75,23 @@ def test_muon_resumes_exactly_and_on_another_world_size(cli, corpus_dir, tmp_pat
     parameters and the same logged losses: the owners' momentum and the AdamW moments come back, and
     fully_shard's row-split matrices, each orthogonalized whole on every rank, step as their owner did);
     the 2-rank checkpoint resumes on 1 rank, where every matrix is whole on the only rank."""
-    _, straight = _train(cli, corpus_dir, tmp_path / "a", "muon", updates=4)
     half = tmp_path / "b"
-    _train(cli, corpus_dir, half, "muon", "--save-interval-updates", "2", updates=2)
-    out, resumed = _train(cli, corpus_dir, half, "muon", "--fsdp-version", "2", updates=4)
+    first = run_all({"straight": lambda: _train(cli, corpus_dir, tmp_path / "a", "muon", updates=4),
+                     "half": lambda: _train(cli, corpus_dir, half, "muon", "--save-interval-updates", "2",
+                                            updates=2)})
+    _, straight = first["straight"]
+    # Both start from checkpoint_1_2, which the resumed run (no interval saves) leaves alone.
+    second = run_all({"resumed": lambda: _train(cli, corpus_dir, half, "muon", "--fsdp-version", "2", updates=4),
+                      "one": lambda: _train(cli, corpus_dir, tmp_path / "c", "muon", "--restore-file",
+                                            str(half / "checkpoint_1_2"), nproc=1, updates=4)})
+    out, resumed = second["resumed"]
     assert "epoch 1 offset 2 @ 2 updates" in out and "fsdp-version 2" in out
     assert resumed == straight[2:]
     a, _ = checkpoint_params(corpus_dir, tmp_path / "a" / "checkpoint_last")
     b, _ = checkpoint_params(corpus_dir, half / "checkpoint_last")
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    out, one = _train(cli, corpus_dir, tmp_path / "c", "muon", "--restore-file", str(half / "checkpoint_1_2"),
-                      nproc=1, updates=4)
+    out, one = second["one"]
     assert "saved by 2 ranks" in out and [n for n, _ in one] == ["3", "4"]
     # It starts from the saved weights, not from a fresh model (whose loss is the first update's).
     assert one[0][1] < straight[0][1] - 0.1, (one, straight)

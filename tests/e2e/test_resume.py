@@ -1,12 +1,12 @@
 """Trainer checkpoints: exact resume (bit-identical parameters), interval
 saves with --keep-interval-updates, resume at another --nproc-per-node,
-c10d <-> fully_sharded, --finetune-from-model, --reset-* flags; one chain of
-7 short CLI runs (each run costs mostly process start-up)."""
+c10d <-> fully_sharded, --finetune-from-model, --reset-* flags; 7 short CLI runs, two at a
+time where one doesn't need another's checkpoint (each run costs mostly process start-up)."""
 from __future__ import annotations
 
 import torch
 
-from tests.e2e.common import checkpoint_params, json_records
+from tests.e2e.common import checkpoint_params, json_records, pool
 
 ARCH = "transformer_lm_gpt_mini"
 COMMON = ["--arch", ARCH, "--tokens-per-sample", "64", "--lr", "0.001", "--lr-scheduler", "polynomial_decay",
@@ -30,11 +30,29 @@ def test_exact_resume_interval_keep_reshard_c10d_and_resets(cli, corpus_dir, tmp
     same logged losses); interval checkpoints pruned to the last one; resuming at 1 rank continues at
     the same sample position; a fully_sharded checkpoint fine-tunes a c10d run, whose checkpoint
     resumes under fully_sharded (same names, both directions); --reset-* restart the counter."""
-    _, straight = _train(cli, corpus_dir, tmp_path / "a", updates=4)
-    half = tmp_path / "b"
-    _train(cli, corpus_dir, half, "--save-interval-updates", "1", "--keep-interval-updates", "1", updates=2)
-    assert sorted(p.name for p in half.iterdir()) == ["checkpoint_1_2", "checkpoint_last"]
-    out, resumed = _train(cli, corpus_dir, half, updates=4)
+    half, ddp = tmp_path / "b", tmp_path / "ddp"
+
+    def ddp_chain():
+        # fully_sharded -> c10d (weights only), then c10d -> fully_sharded (full resume), then --reset-*.
+        return [_train(cli, corpus_dir, ddp, "--ddp-backend", "c10d", "--finetune-from-model",
+                       str(half / "checkpoint_1_2"), updates=2),
+                _train(cli, corpus_dir, ddp, updates=4),
+                _train(cli, corpus_dir, ddp, "--reset-optimizer", "--reset-lr-scheduler", "--reset-dataloader",
+                       updates=1)]
+
+    with pool() as runs:
+        straight = runs.submit(_train, cli, corpus_dir, tmp_path / "a", updates=4)
+        runs.submit(_train, cli, corpus_dir, half, "--save-interval-updates", "1", "--keep-interval-updates", "1",
+                    updates=2).result()
+        assert sorted(p.name for p in half.iterdir()) == ["checkpoint_1_2", "checkpoint_last"]
+        # The runs below read checkpoint_1_2, which the resumed run (no interval saves) leaves alone.
+        chain = runs.submit(ddp_chain)  # first: the longest
+        resume = runs.submit(_train, cli, corpus_dir, half, updates=4)
+        # Resume the 2-update checkpoint on 1 rank (resharded), same data position (16 samples = 4 updates of 4).
+        one = runs.submit(_train, cli, corpus_dir, tmp_path / "c", "--restore-file", str(half / "checkpoint_1_2"),
+                          nproc=1, updates=4)
+    _, straight = straight.result()
+    out, resumed = resume.result()
     assert "loaded checkpoint" in out and "epoch 1 offset 2 @ 2 updates" in out
     assert _losses(resumed) == _losses(straight)[2:]
     a, extra = checkpoint_params(corpus_dir, tmp_path / "a" / "checkpoint_last")
@@ -42,18 +60,10 @@ def test_exact_resume_interval_keep_reshard_c10d_and_resets(cli, corpus_dir, tmp
     assert extra["train_state"]["num_updates"] == 4 and extra["world_size"] == 2
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    # Resume the 2-update checkpoint on 1 rank (resharded), same data position (16 samples = 4 updates of 4).
-    out, one = _train(cli, corpus_dir, tmp_path / "c", "--restore-file", str(half / "checkpoint_1_2"), nproc=1,
-                      updates=4)
+    out, one = one.result()
     assert "saved by 2 ranks" in out and "offset 4 @ 2 updates" in out
     assert [r["num_updates"] for r in one["train_inner"]] == ["3", "4"]
-    # fully_sharded -> c10d (weights only), then c10d -> fully_sharded (full resume), then --reset-*.
-    ddp = tmp_path / "ddp"
-    out, rec = _train(cli, corpus_dir, ddp, "--ddp-backend", "c10d", "--finetune-from-model",
-                      str(half / "checkpoint_1_2"), updates=2)
+    (out, rec), (out2, rec2), (_, rec3) = chain.result()
     assert "for fine-tuning" in out and [r["num_updates"] for r in rec["train_inner"]] == ["1", "2"]
-    out, rec = _train(cli, corpus_dir, ddp, updates=4)
-    assert "@ 2 updates" in out and [r["num_updates"] for r in rec["train_inner"]] == ["3", "4"]
-    out, rec = _train(cli, corpus_dir, ddp, "--reset-optimizer", "--reset-lr-scheduler", "--reset-dataloader",
-                      updates=1)
-    assert [r["num_updates"] for r in rec["train_inner"]] == ["1"]
+    assert "@ 2 updates" in out2 and [r["num_updates"] for r in rec2["train_inner"]] == ["3", "4"]
+    assert [r["num_updates"] for r in rec3["train_inner"]] == ["1"]

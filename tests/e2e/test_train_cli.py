@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.e2e.common import ARCH, TRAIN_INNER_KEYS, json_records
+from tests.e2e.common import ARCH, TRAIN_INNER_KEYS, json_records, main_in_process, run_all
 
 UPDATES = 20
 COMMON = ["--nproc-per-node", "2", "--arch", ARCH, "--tokens-per-sample", "64", "--lr", "0.001",
@@ -38,15 +38,21 @@ def _vocab(runs) -> int:
 
 @pytest.fixture(scope="module")
 def runs(cli, corpus_dir, tmp_path_factory):
-    """The same 20-update run on fully_sharded and on c10d (json logs, checkpoints)."""
+    """The same 20-update run on fully_sharded and on c10d (json logs, checkpoints), and
+    ``update_freq``: fully_sharded at --batch-size 2 --update-freq 2 (simple log, --no-save)."""
     out = {"corpus": corpus_dir}
-    for backend in ("fully_sharded", "c10d"):
-        root = tmp_path_factory.mktemp(backend)
-        proc = cli("train", str(corpus_dir), *COMMON, "--ddp-backend", backend, "--batch-size", "4",
-                       "--log-format", "json", "--log-file", str(root / "train.log"),
-                       "--save-dir", str(root / "ckpt"))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        out[backend] = dict(proc=proc, root=root, records=json_records(proc.stdout))
+    roots = {name: tmp_path_factory.mktemp(name) for name in ("fully_sharded", "c10d", "update_freq")}
+    calls = {backend: lambda backend=backend: cli(
+        "train", str(corpus_dir), *COMMON, "--ddp-backend", backend, "--batch-size", "4", "--log-format", "json",
+        "--log-file", str(roots[backend] / "train.log"), "--save-dir", str(roots[backend] / "ckpt"))
+        for backend in ("fully_sharded", "c10d")}
+    calls["update_freq"] = lambda: cli("train", str(corpus_dir), *COMMON, "--ddp-backend", "fully_sharded",
+                                       "--batch-size", "2", "--update-freq", "2", "--log-format", "simple",
+                                       "--no-save", "--save-dir", str(roots["update_freq"] / "ckpt"))
+    for name, proc in run_all(calls).items():
+        assert proc.returncode == 0, name + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+        out[name] = dict(proc=proc, root=roots[name],
+                         records=json_records(proc.stdout) if name != "update_freq" else None)
     return out
 
 
@@ -108,12 +114,9 @@ def test_fully_sharded_matches_c10d(runs):
     assert leftovers == []
 
 
-def test_update_freq_equals_larger_batch(cli, corpus_dir, runs, tmp_path):
+def test_update_freq_equals_larger_batch(runs):
     """--batch-size 2 --update-freq 2 takes the same 8 sequences per update as --batch-size 4."""
-    save_dir = tmp_path / "ckpt"
-    proc = cli("train", str(corpus_dir), *COMMON, "--ddp-backend", "fully_sharded", "--batch-size", "2",
-                   "--update-freq", "2", "--log-format", "simple", "--no-save", "--save-dir", str(save_dir))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    save_dir, proc = runs["update_freq"]["root"] / "ckpt", runs["update_freq"]["proc"]
     assert "epoch 001:      1 / 27 loss=" in proc.stdout
     assert "wpb=512, bsz=8" in proc.stdout
     losses = simple_losses(proc.stdout)
@@ -134,7 +137,9 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_is_one_line_exit_2_nothing_written(cli, corpus_dir, tmp_path, case):
+def test_bad_input_is_one_line_exit_2_nothing_written(cli, capsys, corpus_dir, tmp_path, case):
+    """Checked before any rank starts: the first case through the command (its exit code), the others
+    in this process."""
     argv, expected = BAD_INPUTS[case]
     (tmp_path / "empty").mkdir()
     paths = dict(missing=str(tmp_path / "nope"), empty=str(tmp_path / "empty"), data=str(corpus_dir))
@@ -145,13 +150,18 @@ def test_bad_input_is_one_line_exit_2_nothing_written(cli, corpus_dir, tmp_path,
         if flag not in argv:
             argv += [flag, value]
     save_dir, log_file = tmp_path / "ckpt", tmp_path / "train.log"
-    proc = cli("train", *argv, "--nproc-per-node", "2", "--save-dir", str(save_dir), "--log-file", str(log_file))
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
+    argv = ["train", *argv, "--nproc-per-node", "2", "--save-dir", str(save_dir), "--log-file", str(log_file)]
+    if case == next(iter(BAD_INPUTS)):
+        proc = cli(*argv)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+    else:
+        code, out, err = main_in_process(capsys, *argv)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert lines[0].startswith("fullshard train: error: ") and expected in lines[0], lines[0]
     assert not save_dir.exists() and not log_file.exists()
-    assert proc.stdout == ""
+    assert out == ""
 
 
 def test_rank_failure_surfaces_error(corpus_dir):

@@ -3,7 +3,7 @@ clipping: 1, 2 and 4 ranks log the same train_inner losses and gradient norms an
 parameter bytes, and a run saved at 2 ranks and resumed at 4 ends where a straight run ends."""
 from __future__ import annotations
 
-from tests.e2e.common import ARCH, checkpoint_params, json_records
+from tests.e2e.common import ARCH, checkpoint_params, json_records, run_all
 
 UPDATES = 4
 COMMON = ["--arch", ARCH, "--tokens-per-sample", "32", "--batch-size", "2", "--global-batch-size", "8",
@@ -24,7 +24,15 @@ def _lines(proc) -> list:
 
 
 def test_world_size_invariant_cli_runs_are_bitwise_the_same(cli, corpus_dir, tmp_path):
-    straight = {n: _train(cli, corpus_dir, tmp_path / f"w{n}", n, UPDATES) for n in (1, 2, 4)}
+    resumed = tmp_path / "resumed"
+
+    def saved_at_2_resumed_at_4():
+        return _train(cli, corpus_dir, resumed, 2, 2), _train(cli, corpus_dir, resumed, 4, UPDATES)
+
+    calls = {"resumed": saved_at_2_resumed_at_4}  # first: the longest chain
+    calls.update({n: lambda n=n: _train(cli, corpus_dir, tmp_path / f"w{n}", n, UPDATES) for n in (4, 2, 1)})
+    done = run_all(calls)
+    straight = {n: done[n] for n in (1, 2, 4)}
     for n, proc in straight.items():
         header = f"world-size invariant: global batch 8 = 2 sequences x {8 // (2 * n)} micro-batches x {n} ranks"
         assert header in proc.stdout, proc.stdout
@@ -37,9 +45,7 @@ def test_world_size_invariant_cli_runs_are_bitwise_the_same(cli, corpus_dir, tmp
     assert valid[2] == valid[1] and valid[4] == valid[1], valid
 
     # Saved at 2 ranks after 2 updates, resumed at 4 ranks: the same 4 updates.
-    resumed = tmp_path / "resumed"
-    first = _train(cli, corpus_dir, resumed, 2, 2)
-    second = _train(cli, corpus_dir, resumed, 4, UPDATES)
+    first, second = done["resumed"]
     assert _lines(first) + _lines(second) == lines[1]
 
     params = {n: checkpoint_params(corpus_dir, tmp_path / f"w{n}" / "checkpoint_last")[0] for n in (1, 2, 4)}
