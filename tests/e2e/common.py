@@ -54,6 +54,15 @@ def main_in_process(capsys, *argv):
     return code, out.out, out.err
 
 
+def run_cli_checked(capsys, argv, through_command: bool, timeout: float = 300) -> tuple:
+    """(exit code, stdout, stderr) of `fullshard ARGV`: through the command in a subprocess (its real
+    exit code), or in this process for a check made before any rank starts."""
+    if through_command:
+        proc = run_cli(*argv, timeout=timeout)
+        return proc.returncode, proc.stdout, proc.stderr
+    return main_in_process(capsys, *argv)
+
+
 def json_records(text: str) -> dict:
     """{'train_inner': [...], 'valid': [...], 'train': [...]} from a json-format log."""
     out = {"train_inner": [], "valid": [], "train": []}

@@ -10,7 +10,7 @@ import pytest
 
 from fullshard.bench import suite
 from fullshard.train import plan as PL
-from tests.e2e.common import main_in_process
+from tests.e2e.common import run_cli_checked
 
 MODES = "full,full_invariant,ddp,fsdp2"
 UPDATE_FREQ = 2
@@ -100,16 +100,12 @@ def test_plan_agrees_with_measured_model_state(bench_run):
     (["--modes", "full,bogus"], "unknown mode bogus", True),
     (["--world-size", "0"], "--world-size must be >= 1", False),
 ])
-def test_bad_input_exits_2_and_writes_nothing(cli, capsys, tmp_path, argv, message, subprocess):
+def test_bad_input_exits_2_and_writes_nothing(capsys, tmp_path, argv, message, subprocess):
     """Checked before any rank starts: the first case through the command (its exit code), the other
     in this process."""
     out = tmp_path / "never"
     argv = ["bench", *argv, "--out-dir", str(out)]
-    if subprocess:
-        proc = cli(*argv, timeout=120)
-        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    else:
-        code, stdout, stderr = main_in_process(capsys, *argv)
+    code, stdout, stderr = run_cli_checked(capsys, argv, subprocess, timeout=120)
     assert code == 2
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fullshard bench: error: ") and message in lines[0], stderr

@@ -20,7 +20,7 @@ import math
 
 import pytest
 
-from tests.e2e.common import ARCH, json_records, main_in_process, run_all
+from tests.e2e.common import ARCH, json_records, run_all, run_cli_checked
 
 UPDATES = 6
 BASE = ["--nproc-per-node", "2", "--arch", ARCH, "--tokens-per-sample", "64", "--lr", "0.001",
@@ -109,16 +109,12 @@ def test_bf16_close_to_fp32(runs):
     (["--fp16", "--bf16"], "--fp16 and --bf16 are mutually exclusive", False),
     (["--fp16", "--fp16-scale-window", "0"], "--fp16-scale-window must be >= 1", False),
 ])
-def test_bad_memory_flags_exit_2(cli, capsys, corpus_dir, tmp_path, argv, expected, subprocess):
+def test_bad_memory_flags_exit_2(capsys, corpus_dir, tmp_path, argv, expected, subprocess):
     """Checked before any rank starts: the first case through the command (its exit code), the others
     in this process."""
     argv = ["train", str(corpus_dir), "--arch", ARCH, "--tokens-per-sample", "64", "--batch-size", "4",
             "--nproc-per-node", "2", "--save-dir", str(tmp_path / "ckpt"), *argv]
-    if subprocess:
-        proc = cli(*argv)
-        code, out, err = proc.returncode, proc.stdout, proc.stderr
-    else:
-        code, out, err = main_in_process(capsys, *argv)
+    code, out, err = run_cli_checked(capsys, argv, subprocess)
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fullshard train: error: ") and expected in lines[0], lines

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.e2e.common import ARCH, TRAIN_INNER_KEYS, json_records, main_in_process, run_all
+from tests.e2e.common import ARCH, TRAIN_INNER_KEYS, json_records, run_all, run_cli_checked
 
 UPDATES = 20
 COMMON = ["--nproc-per-node", "2", "--arch", ARCH, "--tokens-per-sample", "64", "--lr", "0.001",
@@ -137,7 +137,7 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_is_one_line_exit_2_nothing_written(cli, capsys, corpus_dir, tmp_path, case):
+def test_bad_input_is_one_line_exit_2_nothing_written(capsys, corpus_dir, tmp_path, case):
     """Checked before any rank starts: the first case through the command (its exit code), the others
     in this process."""
     argv, expected = BAD_INPUTS[case]
@@ -151,11 +151,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(cli, capsys, corpus_dir, t
             argv += [flag, value]
     save_dir, log_file = tmp_path / "ckpt", tmp_path / "train.log"
     argv = ["train", *argv, "--nproc-per-node", "2", "--save-dir", str(save_dir), "--log-file", str(log_file)]
-    if case == next(iter(BAD_INPUTS)):
-        proc = cli(*argv)
-        code, out, err = proc.returncode, proc.stdout, proc.stderr
-    else:
-        code, out, err = main_in_process(capsys, *argv)
+    code, out, err = run_cli_checked(capsys, argv, case == next(iter(BAD_INPUTS)))
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
