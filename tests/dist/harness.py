@@ -10,7 +10,9 @@ imported torch and fullshard, so each test still gets fresh processes (no state
 leaks from one test into the next) without paying the ~5 s of interpreter start
 and imports per rank that spawn costs on a 2-core machine. A rank sees the
 caller's environment and working directory as of the call, as it would under
-spawn. ``FULLSHARD_TEST_START=spawn`` restores plain spawn. A child's exception is raised
+spawn, except that glibc reads ``MALLOC_*_`` variables only at process start:
+the rank applies the ones in ``_MALLOPT`` itself with ``mallopt(3)``.
+``FULLSHARD_TEST_START=spawn`` restores plain spawn. A child's exception is raised
 in the parent as ``RankFailure`` carrying the rank and the child's traceback;
 a hang is killed after ``timeout_s`` and reported, never waited on forever.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import ctypes
 import tempfile
 import time
 import traceback
@@ -32,6 +35,9 @@ class RankFailure(AssertionError):
 _PRELOAD = ["torch", "torch.distributed", "fullshard", "tests.dist.harness", "tests.dist.common",
             "tests.dist.models"]
 _CONTEXT = None
+# glibc's tunables read from the environment at process start, and their mallopt(3)
+# parameter numbers (malloc.h: M_TRIM_THRESHOLD -1, M_TOP_PAD -2, M_MMAP_THRESHOLD -3).
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3}
 
 
 def _context():
@@ -44,12 +50,24 @@ def _context():
     return _CONTEXT
 
 
+def _apply_malloc_env(env):
+    """Set the caller's ``MALLOC_*_`` tunables in a forked rank, where glibc never reads them."""
+    wanted = {param: int(env[name]) for name, param in _MALLOPT.items() if name in env}
+    if not wanted:
+        return
+    mallopt = ctypes.CDLL(None).mallopt
+    for param, value in wanted.items():
+        if mallopt(param, value) != 1:
+            raise RuntimeError(f"mallopt({param}, {value}) failed; run with FULLSHARD_TEST_START=spawn")
+
+
 def _worker(rank, world_size, init_file, backend, fn, args, results, env, cwd):
     # The forkserver was started with the environment of the first call; give the
     # rank the caller's, as spawn would.
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    _apply_malloc_env(env)
     import torch
     import torch.distributed as dist
 
