@@ -9,7 +9,10 @@ pipelining (no weight staleness).
   2-rank group loads what the 4-rank group saved) and gives the uninterrupted run's parameters;
 - --hybrid-shard: pp=2 x replicate 2 x shard 1 equals one process (the norm counts replicas once);
 - --world-size-invariant: pp=2 x dp=2 and pp=2 x dp=1 give bitwise the same losses, gradient norms,
-  validation loss and parameters (dropout, --update-freq > 1, both accumulation modes).
+  validation loss and parameters (dropout, --update-freq > 1, both accumulation modes);
+- the trainer's other flags at pp=2 x dp=2 equal the same flags without pipelining: --bf16, --fp16 (an
+  overflow on one rank of the first stage skips the update on every stage), --checkpoint-activations
+  and --cpu-offload (FLAG_CASES).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from fullshard.construct import clean_name
 from fullshard.models import ARCHS
 from fullshard.train.config import TrainConfig
-from tests.dist.common import ATOL, RTOL, Tokens as SyntheticTokens  # tolerances: fp32 summation orders, as DDP parity
+from tests.dist.common import ATOL, BF16_RTOL, RTOL, Tokens as SyntheticTokens  # as DDP parity (fp32, bf16)
 from tests.dist.harness import run_ranks
 
 ARCH = "transformer_lm_gpt_mini"
@@ -151,9 +154,70 @@ def _invariant_runs(dp: int) -> dict:
     return out
 
 
+# The trainer's other flags at pp=2 x dp=2: name -> (pipeline flags, the flags of the same run at
+# pp=1 x dp=4; None: one process in fp32 is the reference). --fp16 starts at a scale that does not
+# overflow; the test makes rank 0's gradient shard inf in update 2 (POISONED).
+_PIPE = dict(pipeline_parallel_size=2, pipeline_microbatches=2)
+FLAG_CASES = {
+    "bf16 Interleaved1F1B reduce_scatter": (dict(bf16=True, pipeline_schedule="Interleaved1F1B",
+                                                 pipeline_stages_per_rank=2, **_PIPE), dict(bf16=True)),
+    "fp16 1F1B unsharded": (dict(fp16=True, pipeline_schedule="1F1B", pipeline_grad_accumulation="unsharded",
+                                 **_PIPE), dict(fp16=True)),
+    "fp16 --fsdp-version 1 GPipe reduce_scatter": (dict(fp16=True, fsdp_version=1, pipeline_schedule="GPipe", **_PIPE),
+                                                   dict(fp16=True, fsdp_version=1)),
+    "checkpoint_activations Interleaved1F1B unsharded": (dict(
+        checkpoint_activations=True, pipeline_schedule="Interleaved1F1B", pipeline_stages_per_rank=2,
+        pipeline_grad_accumulation="unsharded", **_PIPE), None),
+    "cpu_offload GPipe unsharded": (dict(cpu_offload=True, pipeline_schedule="GPipe",
+                                         pipeline_grad_accumulation="unsharded", **_PIPE), None),
+    "--fsdp-version 1 cpu_offload checkpoint_activations 1F1B": (dict(
+        fsdp_version=1, cpu_offload=True, checkpoint_activations=True, pipeline_schedule="1F1B", **_PIPE), None),
+}
+FP16_INIT_SCALE = 2.0 ** 14
+FP16_RTOL = 1e-3  # fp16 rounding (unit roundoff 4.9e-4) differs with the batch split
+POISONED = 2  # the update whose gradient rank 0 makes inf under --fp16
+
+
+def _poison_rank0(trainer, rank: int) -> None:
+    """Under --fp16, make one element of rank 0's first non-empty local gradient shard inf just before
+    the scaler's check in the POISONED-th update: only rank 0 (first stage) sees it."""
+    calls, unscale_ = [0], trainer.scaler.unscale_
+
+    def poisoned(optimizer):
+        calls[0] += 1
+        if rank == 0 and calls[0] == POISONED:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            local = next(g for g in (g.to_local() if hasattr(g, "to_local") else g for g in grads) if g.numel())
+            local.view(-1)[0] = float("inf")
+        return unscale_(optimizer)
+
+    trainer.scaler.unscale_ = poisoned
+
+
+def _flag_runs(rank, world) -> dict:
+    """FLAG_CASES: each pipelined run and its reference without pipelining (when not one process):
+    per-update (loss, norm), overflow flags, the final loss scale and update count, the parameters."""
+    from fullshard.train.trainer import Trainer
+
+    def run(cfg):
+        trainer = Trainer(cfg, torch.device("cpu"))
+        if cfg.fp16:
+            _poison_rank0(trainer, rank)
+        _, history = _train(cfg, rank, world, UPDATES, trainer=trainer)
+        return dict(history=history, overflow=[h[1] == float("inf") for h in history],
+                    params=_full_params(trainer.model), scale=trainer.scaler.get_scale(), updates=trainer.num_updates)
+
+    out = {}
+    for name, (piped, plain) in FLAG_CASES.items():
+        out[name] = dict(pp=run(_cfg(2, fp16_init_scale=FP16_INIT_SCALE, **piped)),
+                         plain=None if plain is None else run(_cfg(4, fp16_init_scale=FP16_INIT_SCALE, **plain)))
+    return out
+
+
 def _pipelined_cases(rank, world, tmp):
-    """pp=2 x dp=2: every schedule and mode; then the resume at pp=1 x dp=4; the invariant runs."""
-    out = {"invariant": _invariant_runs(2)}
+    """pp=2 x dp=2: every schedule and mode; then the resume at pp=1 x dp=4; the invariant runs; the
+    trainer's other flags."""
+    out = {"invariant": _invariant_runs(2), "flags": _flag_runs(rank, world)}
     for schedule, v in SCHEDULES:
         for mode in MODES:
             cfg = _cfg(2, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_stages_per_rank=v,
@@ -211,16 +275,16 @@ def _merge(per_rank: list, key) -> dict:
     return merged
 
 
-def _assert_close(got_history, got_params, want, where):
+def _assert_close(got_history, got_params, want, where, rtol=RTOL, atol=ATOL):
     want_params = dict(want["params"])  # named_parameters() of a tied model: the tie under its first name
     want_params.setdefault("output_projection.weight", want_params["embed_tokens.weight"])
     got_params = dict(got_params)
     got_params.setdefault("output_projection.weight", got_params["embed_tokens.weight"])
-    np.testing.assert_allclose(np.array(got_history), np.array(want["history"]), rtol=RTOL, atol=ATOL,
+    np.testing.assert_allclose(np.array(got_history), np.array(want["history"]), rtol=rtol, atol=atol,
                                err_msg=f"{where}: losses / gradient norms")
     assert sorted(got_params) == sorted(want_params), where
     for name, value in want_params.items():
-        np.testing.assert_allclose(got_params[name], value, rtol=RTOL, atol=ATOL, err_msg=f"{where}: {name}")
+        np.testing.assert_allclose(got_params[name], value, rtol=rtol, atol=atol, err_msg=f"{where}: {name}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -264,6 +328,33 @@ def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
         key = ("hybrid", schedule, mode)
         _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want,
                       f"pp=2 x replicate 2 x shard 1 (--hybrid-shard) {schedule} {mode}")
+
+
+def test_precision_checkpointing_and_offload_under_pipelining_equal_the_run_without_it():
+    per_rank = _spawned(4)
+    for name, (piped, plain) in FLAG_CASES.items():
+        runs = [out["flags"][name] for out in per_rank]
+        got = runs[0]["pp"]
+        if plain is None:  # fp32: one process on the same global batch
+            _assert_close(got["history"], _merge([{name: r["pp"]} for r in runs], name), per_rank[0]["reference"],
+                          f"pp=2 x dp=2 {name}")
+            continue
+        want = runs[0]["plain"]
+        if piped.get("bf16"):  # bf16 rounding differs with the batch split: losses and norms only
+            np.testing.assert_allclose(np.array(got["history"]), np.array(want["history"]), rtol=BF16_RTOL, atol=1e-3,
+                                       err_msg=f"pp=2 x dp=2 {name} vs dp=4: losses / gradient norms")
+            continue
+        # fp16: every rank of both runs skipped the poisoned update (one decision over all stages),
+        # halved the scale once, and trained the same; without the world's decision the stages that
+        # did not see the inf would have stepped.
+        for r, run in enumerate(runs):
+            for label in ("pp", "plain"):
+                skipped = [u + 1 for u, o in enumerate(run[label]["overflow"]) if o]
+                assert skipped == [POISONED], f"{name} {label} rank {r}: skipped updates {skipped}"
+                assert run[label]["updates"] == UPDATES - 1 and run[label]["scale"] == FP16_INIT_SCALE / 2, \
+                    (name, label, r, run[label]["updates"], run[label]["scale"])
+        _assert_close(got["history"], _merge([{name: r["pp"]} for r in runs], name), want,
+                      f"pp=2 x dp=2 {name} vs dp=4", rtol=FP16_RTOL, atol=FP16_RTOL)
 
 
 def _pp2_dp1_cases(rank, world, saved):
