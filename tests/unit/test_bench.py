@@ -269,7 +269,8 @@ def test_bad_input_fails(argv, message):
 def test_presets_and_overrides(monkeypatch):
     monkeypatch.setattr(suite, "deepspeed_available", lambda: False)
     plan = suite.validate(_bench_args(), _fail)
-    assert "deepspeed" not in plan.modes and plan.modes[0] == "full" and len(plan.modes) == len(MODES) - 1
+    assert "deepspeed" not in plan.modes and plan.modes[0] == "full" and len(plan.modes) == len(MODES) - 3
+    assert not {"pp2", "pp2_unsharded"} & set(plan.modes)  # only when named
     assert (plan.job.model.num_layers, plan.job.model.embed_dim, plan.job.world_size) == (4, 128, 2)
     with pytest.raises(_Fail, match="not installed"):
         suite.validate(_bench_args("--modes", "deepspeed"), _fail)

@@ -73,6 +73,8 @@ class Mode:
             DTensor parameters) instead of the ``FullyShardedDataParallel`` wrapper.
         invariant: ``world_size_invariant=True`` (gradients summed over ranks in global
             micro-batch order by an all-to-all and ordered adds; core/invariant.py).
+        pipeline: a pp=2 x dp=N/2 pipeline (``fully_shard`` stages, :mod:`fullshard.bench.pipeline`)
+            with this gradient accumulation (``reduce_scatter`` or ``unsharded``); None: data-parallel.
     """
 
     key: str
@@ -82,6 +84,7 @@ class Mode:
     bf16: bool = False
     fully_shard: bool = False
     invariant: bool = False
+    pipeline: Optional[str] = None
 
     @property
     def ours(self) -> bool:
@@ -106,13 +109,17 @@ MODES: dict[str, Mode] = {m.key: m for m in (
          invariant=True),
     Mode("fully_shard_invariant", "fullshard fully_shard invariant", "fullshard", "FULL_SHARD", fully_shard=True,
          invariant=True),
+    Mode("pp2", "fullshard fully_shard pp=2 1F1B", "fullshard", "FULL_SHARD", fully_shard=True,
+         pipeline="reduce_scatter"),
+    Mode("pp2_unsharded", "fullshard fully_shard pp=2 1F1B unsharded", "fullshard", "FULL_SHARD", fully_shard=True,
+         pipeline="unsharded"),
     Mode("ddp", "torch DDP", "ddp"),
     Mode("fsdp2", "torch FSDP2", "fsdp2"),
     Mode("fsdp2_bf16", "torch FSDP2 bf16", "fsdp2", bf16=True),
     Mode("fsdp1", "torch FSDP1 FULL_SHARD", "fsdp1"),
     Mode("deepspeed", "DeepSpeed ZeRO-3", "deepspeed"),
 )}
-"""Every mode, in the order they run by default."""
+"""Every mode, in the order they run (the pipeline modes only when named in ``--modes``)."""
 
 REFERENCE = "ddp"
 """Ratios of step time and peak RSS are to this mode."""
@@ -126,6 +133,9 @@ VS_DEFAULT = (("full_invariant", "full"), ("full_bf16_invariant", "full_bf16"),
               ("fully_shard_invariant", "fully_shard"))
 """(``world_size_invariant=True`` mode, the same configuration without it) pairs whose ratios
 get their own rows: the cost of world-size invariance."""
+VS_DATA_PARALLEL = (("pp2", "fully_shard"), ("pp2_unsharded", "fully_shard"))
+"""(pipeline mode, ``fully_shard`` over all N ranks) pairs whose ratios get their own rows, and
+whose ranks get a per-rank table: pp=2 x dp=N/2 against dp=N."""
 
 
 def analytic_volume_bytes(mode: Mode, psi: int, update_freq: int = 1) -> dict[str, int]:

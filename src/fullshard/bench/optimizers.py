@@ -4,7 +4,8 @@
 ``lamb`` are ``fullshard.optim``'s, which read where fullshard keeps each parameter's rows
 (``fullshard.core.placement.shard_info``) or take a parameter as whole when fullshard does not shard
 it: they run on the fullshard modes and on ``ddp`` (whole parameters: the single-device result each
-fullshard mode must match), not on torch FSDP or DeepSpeed, whose shards they cannot see. Every
+fullshard mode must match), not on torch FSDP or DeepSpeed, whose shards they cannot see, nor on the
+pipeline modes (`fullshard train` refuses them with pipelining). Every
 optimizer gets the job's lr and weight decay on every parameter; muon's wrapper modes place each Muon
 matrix whole on one rank (``shard_placement_fn=muon_placement_fn``), as ``fullshard train
 --fsdp-version 1``; its ``fully_shard`` modes keep torch.chunk rows, and every rank gathers each
@@ -24,7 +25,8 @@ LABELS = {"adam": "AdamW", "muon": "Muon + AdamW", "adafactor": "Adafactor", "la
 
 def runs_on(optimizer: str, mode_key: str) -> bool:
     """Whether ``mode_key`` can step with ``optimizer`` (see the module docstring)."""
-    return optimizer == "adam" or MODES[mode_key].family in ("fullshard", "ddp")
+    mode = MODES[mode_key]
+    return optimizer == "adam" or (mode.family in ("fullshard", "ddp") and not mode.pipeline)
 
 
 def placement_kwargs(job: Job, model: torch.nn.Module) -> dict:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy, fully_shard
-from fullshard.bench import measure, optimizers
+from fullshard.bench import measure, optimizers, pipeline
 from fullshard.bench.modes import COLLECTIVES, MODES, Job, Mode
 from fullshard.core import collectives
 from fullshard.models import GPT, GPTConfig, TransformerBlock
@@ -370,7 +370,8 @@ def _fullshard_volume(world: int) -> tuple[dict, dict]:
     ``BYTES`` holds input bytes: a shard for all-gather (x group size = the
     output), the full tensor for reduce-scatter and all-to-all (world_size_invariant's
     gradient exchange), the tensor for all-reduce (x 2). FULL_SHARD and SHARD_GRAD_OP
-    gather over the world group; NO_SHARD's shard group is this rank alone (nothing
+    gather over the world group (``world``: its size; a pipeline mode's units gather over
+    the data-parallel group, N / 2); NO_SHARD's shard group is this rank alone (nothing
     counted) and it all-reduces.
     """
     vol = {"all_gather": collectives.BYTES["all_gather"] * world, "reduce_scatter": collectives.BYTES["reduce_scatter"],
@@ -418,15 +419,18 @@ def rank_main(job: Job) -> dict:
         rank = dist.get_rank()
         _import_mode(mode)
         warm_up_torch()
-        batches = make_batches(job, rank)
+        batches = pipeline.make_batches(job, rank, make_batches) if mode.pipeline else make_batches(job, rank)
         gc.collect()
         rss = measure.PeakRSS()
         rss.start()
-        model = build_gpt(job)
-        psi = sum(p.numel() for p in model.parameters())
-        with _quiet(mode):
-            trainer, ddp_counter = wrap(mode, model, job)
-        del model
+        if mode.pipeline:  # the stages are built on meta: no rank holds the whole model
+            trainer, ddp_counter, psi = pipeline.PipelineTrainer(job, mode, optimizers.build), None, job.model.psi()
+        else:
+            model = build_gpt(job)
+            psi = sum(p.numel() for p in model.parameters())
+            with _quiet(mode):
+                trainer, ddp_counter = wrap(mode, model, job)
+            del model
         step_s, losses = [], []
         for i, micro_batches in enumerate(batches):
             if i == job.warmup_steps:
@@ -447,8 +451,10 @@ def rank_main(job: Job) -> dict:
                    rss_peak_bytes=rss.peak_bytes(), rss_method=rss.method, notes=trainer.notes,
                    **trainer.state_bytes())
         if mode.family == "fullshard":
-            out["volume_bytes"], out["calls"] = _fullshard_volume(job.world_size)
+            out["volume_bytes"], out["calls"] = _fullshard_volume(pipeline.data_parallel_size(job, mode))
             out["volume_source"] = "fullshard.core.collectives counters"
+            if mode.pipeline:  # summed over the world after the counters are read
+                out["losses"] = trainer.global_losses()
         elif ddp_counter is not None:
             out["volume_bytes"] = dict(dict.fromkeys(COLLECTIVES, 0), all_reduce=ddp_counter.bytes)
             out["calls"] = dict(dict.fromkeys(COLLECTIVES, 0), all_reduce=ddp_counter.calls)

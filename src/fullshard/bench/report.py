@@ -20,6 +20,7 @@ from fullshard.bench.measure import zero_model_state_bytes
 from fullshard.bench.modes import (
     COLLECTIVES,
     REFERENCE,
+    VS_DATA_PARALLEL,
     VS_DEFAULT,
     VS_FSDP2,
     VS_WRAPPER,
@@ -108,6 +109,9 @@ def merge_ranks(mode: Mode, results: list[dict], model: ModelSpec, timed_steps: 
         vol = {k: max(r["volume_bytes"][k] for r in results) / timed_steps for k in COLLECTIVES}
         row["volume_bytes_per_step"] = vol
         row["calls_per_step"] = {k: max(r["calls"][k] for r in results) / timed_steps for k in COLLECTIVES}
+    if mode.pipeline:  # ZeRO's counts are of one data-parallel model, not of stages
+        row["pipeline"] = mode.pipeline
+        return row
     row["analytic_volume_bytes"] = analytic_volume_bytes(mode, psi, update_freq)
     row["analytic_formula"] = analytic_label(mode, update_freq)
     row["expected_volume_bytes"] = expected_volume_bytes(mode, model, update_freq)
@@ -146,7 +150,11 @@ def add_comparisons(rows: list[dict]) -> None:
         if r is ref:
             continue
         r["loss_rtol"] = BF16_LOSS_RTOL if r["bf16"] else FP32_LOSS_RTOL
-        diffs = _rel_diffs(r["losses"], ref["losses"])
+        if r.get("pipeline"):  # every rank has the global batch's loss: against DDP's mean over ranks
+            steps = list(zip(*ref["losses"]))
+            diffs = _rel_diffs(r["losses"][:1], [[sum(s) / len(s) for s in steps]])
+        else:
+            diffs = _rel_diffs(r["losses"], ref["losses"])
         r["loss_max_rel_diff"] = None if diffs is None else max(diffs, default=0.0)
         r["loss_match"] = diffs is not None and r["loss_max_rel_diff"] <= r["loss_rtol"]
         if diffs is not None and not r["loss_match"]:
@@ -249,7 +257,9 @@ def markdown(report: dict) -> str:
         _md(["---"] + ["---:"] * (len(COLUMNS) - 2) + ["---"]),
     ]
     lines += [_md(table_row(r)) for r in rows]
-    for key, title in (("vs_default", "world_size_invariant=True / default"),
+    lines += per_rank_table(report)
+    for key, title in (("vs_data_parallel", f"pp=2 x dp={cfg['world_size'] // 2} / dp={cfg['world_size']}"),
+                       ("vs_default", "world_size_invariant=True / default"),
                        ("vs_wrapper", "ratio to the FullyShardedDataParallel wrapper"),
                        ("vs_fsdp2", "ratio to torch FSDP2")):
         pairs = report.get(key) or []
@@ -260,6 +270,26 @@ def markdown(report: dict) -> str:
                            f"{p['state_ratio']:.3f}", _f(p.get("volume_ratio"), ".3f")]) for p in pairs]
     lines += [""] + [f"{n}" for n in report.get("notes", [])]
     return "\n".join(lines) + "\n"
+
+
+def per_rank_table(report: dict) -> list[str]:
+    """When a pipeline mode ran: the Markdown lines of each rank's step time (median), RSS peak and
+    model state for the pipeline modes and their data-parallel references (``VS_DATA_PARALLEL``,
+    DDP); no lines otherwise."""
+    rows = [r for r in report["modes"] if "error" not in r]
+    if not any(r.get("pipeline") for r in rows):
+        return []
+    shown = {m for pair in VS_DATA_PARALLEL for m in pair} | {REFERENCE}
+    world = report["config"]["world_size"]
+    head = ["per rank: step ms / RSS peak MiB / params+grads+optim MiB"] + [f"rank {i}" for i in range(world)]
+    lines = ["", _md(head), _md(["---"] + ["---:"] * world)]
+    for r in rows:
+        if r["mode"] in shown:
+            cells = [f"{ms:.1f} / {(x['rss_peak_bytes'] - x['rss_base_bytes']) / MiB:.1f} / "
+                     f"{(x['param_bytes'] + x['grad_bytes'] + x['optim_bytes']) / MiB:.1f}"
+                     for ms, x in zip(r["step_ms_per_rank"], r["ranks"])]
+            lines.append(_md([r["label"]] + cells))
+    return lines
 
 
 def _accumulation(cfg: dict) -> str:
@@ -299,6 +329,14 @@ def notes(report: dict) -> list[str]:
                   f"{8 * psi / MiB:.2f} MiB (DDP, NO_SHARD, SHARD_GRAD_OP), 3Ψ·4 B = {12 * psi / MiB:.2f} MiB "
                   f"(FULL_SHARD). DeepSpeed's expected volume counts the tied embedding gathered once per use "
                   f"(token embedding and output projection), in forward and in backward.")
+    if any(r.get("pipeline") for r in rows):
+        n = cfg["world_size"]
+        out.append(f"- pp=2 rows: pp=2 x dp={n // 2}, fully_shard stages under torch's 1F1B schedule (fullshard "
+                   "train's pipeline), on the global batch of the other modes in pipeline micro-batches of one "
+                   "sequence; unsharded = gradients accumulated unsharded over the micro-batches, reduce-scattered "
+                   "once. Their losses vs DDP: the global batch's mean loss against the mean over ranks of DDP's. "
+                   "AG/RS/AR count fullshard's collectives (AR: the tied embedding's gradient), not the stages' "
+                   "activation sends; ZeRO's volume is of one data-parallel model, so vol/ZeRO is not given.")
     if report.get("vs_default"):
         k = cfg.get("update_freq", 1)
         out.append("- world_size_invariant=True / default: the same mode with gradients summed over ranks in "
@@ -328,11 +366,13 @@ def notes(report: dict) -> list[str]:
 
 # ---------------------------------------------------------------- files
 def build_report(config: dict, rows: list[dict]) -> dict:
-    """The JSON document: ``config``, ``modes`` (rows with comparisons), ``vs_default``
+    """The JSON document: ``config``, ``modes`` (rows with comparisons), ``vs_data_parallel``
+    (pipeline modes to ``fully_shard`` over every rank), ``vs_default``
     (world_size_invariant modes to the same mode without it), ``vs_wrapper`` (fully_shard modes
     to the wrapper's), ``vs_fsdp2``, ``notes``."""
     add_comparisons(rows)
-    report = {"config": config, "modes": rows, "vs_default": pair_ratios(rows, VS_DEFAULT),
+    report = {"config": config, "modes": rows, "vs_data_parallel": pair_ratios(rows, VS_DATA_PARALLEL),
+              "vs_default": pair_ratios(rows, VS_DEFAULT),
               "vs_wrapper": pair_ratios(rows, VS_WRAPPER),
               "vs_fsdp2": fsdp2_ratios(rows)}
     report["notes"] = notes(report)

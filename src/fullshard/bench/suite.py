@@ -6,6 +6,7 @@ one launch (fresh processes) per mode, and one report.
     fullshard bench --modes full,ddp --timed-steps 10 --out-dir /tmp/b
     fullshard bench --modes full,full_invariant --update-freq 4   # cost of world-size invariance
     fullshard bench --optimizer muon --modes full,ddp             # fullshard.optim.Muon's state per rank
+    fullshard bench --world-size 4 --modes ddp,fully_shard,pp2,pp2_unsharded   # pp=2 x dp=2 against dp=4
 
 Modes (``--modes``, run in this order; see :data:`fullshard.bench.modes.MODES`):
 ``full``, ``grad_op``, ``no_shard``, ``full_bf16`` (fullshard FULL_SHARD,
@@ -20,7 +21,11 @@ modes get a table of their own), ``ddp`` (torch DDP), ``fsdp2``, ``fsdp2_bf16`` 
 ``fully_shard`` on each block and the root, ``MixedPrecisionPolicy(bf16,
 fp32)``), ``fsdp1`` (torch FSDP1 FULL_SHARD) and ``deepspeed`` (DeepSpeed
 ZeRO-3 on its CPU accelerator over gloo; in the default list only when
-``deepspeed`` is installed, which the project does not require).
+``deepspeed`` is installed, which the project does not require), and, only when named,
+``pp2`` and ``pp2_unsharded`` (pp=2 x dp=N/2: ``fully_shard`` stages under torch's 1F1B schedule, as
+`fullshard train --pipeline-parallel-size 2` runs them, accumulating gradients over the pipeline
+micro-batches reduce-scattered or unsharded; :mod:`fullshard.bench.pipeline`; their ratios to
+``fully_shard`` over all N ranks and every rank's time and memory get tables of their own).
 
 ``--optimizer`` picks what every mode steps with (default AdamW; ``muon``, ``adafactor`` and
 ``lamb`` are ``fullshard.optim``'s, on the fullshard modes and ``ddp`` only: see
@@ -58,6 +63,7 @@ import torch
 from fullshard.bench import report as RP
 from fullshard.bench.modes import MODES, Job, ModelSpec
 from fullshard.bench.optimizers import LABELS, OPTIMIZERS, runs_on
+from fullshard.bench.pipeline import PIPELINE_SIZE
 from fullshard.bench.rank import rank_main
 from fullshard.models import ARCHS
 from fullshard.train.launcher import LaunchError, RankFailed, cpu_cores, launch_local, threads_per_rank
@@ -105,8 +111,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     """Register ``fullshard bench``'s flags on ``p``."""
     p.add_argument("--preset", default="quick", choices=sorted(PRESETS),
                    help="model and run size (default: %(default)s); the flags below override it")
-    p.add_argument("--modes", help=f"comma-separated, from {','.join(MODES)} (default: all; deepspeed only "
-                                   "when installed)")
+    p.add_argument("--modes", help=f"comma-separated, from {','.join(MODES)} (default: all but pp2 and "
+                                   "pp2_unsharded; deepspeed only when installed)")
     p.add_argument("--world-size", type=int, help="N, gloo ranks per launch (preset: 2)")
     p.add_argument("--warmup-steps", type=int, help="untimed steps first")
     p.add_argument("--timed-steps", type=int, help="timed steps (the median is reported; use at least 5)")
@@ -155,7 +161,8 @@ def validate(args: argparse.Namespace, fail) -> Plan:
     preset = PRESETS[args.preset]
     has_ds = deepspeed_available()
     if args.modes is None:
-        modes = [k for k in MODES if (k != "deepspeed" or has_ds) and runs_on(args.optimizer, k)]
+        modes = [k for k in MODES if (k != "deepspeed" or has_ds) and runs_on(args.optimizer, k)
+                 and not MODES[k].pipeline]
     else:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         unknown = [m for m in modes if m not in MODES]
@@ -170,7 +177,8 @@ def validate(args: argparse.Namespace, fail) -> Plan:
         foreign = [m for m in modes if not runs_on(args.optimizer, m)]
         if foreign:
             fail(f"--optimizer {args.optimizer} runs on the fullshard modes and ddp only (fullshard.optim cannot "
-                 f"see the shards of {','.join(foreign)}); drop {','.join(foreign)} from --modes")
+                 f"see the shards of {','.join(foreign)}; the pipeline modes step AdamW, as `fullshard train` "
+                 f"does); drop {','.join(foreign)} from --modes")
     pick = lambda name, default: default if getattr(args, name) is None else getattr(args, name)  # noqa: E731
     arch = pick("arch", preset.arch)
     if arch not in ARCHS:
@@ -187,6 +195,11 @@ def validate(args: argparse.Namespace, fail) -> Plan:
         least = 0 if name == "warmup_steps" else 1
         if v < least:
             fail(f"--{name.replace('_', '-')} must be >= {least}, got {v}")
+    piped = [m for m in modes if MODES[m].pipeline]
+    if piped and (world % PIPELINE_SIZE or values["layers"] < PIPELINE_SIZE):
+        fail(f"--modes {','.join(piped)}: a pp={PIPELINE_SIZE} pipeline needs a --world-size divisible by "
+             f"{PIPELINE_SIZE} and at least {PIPELINE_SIZE} layers, got --world-size {world} and {values['layers']} "
+             "layers")
     if values["width"] % values["heads"]:
         fail(f"--heads {values['heads']} must divide the width {values['width']}")
     if args.update_freq < 1:
