@@ -383,3 +383,69 @@ def test_memory_rejects_odd_batch_for_micro_batches():
 
     with pytest.raises(SystemExit):
         memory.parse_args(["--batch-size", "3"])
+
+
+# ---------------------------------------------------------------- pipeline modes (pp2, pp2_unsharded)
+def test_pipeline_modes_run_only_when_named_on_an_even_world_with_adamw():
+    plan = suite.validate(_bench_args("--world-size", "4", "--modes", "ddp,fully_shard,pp2,pp2_unsharded"), _fail)
+    assert plan.modes == ("ddp", "fully_shard", "pp2", "pp2_unsharded") and plan.job.world_size == 4
+    for argv, message in ((("--world-size", "3", "--modes", "pp2"), "needs a --world-size divisible by 2"),
+                          (("--world-size", "4", "--layers", "1", "--modes", "fully_shard,pp2_unsharded"),
+                           "at least 2 layers, got --world-size 4 and 1 layers"),
+                          (("--optimizer", "lamb", "--modes", "full,pp2"), "drop pp2 from --modes")):
+        with pytest.raises(_Fail, match=message):
+            suite.validate(_bench_args(*argv), _fail)
+    assert not {"pp2", "pp2_unsharded"} & set(suite.validate(_bench_args("--optimizer", "lamb"), _fail).modes)
+
+
+def test_pipeline_batches_are_the_columns_data_parallel_ranks_sequences():
+    """Pipeline column c (ranks c and c + N/2) trains on data-parallel ranks 2c and 2c + 1's sequences:
+    every step's global batch is the data-parallel modes'."""
+    from fullshard.bench import pipeline
+    from fullshard.bench.rank import make_batches
+
+    job = dataclasses.replace(suite.validate(_bench_args(
+        "--world-size", "4", "--modes", "pp2", "--warmup-steps", "1", "--timed-steps", "1", "--batch-size", "2",
+        "--seq-len", "4", "--vocab-size", "50", "--update-freq", "2"), _fail).job, mode="pp2")
+    assert pipeline.data_parallel_size(job, MODES["pp2"]) == 2 and pipeline.data_parallel_size(job, MODES["full"]) == 4
+    cfg = pipeline.config(job, MODES["pp2_unsharded"])
+    assert (cfg.batch_size, cfg.pipeline_microbatches, cfg.pipeline_parallel_size) == (4, 4, 2)
+    assert cfg.pipeline_grad_accumulation == "unsharded" and cfg.arch_spec().num_layers == job.model.num_layers
+    plain = [make_batches(job, r) for r in range(4)]
+    for rank in range(4):
+        column = rank % 2
+        piped = pipeline.make_batches(job, rank, make_batches)
+        assert [len(step) for step in piped] == [2, 2]
+        for s, step in enumerate(piped):
+            for j, (x, y) in enumerate(step):
+                assert x.shape == (4, 4)
+                assert torch.equal(x, torch.cat([plain[2 * column][s][j][0], plain[2 * column + 1][s][j][0]]))
+                assert torch.equal(y, torch.cat([plain[2 * column][s][j][1], plain[2 * column + 1][s][j][1]]))
+
+
+def test_pipeline_rows_compare_the_global_loss_and_get_a_per_rank_table():
+    """A pipeline row: its (global) loss against the mean over ranks of DDP's, no ZeRO volume, a
+    ratio row to fully_shard over every rank, and each rank's time, RSS peak and model state."""
+    rows = _rows()  # ddp's losses per rank: [3.0, 2.0] and [3.0, 2.5]: means 3.0, 2.25
+    fs = [_rank(r, step_s=[0.2] * 3, losses=[3.0, [2.0, 2.5][r]], rss=100) for r in range(2)]
+    pp = [_rank(0, step_s=[0.1] * 3, losses=[3.0, 2.25], rss=50, state=(30, 30, 60)),
+          _rank(1, step_s=[0.3] * 3, losses=[3.0, 2.25], rss=300)]
+    bad = [dict(r, losses=[3.0, 2.0]) for r in pp]  # rank 0's loss, not the global mean
+    rows += [RP.merge_ranks(MODES["fully_shard"], fs, MODEL, 2, 256), RP.merge_ranks(MODES["pp2"], pp, MODEL, 2, 256),
+             RP.merge_ranks(MODES["pp2_unsharded"], bad, MODEL, 2, 256)]
+    report = RP.build_report(_config(), rows)
+    by = {r["mode"]: r for r in report["modes"]}
+    assert by["pp2"]["loss_match"] and by["pp2"]["loss_max_rel_diff"] == 0.0
+    assert not by["pp2_unsharded"]["loss_match"] and by["pp2_unsharded"]["loss_first_bad_step"] == 2
+    assert "analytic_volume_bytes" not in by["pp2"] and by["pp2"]["pipeline"] == "reduce_scatter"
+    pair = report["vs_data_parallel"][0]
+    assert (pair["mode"], pair["vs"]) == ("fullshard fully_shard pp=2 1F1B", "fullshard fully_shard")
+    assert pair["step_ratio"] == pytest.approx(300 / 200) and pair["rss_ratio"] == pytest.approx(300 / 100)
+    text = RP.markdown(report)
+    assert "| pp=2 x dp=1 / dp=2 | step time | RSS peak | params+grads+optim | bytes moved |" in text
+    assert "| per rank: step ms / RSS peak MiB / params+grads+optim MiB | rank 0 | rank 1 |" in text
+    assert "| fullshard fully_shard pp=2 1F1B | 100.0 / 0.0 / 0.0 | 300.0 / 0.0 / 0.0 |" in text
+    per_rank = text.split("| per rank:")[1].split("\n\n")[0]
+    assert "| torch DDP | 200.0 / 0.0 / 0.0 |" in per_rank and "| fullshard FULL_SHARD |" not in per_rank
+    assert "pp=2 rows: pp=2 x dp=1" in text
+    assert "| per rank:" not in RP.markdown(RP.build_report(_config(), _rows()))
