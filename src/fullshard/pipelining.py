@@ -27,8 +27,11 @@ Both give the gradient of the whole batch (no weight staleness: synchronous
 schedules step once after every micro-batch's backward). Every backward
 finishes its reduce-scatters before it returns, so the schedule's gradient
 scaling and the optimizer see whole gradients. The zero-bubble schedules split
-backward into input and weight passes outside autograd's ``backward()``; a
-unit's hooks need the whole backward, so they are refused.
+backward into an input pass and a weight pass that take gradients with
+``torch.autograd.grad`` on ``submodule.parameters()``: a unit's sharded
+parameters are not in the autograd graph (its unsharded flat parameter is),
+so no weight gradient would reach the unit and its reduce-scatter would never
+run; they are refused (`fullshard.train.pipeline_checks.ZERO_BUBBLE_REASON`).
 """
 from __future__ import annotations
 
@@ -105,8 +108,11 @@ class PipelineStage(_TorchPipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if backward_type != "full":
             raise RuntimeError(f"[rank {collectives.rank()}] pipeline stage {self.stage_index}: a schedule "
-                               f"that splits backward ({backward_type!r} pass) cannot drive fullshard units, whose "
-                               "hooks need the whole backward; use GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
+                               f"that splits backward ({backward_type!r} pass) cannot drive fullshard units: "
+                               "torch takes its weight gradients with torch.autograd.grad on the stage's "
+                               "parameters, which are not in the autograd graph (a unit's unsharded flat parameter "
+                               "is), so no gradient would be reduce-scattered; use GPipe, 1F1B, Interleaved1F1B "
+                               "or LoopedBFS")
         sync = self.grad_accumulation == "reduce_scatter" or last_backward
         with self._gradient_sync(sync):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)

@@ -169,6 +169,8 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
      "4 pipeline stages (--pipeline-parallel-size 4 x --pipeline-stages-per-rank 1) for 2 layers"),
     (["{data}", "--nproc-per-node", "4", "--pipeline-parallel-size", "4", "--decoder-layers", "4",
       "--pipeline-microbatches", "2"], "--pipeline-microbatches 2 is smaller than --pipeline-parallel-size 4"),
+    (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--pipeline-schedule", "ZBVZeroBubble"],
+     "--pipeline-schedule ZBVZeroBubble is not supported: its split backward"),
     (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--pipeline-split", "2,1"],
      "--pipeline-split 2,1 must give every stage at least one layer and add up to the model's 2 layers"),
     (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--pipeline-split", "1,1,1"],

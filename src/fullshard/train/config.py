@@ -232,10 +232,10 @@ class DistributedOptions:
                                      "--checkpoint-activations)")
 
 
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble")
 """``--pipeline-schedule`` choices: torch.distributed.pipelining's synchronous schedules that
-``fullshard.pipelining.PipelineStage`` drives (the zero-bubble ones split backward into input and
-weight passes, which fullshard's units do not support yet)."""
+``fullshard.pipelining.PipelineStage`` drives, and ZBVZeroBubble, refused with its reason
+(`pipeline_checks.ZERO_BUBBLE_REASON`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

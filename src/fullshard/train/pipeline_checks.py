@@ -6,6 +6,12 @@ from fullshard.models.stages import check_split
 
 LOOPED = ("Interleaved1F1B", "LoopedBFS")
 """Schedules with several stages per pipeline rank (``--pipeline-stages-per-rank`` >= 2)."""
+ZERO_BUBBLE_REASON = (
+    "its split backward (torch 2.13's stage_backward_input / stage_backward_weight) takes weight gradients "
+    "with torch.autograd.grad on the stage's parameters, and fullshard's sharded parameters are not in the "
+    "autograd graph (each unit's unsharded flat parameter is), so no weight gradient would reach the units and "
+    "nothing would be reduce-scattered; use GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
+"""Why the zero-bubble schedules cannot drive fullshard's units (`fullshard.pipelining` refuses them too)."""
 
 
 def microbatches(cfg) -> int:
@@ -43,6 +49,8 @@ def check(cfg, world_size: int, num_layers: int) -> None:
     for bad, what in unsupported:
         if bad:
             raise ValueError(f"--pipeline-parallel-size {p} does not support {what} yet")
+    if cfg.pipeline_schedule == "ZBVZeroBubble":
+        raise ValueError(f"--pipeline-schedule ZBVZeroBubble is not supported: {ZERO_BUBBLE_REASON}")
     looped = cfg.pipeline_schedule in LOOPED
     if looped and cfg.fsdp_version == 1:
         raise ValueError(f"--pipeline-schedule {cfg.pipeline_schedule} with --fsdp-version 1: a rank's several "
