@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from fullshard.amp import ShardedGradScaler
+from fullshard import ShardedGradScaler
 from fullshard.bench import measure
 from fullshard.bench.modes import Job, Mode
 from fullshard.core import collectives
