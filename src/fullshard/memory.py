@@ -29,7 +29,7 @@ def _unit_entry(fsdp_unit: UnitModule) -> dict[str, int]:
     rt = fsdp_unit._runtime
     unit = rt.unit
     pending = 0 if rt.root is None else sum(1 for p in rt.root.pending if p.unit is unit)
-    return {"sharded_bytes": unit.flat_shard.numel() * unit.flat_shard.element_size(),
+    return {"sharded_bytes": sum(p.flat_shard.numel() * p.flat_shard.element_size() for p in mixed.parts(unit)),
             "unsharded_bytes": unit.unsharded_bytes(),
             "full_grad_bytes": unit.full_grad_bytes(),
             "stashed_grad_bytes": unit.stash.nbytes(),
