@@ -72,6 +72,8 @@ def convert(rt: state.UnitRuntime, fn: Callable[[torch.Tensor], torch.Tensor]) -
     and move the post-backward hook to its new unsharded flat parameter.
     Returns True when the master dtype or storage changed."""
     with torch.no_grad():
+        for part in rt.unit.side:  # a mixed unit's frozen dtype parts (core/mixed.py)
+            convert_shard(part, fn)
         changed = convert_shard(rt.unit, fn)
     if changed:
         rt.rearm_grad_hook()
