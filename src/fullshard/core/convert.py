@@ -207,7 +207,8 @@ def sharded_params_hidden(rt: state.UnitRuntime) -> Iterator[None]:
     the module function converts only what the unit does not manage (buffers,
     ignored parameters); positions in ``_parameters`` are kept."""
     unit = rt.unit
-    owners = [(module, attr, slot.sharded) for slot in unit.slots for module, attr in slot.owners]
+    owners = [(module, attr, slot.sharded) for part in (unit, *unit.side) for slot in part.slots
+              for module, attr in slot.owners]
     for module, attr, _ in owners:
         module._parameters[attr] = None
     try:
