@@ -16,12 +16,12 @@ import torch
 import torch.nn as nn
 
 from .api import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
-from .core import casting, collectives, consistency, deferred_init, invariant, placement, registry, state
+from .core import casting, collectives, consistency, deferred_init, invariant, mixed, placement, registry, state
 from .core.module import UnitModule
 from .core.names import WRAPPER_SEGMENTS, clean_name  # noqa: F401 (re-exported: the names' old home)
 from .core.params import ParamSlot
 from .core.settings import UnitSettings
-from .core.unit import Unit, UnitConfig
+from .core.unit import UnitConfig
 
 _PREFIX = "_fsdp_wrapped_module."
 # Original parameters already taken by a unit, and modules already wrapped:
@@ -104,24 +104,6 @@ def place_buffers(own: list[nn.Module], device: torch.device, buffer_dtype) -> d
     return dtypes
 
 
-def check_one_dtype(name: str, slots: list[ParamSlot]) -> None:
-    """A unit keeps its parameters in one flat shard of one dtype: refuse
-    parameters of different dtypes before anything is taken, rather than
-    cast some of them (an fp32 LoRA adapter beside a bf16 base would then
-    train in bf16 with no error).
-
-    Raises:
-        ValueError: two parameters of the unit differ in dtype.
-    """
-    first = next((s for s in slots), None)
-    other = next((s for s in slots if s.param.dtype != first.param.dtype), None) if first else None
-    if other is not None:
-        raise ValueError(
-            f"[rank {collectives.rank()}] unit '{name}': parameter '{other.fqn}' is {other.param.dtype} but "
-            f"'{first.fqn}' is {first.param.dtype}; a unit holds one dtype: cast the module to one dtype before "
-            "sharding, or shard the parameters of the other dtype in a unit of their own")
-
-
 def build_unit(name: str, slots: list[ParamSlot], taken: list[nn.Parameter], groups: tuple,
                device: torch.device, *, mp, offload, settings: UnitSettings, post_forward_group=None,
                invariant_where: Optional[str] = None) -> state.UnitRuntime:
@@ -141,12 +123,15 @@ def build_unit(name: str, slots: list[ParamSlot], taken: list[nn.Parameter], gro
         invariant_where: ``world_size_invariant=True`` (gradients folded in a
             fixed order, core/invariant.py): the door's name of the unit
             for errors; None: reduce-scattered and averaged.
+    Parameters of several dtypes make a :class:`~fullshard.core.mixed.MixedUnit`
+    (core/mixed.py [Note: units that mix dtypes]).
+
     Raises:
         ValueError: ``world_size_invariant`` with groups that do not tile
-            the world; parameters partly on the meta device; parameters
-            of different dtypes (:func:`check_one_dtype`).
+            the world; parameters partly on the meta device; trainable
+            parameters of different dtypes.
     """
-    check_one_dtype(name, slots)
+    mixed.check_dtypes(name, slots)
     shard_group, replicate_group = groups
     rep_size = collectives.group_size(replicate_group) if replicate_group is not None else 1
     offload_params = offload.offload_params if isinstance(offload, CPUOffload) else \
@@ -164,7 +149,7 @@ def build_unit(name: str, slots: list[ParamSlot], taken: list[nn.Parameter], gro
     for p in taken:
         register(TAKEN, p, name)
     with torch.no_grad():
-        unit = Unit(name, slots, cfg, settings)
+        unit = mixed.make_unit(name, slots, cfg, settings)
     return state.UnitRuntime(unit, forward_input_caster=casting.input_caster(mp))
 
 
@@ -203,8 +188,8 @@ def collect_slots(module: nn.Module, ignored: set[int], skip: frozenset, unit: s
                   is_unit) -> list[ParamSlot]:
     """This unit's parameters: every not-yet-sharded parameter below ``module``
     (including tied ones that nested units left to it), with all their owners."""
-    sharded = {id(p) for m in module.modules() if is_unit(m)
-               for p in m.unit.sharded_params}
+    sharded = {id(s.sharded) for m in module.modules() if is_unit(m)
+               for s in mixed.all_slots(m.unit)}
     by_id: dict[int, ParamSlot] = {}
     for mname, m in module.named_modules(remove_duplicate=False):
         if id(m) in ignored:

@@ -424,6 +424,8 @@ def _after_load(module: FSDPModule, incompatible_keys) -> None:
 
 def _adopt(rt: state.UnitRuntime) -> None:
     with torch.no_grad():
+        for part in rt.unit.side:  # a mixed unit's frozen dtype parts (core/mixed.py)
+            adopt(part)
         if adopt(rt.unit):
             rt.rearm_grad_hook()
 

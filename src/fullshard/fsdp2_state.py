@@ -60,7 +60,7 @@ class FSDPState:
     @property
     def param_names(self) -> tuple[str, ...]:
         """Names of the unit's parameters, relative to the first module of the call."""
-        return tuple(s.fqn for s in self.runtime.unit.slots)
+        return tuple(s.fqn for part in (self.runtime.unit, *self.runtime.unit.side) for s in part.slots)
 
     @property
     def is_root(self) -> Optional[bool]:

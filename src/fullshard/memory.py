@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .construct import clean_name
-from .core import collectives
+from .core import collectives, mixed
 from .core.buffers import POOL
 from .core.module import UnitModule
 
@@ -29,7 +29,8 @@ def _unit_entry(fsdp_unit: UnitModule) -> dict[str, int]:
     rt = fsdp_unit._runtime
     unit = rt.unit
     pending = 0 if rt.root is None else sum(1 for p in rt.root.pending if p.unit is unit)
-    return {"sharded_bytes": unit.flat_shard.numel() * unit.flat_shard.element_size(),
+    shards = [p.flat_shard for p in mixed.parts(unit)]  # each dtype part of a mixed unit
+    return {"sharded_bytes": sum(s.numel() * s.element_size() for s in shards),
             "unsharded_bytes": unit.unsharded_bytes(),
             "full_grad_bytes": unit.full_grad_bytes(),
             "stashed_grad_bytes": unit.stash.nbytes(),

@@ -370,11 +370,11 @@ def test_conversion_after_wrapping():
 
 
 class _Adapted(nn.Module):
-    """A LoRA-like layer: a frozen bf16 base weight beside fp32 adapter matrices."""
+    """A LoRA-like layer: a bf16 base weight beside fp32 adapter matrices; the base trains unless frozen."""
 
-    def __init__(self):
+    def __init__(self, frozen_base: bool):
         super().__init__()
-        self.base = nn.Linear(8, 8, bias=False).to(BF16).requires_grad_(False)
+        self.base = nn.Linear(8, 8, bias=False).to(BF16).requires_grad_(not frozen_base)
         self.lora_a = nn.Linear(8, 2, bias=False)
         self.lora_b = nn.Linear(2, 8, bias=False)
 
@@ -383,30 +383,42 @@ class _Adapted(nn.Module):
 
 
 def _mixed_dtypes(rank, world):
-    """Both doors refuse a unit whose parameters differ in dtype (they would share one flat
-    shard, and the fp32 adapters would train in bf16 with no error), and take nothing."""
+    """Both doors refuse a unit whose trainable parameters differ in dtype (one reduce-scatter
+    dtype per unit; torch FSDP2 refuses too) and take nothing; a frozen bf16 base beside fp32
+    adapters shards (core/mixed.py), and making that base trainable afterwards is refused."""
     from fullshard import fully_shard
 
     out = {}
     for door in ("fully_shard", "wrapper"):
-        model = _Adapted()
+        model = _Adapted(frozen_base=False)
         before = {n: (p, p.dtype) for n, p in model.named_parameters()}
         try:
             fully_shard(model) if door == "fully_shard" else FSDP(model)
         except ValueError as e:
             out[door] = str(e)
         assert {n: (p, p.dtype) for n, p in model.named_parameters()} == before
-        # Nothing was taken: the module shards once its dtypes agree.
+        # Nothing was taken: the module shards once its trainable dtypes agree.
         model.float()
         model = fully_shard(model) if door == "fully_shard" else FSDP(model)
         model(torch.ones(2, 8)).sum().backward()
+        model = _Adapted(frozen_base=True)
+        model = fully_shard(model) if door == "fully_shard" else FSDP(model)
+        model(torch.ones(2, 8)).sum().backward()
+        next(p for n, p in model.named_parameters() if "base" in n).requires_grad_(True)
+        try:
+            model(torch.ones(2, 8))
+        except RuntimeError as e:
+            out[door + " unfrozen"] = str(e)
     return out
 
 
 @pytest.mark.fast
-def test_units_refuse_parameters_of_different_dtypes():
+def test_units_refuse_trainable_parameters_of_different_dtypes():
     out = run_ranks(_mixed_dtypes, 1)[0]
     for door in ("fully_shard", "wrapper"):
-        assert door in out, f"{door} sharded bf16 and fp32 parameters into one unit without an error"
-        assert "'lora_a.weight' is torch.float32 but 'base.weight' is torch.bfloat16" in out[door], out[door]
-        assert "\n" not in out[door]
+        assert door in out, f"{door} sharded trainable bf16 and fp32 parameters into one unit without an error"
+        assert "trainable parameters 'base.weight' (torch.bfloat16) and 'lora_a.weight' (torch.float32) differ" \
+            in out[door], out[door]
+        assert door + " unfrozen" in out, f"{door}: a frozen bf16 part made trainable ran without an error"
+        assert "'base.weight' (torch.bfloat16) was made trainable after sharding" in out[door + " unfrozen"]
+        assert "\n" not in out[door] + out[door + " unfrozen"]

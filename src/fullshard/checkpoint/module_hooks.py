@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from ..api import StateDictType
 from ..construct import WRAPPER_SEGMENTS, clean_name
-from ..core import collectives, flat as flat_layout, torch_private
+from ..core import collectives, flat as flat_layout, mixed, torch_private
 from ..core.gather import gather_full
 from . import state_dict as state_dicts
 
@@ -72,7 +72,7 @@ class _LoadTargets:
 
 
 # Unit module -> its pending load; row copies deferred by a unit's load_state_dict.
-_LOADS: dict[int, _LoadTargets] = {}
+_LOADS: dict[int, list[tuple[object, _LoadTargets]]] = {}  # one (part, targets) per dtype part
 _DEFERRED: list[Optional[list[Callable[[], None]]]] = [None]
 
 
@@ -92,9 +92,18 @@ def _check_usable(unit_module: nn.Module, what: str) -> None:
 
 
 # ----------------------------------------------------------------------- save
-def _save_values(unit_module: nn.Module) -> Optional[list]:
-    """The values the save pre-hook registers, or None to register nothing."""
-    unit, st = unit_module.unit, state_dicts.settings(unit_module)
+def _no_local_mixed(unit, st) -> None:
+    """Raises ValueError for LOCAL_STATE_DICT of a unit that mixes dtypes (one
+    ``_flat_param`` cannot hold them; core/mixed.py [Note: units that mix dtypes])."""
+    if st.type is StateDictType.LOCAL_STATE_DICT and unit.side:
+        raise ValueError(f"[rank {collectives.rank()}] unit '{unit.name}': LOCAL_STATE_DICT holds one flat shard "
+                         "of one dtype, and this unit mixes dtypes; use FULL_STATE_DICT or SHARDED_STATE_DICT")
+
+
+def _save_values(unit_module: nn.Module, unit) -> Optional[list]:
+    """The values the save pre-hook registers for ``unit`` (the module's unit
+    or one of its dtype parts), or None to register nothing."""
+    st = state_dicts.settings(unit_module)
     offload = st.config.offload_to_cpu
     if st.type is StateDictType.LOCAL_STATE_DICT:
         return [None] * len(unit.slots)
@@ -128,16 +137,20 @@ def _check_summoned(unit) -> None:
 
 def _save_pre(unit_module: nn.Module, prefix: str, keep_vars: bool) -> None:
     _check_usable(unit_module, "state_dict()")
-    values = _save_values(unit_module)
-    unit_module._sd_installed = values is not None
-    if values is not None:
-        unit_module.unit.install_params(values)
+    _no_local_mixed(unit_module.unit, state_dicts.settings(unit_module))
+    parts = mixed.parts(unit_module.unit)
+    values = [_save_values(unit_module, part) for part in parts]
+    unit_module._sd_installed = values[0] is not None
+    if unit_module._sd_installed:
+        for part, v in zip(parts, values):
+            part.install_params(v)
 
 
 def _save_post(unit_module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     unit, st = unit_module.unit, state_dicts.settings(unit_module)
     if unit_module._sd_installed:
-        unit.restore_params()
+        for part in mixed.parts(unit):
+            part.restore_params()
         unit_module._sd_installed = False
     mine = [k for k in state_dict if k.startswith(prefix)]
     drop = st.type is StateDictType.FULL_STATE_DICT and st.config.rank0_only and not state_dicts.first_rank(unit_module)
@@ -173,8 +186,10 @@ def _buffers_in_saved_dtype(unit_module: nn.Module, state_dict: dict, prefix: st
 
 # ----------------------------------------------------------------------- load
 def _owner_keys(unit_module: nn.Module, prefix: str) -> dict:
-    """Incoming key (segment added, deeper wrapper segments not yet) -> its ``ParamSlot``."""
-    owner = {(id(m), a): slot for slot in unit_module.unit.slots for m, a in slot.owners}
+    """Incoming key (segment added, deeper wrapper segments not yet) -> (its
+    unit or dtype part, its ``ParamSlot``)."""
+    owner = {(id(m), a): (part, slot) for part in mixed.parts(unit_module.unit)
+             for slot in part.slots for m, a in slot.owners}
     out = {}
     for mprefix, m in state_dicts.walk(unit_module._fsdp_wrapped_module, prefix + SEGMENT):
         for attr in m._parameters:
@@ -199,20 +214,35 @@ def _load_pre(unit_module: nn.Module, state_dict: dict, prefix: str, local_metad
         state_dict[prefix + SEGMENT + k[len(prefix):]] = state_dict.pop(k)
     from torch.distributed.tensor import DTensor
 
+    _no_local_mixed(unit, st)
     local_flat = None
     if st.type is StateDictType.LOCAL_STATE_DICT:
         local_flat = _local_flat(unit, state_dict.pop(prefix + SEGMENT + FLAT_PARAM_KEY, None), prefix, missing_keys)
-        targets = [None] * len(unit.slots)
     elif st.type is StateDictType.SHARDED_STATE_DICT:
         state_dicts.check_shardable(unit)
-        for key, slot in _owner_keys(unit_module, prefix).items():
+        for key, (part, slot) in _owner_keys(unit_module, prefix).items():
             v, shape = state_dict.get(key), slot.layout.shape
-            if torch.is_tensor(v) and unit.world > 1 and len(shape) > 0 and \
+            if torch.is_tensor(v) and part.world > 1 and len(shape) > 0 and \
                     not isinstance(v, DTensor) and v.shape == shape:
-                rows = state_dicts.local_rows(unit, slot, v, clean_name(key))
-                state_dict[key] = state_dicts.shard_value(unit, slot, rows, False)
+                rows = state_dicts.local_rows(part, slot, v, clean_name(key))
+                state_dict[key] = state_dicts.shard_value(part, slot, rows, False)
             elif isinstance(v, DTensor):
-                state_dicts.local_rows(unit, slot, v, clean_name(key))  # raises on a local shard laid out otherwise
+                state_dicts.local_rows(part, slot, v, clean_name(key))  # raises on a local shard laid out otherwise
+    loads = []
+    for part in mixed.parts(unit):
+        targets = _load_targets(part, st.type)
+        marks = [None if t is None else _mark(t) for t in targets]
+        loads.append((part, _LoadTargets(targets, marks, error_msgs, local_flat if part is unit else None)))
+    _LOADS[id(unit_module)] = loads
+    for part, pending in loads:
+        part.install_params(pending.targets)
+
+
+def _load_targets(unit, kind: StateDictType) -> list[Optional[nn.Parameter]]:
+    """The load targets of ``unit`` (a unit or one of its dtype parts) for a state-dict type."""
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        return [None] * len(unit.slots)
+    if kind is StateDictType.SHARDED_STATE_DICT:
         # Targets hold copies of this rank's rows (a 0-dim parameter: a whole
         # value), so nothing reaches the shard before the load succeeded.
         views = flat_layout.shard_views(unit.flat_shard, unit.layout, unit.rank)
@@ -224,13 +254,10 @@ def _load_pre(unit_module: nn.Module, state_dict: dict, prefix: str, local_metad
             else:
                 value = torch.zeros(lay.shape, dtype=view.dtype, device=view.device)
             targets.append(nn.Parameter(value, requires_grad=lay.requires_grad))
-    else:
-        dev = unit.flat_shard.device
-        targets = [nn.Parameter(torch.empty(slot.layout.shape, dtype=unit.flat_shard.dtype, device=dev),
-                                requires_grad=slot.layout.requires_grad) for slot in unit.slots]
-    marks = [None if t is None else _mark(t) for t in targets]
-    _LOADS[id(unit_module)] = _LoadTargets(targets, marks, error_msgs, local_flat)
-    unit.install_params(targets)
+        return targets
+    dev = unit.flat_shard.device
+    return [nn.Parameter(torch.empty(slot.layout.shape, dtype=unit.flat_shard.dtype, device=dev),
+                         requires_grad=slot.layout.requires_grad) for slot in unit.slots]
 
 
 def _local_flat(unit, flat: Optional[torch.Tensor], prefix: str, missing_keys: list) -> Optional[torch.Tensor]:
@@ -266,10 +293,28 @@ def _written(target: torch.Tensor, now, mark) -> bool:
 
 
 def _load_post(unit_module: nn.Module, incompatible_keys) -> None:
-    unit = unit_module.unit
-    pending = _LOADS.pop(id(unit_module), None)
-    if pending is None:
+    loads = _LOADS.pop(id(unit_module), None)
+    if loads is None:
         return
+    copies = [_load_post_part(part, pending) for part, pending in loads]
+    for names in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        names[:] = [clean_name(n) for n in names]
+    error_msgs = loads[0][1].error_msgs
+    error_msgs[:] = [_clean_message(m) for m in error_msgs]
+
+    def copy_rows():
+        for fn in copies:
+            fn()
+
+    if _DEFERRED[-1] is not None:
+        _DEFERRED[-1].append(copy_rows)
+    elif not error_msgs:
+        copy_rows()
+
+
+def _load_post_part(unit, pending: _LoadTargets) -> Callable[[], None]:
+    """Restore ``unit``'s (a unit's or dtype part's) parameters; returns the
+    copy into its shard of the targets the load wrote."""
     writes = []
     for slot, target, mark in zip(unit.slots, pending.targets, pending.marks):
         module, attr = slot.owners[0]
@@ -277,9 +322,6 @@ def _load_post(unit_module: nn.Module, incompatible_keys) -> None:
         if mark is not None and _written(target, now, mark):
             writes.append((slot, now))
     unit.restore_params()
-    for names in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
-        names[:] = [clean_name(n) for n in names]
-    pending.error_msgs[:] = [_clean_message(m) for m in pending.error_msgs]
 
     @torch.no_grad()
     def copy_rows():
@@ -289,10 +331,7 @@ def _load_post(unit_module: nn.Module, incompatible_keys) -> None:
         for slot, value in writes:
             views[slot].copy_(state_dicts.local_rows(unit, slot, value, slot.layout.fqn))
 
-    if _DEFERRED[-1] is not None:
-        _DEFERRED[-1].append(copy_rows)
-    elif not pending.error_msgs:
-        copy_rows()
+    return copy_rows
 
 
 class deferred_row_copies:

@@ -178,8 +178,9 @@ class Entry:
 
 
 def entries(root: nn.Module) -> tuple[list, list[Entry]]:
-    """(Unit objects under ``root`` in module order, every state-dict entry in order)."""
-    units = [u.unit for u in unit_modules(root)]
+    """(Unit objects under ``root`` in module order, each followed by its dtype
+    parts (core/mixed.py), every state-dict entry in order)."""
+    units = [part for u in unit_modules(root) for part in (u.unit, *u.unit.side)]
     owner = {}
     for unit in units:
         for slot in unit.slots:

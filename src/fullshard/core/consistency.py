@@ -88,7 +88,7 @@ class _Unwritten:
     ``load_state_dict``, ``set_model_state_dict``, ``copy_``) bumps one."""
 
     def __init__(self, unit, names: list[str]):
-        self.slots = [s for s in unit.slots if s.fqn in set(names)]
+        self.slots = [s for part in (unit, *unit.side) for s in part.slots if s.fqn in set(names)]  # dtype parts
         self.versions = [self._versions(s) for s in self.slots]
 
     @staticmethod

@@ -72,6 +72,8 @@ def convert(rt: state.UnitRuntime, fn: Callable[[torch.Tensor], torch.Tensor]) -
     and move the post-backward hook to its new unsharded flat parameter.
     Returns True when the master dtype or storage changed."""
     with torch.no_grad():
+        for part in rt.unit.side:  # a mixed unit's frozen dtype parts (core/mixed.py)
+            convert_shard(part, fn)
         changed = convert_shard(rt.unit, fn)
     if changed:
         rt.rearm_grad_hook()
@@ -205,7 +207,8 @@ def sharded_params_hidden(rt: state.UnitRuntime) -> Iterator[None]:
     the module function converts only what the unit does not manage (buffers,
     ignored parameters); positions in ``_parameters`` are kept."""
     unit = rt.unit
-    owners = [(module, attr, slot.sharded) for slot in unit.slots for module, attr in slot.owners]
+    owners = [(module, attr, slot.sharded) for part in (unit, *unit.side) for slot in part.slots
+              for module, attr in slot.owners]
     for module, attr, _ in owners:
         module._parameters[attr] = None
     try:

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from . import collectives, flat
+from . import collectives, flat, mixed
 
 
 def gather_full(unit, flat_shard: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
@@ -64,7 +64,7 @@ def full_params(units: list, writeback: bool = True, rank0_only: bool = False,
     if writeback and rank0_only:
         raise ValueError("summon_full_params: writeback=True with rank0_only=True is not supported (the "
                          "other ranks hold no full parameters to write back); pass writeback=False")
-    todo = [u for u in units if not u.summoned]
+    todo = [p for u in units for p in mixed.parts(u) if not p.summoned]  # each dtype part of a mixed unit
     gathered = []
     try:
         with torch.no_grad():

@@ -104,6 +104,8 @@ class Unit:
     core/convert.py.
     """
 
+    side: tuple = ()  # frozen parts of other dtypes (core/mixed.py [Note: units that mix dtypes])
+
     def __init__(self, name: str, slots: list[ParamSlot], cfg: UnitConfig, settings: UnitSettings):
         optim_guard.install()  # optimizers that need whole tensors fail loudly on shards
         self.name = name

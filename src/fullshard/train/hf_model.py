@@ -21,9 +21,9 @@ their shapes (no memory), after ``torch.manual_seed(seed)`` as a single-process 
 gives the adapters' values; and on the meta model, which gives the structure that is sharded. The
 row initializer serves adapter rows from the skeleton's values and base rows from the files.
 
-One dtype per model: every parameter, frozen base and adapters alike, trains in the run's dtype
-(units refuse parameters of different dtypes). A base kept in bf16 with fp32 adapters in one unit
-waits for units that mix dtypes.
+One dtype per model: every parameter, frozen base and adapters alike, trains in the run's dtype.
+Units may mix dtypes (core/mixed.py: a bf16 frozen base beside fp32 adapters), but the trainer has
+no flag yet to load the base in bf16.
 """
 from __future__ import annotations
 
