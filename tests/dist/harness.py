@@ -12,16 +12,20 @@ and imports per rank that spawn costs on a 2-core machine. A rank sees the
 caller's environment and working directory as of the call, as it would under
 spawn, except that glibc reads ``MALLOC_*_`` variables only at process start:
 the rank applies the ones in ``_MALLOPT`` itself with ``mallopt(3)``.
-``FULLSHARD_TEST_START=spawn`` restores plain spawn. A child's exception is raised
+``FULLSHARD_TEST_START=spawn`` restores plain spawn.
+``run_main(main, argv, ...)`` runs a command's ``main`` the same way, as a
+command's process (tests/e2e run the ``fullshard`` command so). A child's exception is raised
 in the parent as ``RankFailure`` carrying the rank and the child's traceback;
 a hang is killed after ``timeout_s`` and reported, never waited on forever.
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import queue
-import ctypes
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -32,8 +36,8 @@ class RankFailure(AssertionError):
 
 
 # Imported once in the forkserver; every rank is forked from it.
-_PRELOAD = ["torch", "torch.distributed", "fullshard", "tests.dist.harness", "tests.dist.common",
-            "tests.dist.models"]
+_PRELOAD = ["torch", "torch.distributed", "fullshard", "fullshard.cli", "fullshard.train.loop",
+            "torch.distributed.launcher.api", "tests.dist.harness", "tests.dist.common", "tests.dist.models"]
 _CONTEXT = None
 # glibc's tunables read from the environment at process start, and their mallopt(3)
 # parameter numbers (malloc.h: M_TRIM_THRESHOLD -1, M_TOP_PAD -2, M_MMAP_THRESHOLD -3).
@@ -124,3 +128,52 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, backend: str
             rank, tb = failures[0]
             raise RankFailure(f"rank {rank} of {world_size} failed:\n{tb}")
         return [outs[r] for r in range(world_size)]
+
+
+def _main_worker(main, argv, env, cwd, out_path, err_path):
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    _apply_malloc_env(env)
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    code = 1
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            sys.stderr.write(f"{e.code}\n")
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        import atexit
+
+        atexit._run_exitfuncs()  # a multiprocessing child skips them; a command's process runs them
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
+
+
+def run_main(main, argv: list, env: dict, timeout_s: float, args=None) -> subprocess.CompletedProcess:
+    """``main(argv)`` (a command's ``main``) in a process forked from the forkserver, as a command's
+    process: environment ``env``, this working directory, stdout and stderr captured, exit status
+    ``main``'s return value (a ``SystemExit``'s code; 1 and a traceback for an exception).
+
+    Raises:
+        subprocess.TimeoutExpired: it ran longer than ``timeout_s`` (it is killed).
+    """
+    ctx = _context()
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        proc = ctx.Process(target=_main_worker, args=(main, argv, env, os.getcwd(), out_path, err_path))
+        proc.start()
+        proc.join(timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(args or argv, timeout_s)
+        with open(out_path, errors="replace") as f_out, open(err_path, errors="replace") as f_err:
+            return subprocess.CompletedProcess(args or argv, proc.exitcode, f_out.read(), f_err.read())

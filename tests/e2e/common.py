@@ -11,6 +11,7 @@ import sys
 
 from fullshard import checkpoint, cli as fullshard_cli
 from fullshard.models import ARCHS, build_model
+from tests.dist import harness
 
 ARCH = "transformer_lm_gpt_mini"
 """The architecture most end-to-end runs train (2 layers, width 64, 2 heads)."""
@@ -35,13 +36,28 @@ def run_all(calls: dict, workers: int = WORKERS) -> dict:
     return {name: f.result() for name, f in futures.items()}
 
 
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python -m fullshard.cli ARGS` outside any torchrun environment; never raises on exit code."""
+def cli_env(start_method: str = "fork") -> dict:
+    """This process's environment outside any torchrun job, with ``PET_START_METHOD`` (the
+    launcher's default ``--start-method``) set to ``start_method``."""
     env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "fullshard.cli", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    env["PET_START_METHOD"] = start_method
+    return env
+
+
+def run_cli(*args: str, timeout: float = 300, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`fullshard ARGS` in a process of its own, outside any torchrun environment, its ranks started
+    with ``--start-method fork``; never raises on exit code.
+
+    By default the process is forked from the test forkserver (tests/dist/harness.py), which has
+    imported torch and fullshard, so neither it nor its forked ranks import them again (~13 s of CPU
+    per 2-rank run on this machine). ``fresh``: `python -m fullshard.cli` in a new interpreter
+    whose ranks are spawned, as a user runs the command."""
+    if fresh:
+        return subprocess.run([sys.executable, "-m", "fullshard.cli", *args], env=cli_env("spawn"),
+                              capture_output=True, text=True, timeout=timeout)
+    return harness.run_main(fullshard_cli.main, list(args), cli_env(), timeout, ["fullshard", *args])
 
 
 def main_in_process(capsys, *argv):

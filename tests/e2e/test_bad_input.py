@@ -186,6 +186,7 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
      "--pipeline-parallel-size 2 does not support --hybrid-shard with --world-size-invariant"),
     (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--pipeline-microbatches", "3"],
      "--batch-size 4 is not divisible by --pipeline-microbatches 3"),
+    (["{data}", "--start-method", "thread"], "argument --start-method: invalid choice: 'thread'"),
 ]
 
 
@@ -216,6 +217,18 @@ def test_bad_inputs_one_line_exit_2_nothing_written(paths, tmp_path, capsys):
             failures.append((argv[:3], expected, info.value.code, err))
         shutil.rmtree(work)
     assert not failures, "\n".join(map(str, failures))
+    # torchrun's variable for the default --start-method is checked like a flag
+    os.environ["PET_START_METHOD"] = "thread"
+    try:
+        with pytest.raises(SystemExit) as info:
+            main(["train", paths["data"], "--arch", ARCH, "--save-dir", str(tmp_path / "ck")])
+    finally:
+        del os.environ["PET_START_METHOD"]
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err == ("fullshard train: error: PET_START_METHOD='thread' is not a start "
+                                            "method (spawn, fork, forkserver); fix or unset it, or give "
+                                            "--start-method\n"), err
+    assert not (tmp_path / "ck").exists()
 
 
 SEED_COMMAND = """fullshard train data-bin/wikitext-103-roberta-bpe-bin \\

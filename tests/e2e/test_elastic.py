@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from tests.e2e.common import ARCH, checkpoint_params, json_records, run_all, run_cli
+from tests.e2e.common import ARCH, checkpoint_params, cli_env, json_records, run_all, run_cli
 
 SMALL = ["--arch", ARCH, "--tokens-per-sample", "16", "--batch-size", "2", "--log-interval", "1",
          "--log-format", "json", "--seed", "3", "--lr", "0.001", "--save-interval-updates", "2"]
@@ -44,8 +44,7 @@ def _free_port() -> int:
 
 
 def _env() -> dict:
-    return {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return cli_env()  # ranks forked from the launcher (see tests/e2e/common.run_cli)
 
 
 class Launcher:

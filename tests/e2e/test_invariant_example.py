@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 from fullshard.bench import reductions
+from tests.e2e.common import cli_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run_example(nproc: int) -> list:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = cli_env()  # PET_START_METHOD=fork: torchrun forks its ranks too
     env["PYTHONPATH"] = os.path.join(ROOT, "src")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            "--standalone", os.path.join(ROOT, "examples", "invariant.py")],

@@ -3,13 +3,12 @@ HYBRID_SHARD: the same losses as one launcher's 4-rank FULL_SHARD run; rendezvou
 errors are one line naming address:port."""
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 import time
 
-from tests.e2e.common import json_records, pool, run_cli
+from tests.e2e.common import cli_env, json_records, pool, run_cli
 
 ARGS = ["--arch", "transformer_lm_gpt_mini", "--tokens-per-sample", "64", "--batch-size", "2",
         "--log-interval", "1", "--log-format", "json", "--seed", "3", "--lr", "0.001", "--max-update", "3",
@@ -28,7 +27,7 @@ def _losses(stdout: str) -> list:
 
 def test_two_nodes_hybrid_shard_match_single_node_full_shard(corpus_dir):
     endpoint = f"127.0.0.1:{_free_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = cli_env()
     background = pool(1)  # the single-node run, meanwhile
     single = background.submit(run_cli, "train", str(corpus_dir), *ARGS, "--nproc-per-node", "4", timeout=300)
     background.shutdown(wait=False)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.common import cli_env
+
 ARCH = "transformer_lm_gpt3_tiny"
 DATA = "data-bin/wikitext-103-roberta-bpe-bin"
 
@@ -55,8 +57,7 @@ def _fullshard(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`fullshard ARGS` run in `cwd`, outside any torchrun environment, importing this checkout."""
     import fullshard
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = cli_env()
     env["PYTHONPATH"] = str(Path(fullshard.__file__).resolve().parents[1])
     return subprocess.run([sys.executable, "-m", "fullshard.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)

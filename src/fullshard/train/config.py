@@ -161,6 +161,10 @@ class ModelOptions:
     dropout: float = flag(0.0, "dropout probability (default: %(default)s)")
 
 
+START_METHODS = ("spawn", "fork", "forkserver")
+"""How torch elastic may start the ranks (torchrun's ``--start-method`` choices)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class DistributedOptions:
     """Data parallelism: backend and sharding, memory features, and the launch of the ranks."""
@@ -205,6 +209,12 @@ class DistributedOptions:
                                        option="--collective-timeout", metavar="SECONDS")
     debug_collectives: bool = flag(False, "before each collective check that every rank issues the same one "
                                    "(also FULLSHARD_DEBUG=1)")
+    # None: PET_START_METHOD (torchrun's variable for its --start-method), else spawn; `launch` resolves it.
+    start_method: Optional[str] = flag(
+        None, "how the launched ranks start (torchrun's --start-method): spawn, a fresh interpreter per rank; "
+        "fork, a copy of the launcher, which starts a rank in well under a second instead of re-importing "
+        "torch (the launcher must not have initialized CUDA); forkserver (default: $PET_START_METHOD, else "
+        "spawn)", choices=START_METHODS)
     max_restarts: int = flag(0, "after a rank dies, restart all ranks up to this many times; each resumes from "
                              "checkpoint_last (default: 0)")
     # `validate` stores "N" or "MIN:MAX" with MIN < MAX; `node_range` reads it (also an older int).

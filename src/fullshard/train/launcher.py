@@ -56,7 +56,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
-from fullshard.train.config import TrainConfig, node_range
+from fullshard.train.config import START_METHODS, TrainConfig, node_range
 from fullshard.train.options import under_torchrun
 
 
@@ -94,7 +94,28 @@ def launch(cfg: TrainConfig, entry: Callable[[TrainConfig], object]) -> list:
     rdzv = Rendezvous(cfg.rdzv_endpoint, cfg.node_rank, cfg.rdzv_timeout_s, cfg.rdzv_last_call_s,
                       cfg.rdzv_keep_alive_s)
     return launch_local(entry, cfg, cfg.nproc_per_node, max_restarts=cfg.max_restarts, nnodes=node_range(cfg.nnodes),
-                        rdzv=rdzv)
+                        rdzv=rdzv, start_method=start_method_of(getattr(cfg, "start_method", None)))
+
+
+def start_method_of(chosen: Optional[str]) -> str:
+    """The start method to launch with: ``chosen``, else ``$PET_START_METHOD`` (the variable torchrun
+    reads for its ``--start-method``), else ``"spawn"``.
+
+    Raises:
+        LaunchError: the method is none of :data:`START_METHODS`, or is ``fork`` after this process
+            initialized CUDA (a forked rank could not use the GPU).
+    """
+    method = chosen or os.environ.get("PET_START_METHOD") or "spawn"
+    if method not in START_METHODS:
+        raise LaunchError(f"start method {method!r} (from PET_START_METHOD) is not one of "
+                          f"{', '.join(START_METHODS)}; fix or unset PET_START_METHOD")
+    if method == "fork":
+        import torch
+
+        if torch.cuda.is_initialized():
+            raise LaunchError("--start-method fork: this process has initialized CUDA, which forked ranks "
+                              "cannot use; use --start-method spawn")
+    return method
 
 
 @dataclass(frozen=True)
@@ -127,7 +148,8 @@ class Rendezvous:
 
 
 def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max_restarts: int = 0,
-                 nnodes: Tuple[int, int] = (1, 1), rdzv: Optional[Rendezvous] = None) -> list:
+                 nnodes: Tuple[int, int] = (1, 1), rdzv: Optional[Rendezvous] = None,
+                 start_method: str = "spawn") -> list:
     """Run `entry(arg)` on `nproc` ranks of this machine with torch's elastic
     launcher (a c10d rendezvous: standalone on a free port for one node, at
     ``rdzv.endpoint`` hosted by node 0 for several); their return values by
@@ -139,6 +161,9 @@ def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max
         nnodes: ``(min, max)`` launchers taking part; min < max is an elastic job (torch elastic
             restarts the ranks at each membership change; ``entry`` resumes from its checkpoint).
         rdzv: where and how the launchers meet (default: one node, a free local port).
+        start_method: how torch elastic starts each rank (:data:`START_METHODS`): ``spawn``
+            re-imports everything in a fresh interpreter; ``fork`` copies this process, whose
+            imports the rank then shares.
     Raises:
         RankFailed: a rank raised or died ("rank R was lost: ..." / "rank R failed: <its error>").
         LaunchError: the rendezvous could not be hosted or reached (names host:port).
@@ -164,7 +189,7 @@ def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max
     config = LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=rdzv.endpoint, rdzv_configs=rdzv.configs(max_nodes),
-        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+        max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method,
         local_addr=rdzv.endpoint.rpartition(":")[0] if max_nodes > 1 else None,
         # torch's agent writes each rank's error file under a log directory; left to itself it
         # makes a new torchelastic_* directory in the temp dir per launch and never removes it.

@@ -21,6 +21,7 @@ from fullshard.data import DataError, TokenBlockDataset, read_meta
 from fullshard.models import ARCHS, ArchSpec, build_model
 from fullshard.train import hf_options, pipeline_checks
 from fullshard.train.config import (
+    START_METHODS,
     TRAIN_GROUPS,
     GlobalBatchError,
     ModelOptions,
@@ -400,6 +401,10 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     _check_positive(p, args)
     _check_schedule(p, args)
     rdzv_endpoint = _check_nodes(p, args)
+    pet = os.environ.get("PET_START_METHOD")
+    if args.start_method is None and pet and pet not in START_METHODS:
+        p.fail(f"PET_START_METHOD={pet!r} is not a start method ({', '.join(START_METHODS)}); fix or unset it, "
+               "or give --start-method")
     _check_elastic_batch(p, args)
     # An elastic range is checked at its largest world size (the most data per update).
     world_size = max(elastic_world_sizes(args.nproc_per_node, args.nnodes))
