@@ -91,7 +91,7 @@ def _full_group(rank: int, world: int, dirs: dict) -> dict:
     return out
 
 
-def _check_frozen(trainer, path: str) -> None:
+def _check_frozen(trainer, path: str, base: torch.dtype = torch.float32) -> None:
     """Base shards bit for bit the file's rows, no gradient; optimizer state only for adapters."""
     from safetensors import safe_open
 
@@ -104,14 +104,14 @@ def _check_frozen(trainer, path: str) -> None:
         local = p.to_local() if hasattr(p, "to_local") else p
         if p.requires_grad:
             trainable += 1
-            assert "lora_" in name, name
+            assert "lora_" in name and p.dtype == torch.float32, name
             continue
         assert p.grad is None, name
         assert p not in trainer.optimizer.state, name
         plain = clean_name(name).replace("base_model.model.", "").replace(".base_layer.", ".")
-        full = file[plain if plain in file else "model.embed_tokens.weight"]
+        full = file[plain if plain in file else "model.embed_tokens.weight"].to(base)  # cast as from_pretrained
         rows = full.chunk(2)[torch.distributed.get_rank()] if full.dim() else full
-        assert torch.equal(local.detach()[:rows.shape[0]], rows), name
+        assert local.dtype == base and torch.equal(local.detach()[:rows.shape[0]], rows), name
     assert trainable and len(trainer.optimizer.state) == trainable
 
 
@@ -121,26 +121,31 @@ def _lora_group(rank: int, world: int, dirs: dict) -> dict:
     out = {}
     for name, over in (("full_shard_v1", dict(fsdp_version=1)),
                        ("shard_grad_op_v1", dict(fsdp_version=1, reshard_after_forward=False)),
-                       ("fully_shard_v2", dict(fsdp_version=2))):
+                       ("fully_shard_v2", dict(fsdp_version=2)),
+                       # --base-dtype bf16: a bf16 frozen base beside fp32 adapters (units mixing dtypes)
+                       ("full_shard_v1_bf16_base", dict(fsdp_version=1, base_dtype="bf16")),
+                       ("fully_shard_v2_bf16_base", dict(fsdp_version=2, base_dtype="bf16")),
+                       ("fully_shard_v2_bf16_base_bf16", dict(fsdp_version=2, base_dtype="bf16", bf16=True))):
         cfg = _cfg(dirs["llama"], **LORA, **over)
         trainer, losses, logits = _train(cfg, rank)
-        _check_frozen(trainer, dirs["llama"])
+        _check_frozen(trainer, dirs["llama"], torch.bfloat16 if "bf16_base" in name else torch.float32)
         adapters = {k: v for k, v in gather_state_dict(trainer.model).items() if "lora_" in k}
         saved = {}
-        if name != "shard_grad_op_v1":
-            merge = name == "full_shard_v1"
+        if name in ("full_shard_v1", "fully_shard_v2", "full_shard_v1_bf16_base", "fully_shard_v2_bf16_base"):
+            merge = name.startswith("full_shard_v1")
             cfg = _cfg(dirs["llama"], **LORA, **over, merge_lora=merge)
             saved = export(cfg, trainer.model, trainer.peft_model, os.path.join(dirs["out"], name))
         out[name] = dict(losses=losses, state=_np(adapters), logits=_np({"x": logits})["x"], saved=saved)
     return out
 
 
-def _reference(path: str, lora: bool):
-    """Single-process transformers (PEFT with ``lora``) AdamW training on the concatenated rank batches."""
+def _reference(path: str, lora: bool, dtype: torch.dtype = torch.float32):
+    """Single-process transformers (PEFT with ``lora``) AdamW training on the concatenated rank batches,
+    the checkpoint loaded in ``dtype`` (PEFT keeps the adapters fp32)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.config.use_cache = False
     if lora:
         torch.manual_seed(SEED)
@@ -210,14 +215,19 @@ def test_lora_matches_single_process_peft(dirs):
     from transformers import AutoModelForCausalLM
 
     got = run_ranks(_lora_group, 2, dirs)[0]
-    ref, losses, logits = _reference(dirs["llama"], lora=True)
-    want = {n: p.detach().numpy() for n, p in ref.named_parameters() if p.requires_grad}
+    # --bf16 over a bf16 base: every parameter computes in bf16 (adapters' master fp32): near the bf16 base run
+    mixed = got.pop("fully_shard_v2_bf16_base_bf16")
+    assert all(v.dtype == np.float32 for v in mixed["state"].values())
+    _close(mixed["losses"], got["fully_shard_v2_bf16_base"]["losses"], "--bf16 over a bf16 base, losses", tol=3e-2)
+    refs = {dtype: _reference(dirs["llama"], lora=True, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
     diffs = {}
     for name, result in got.items():
+        ref, losses, logits = refs[torch.bfloat16 if "bf16_base" in name else torch.float32]
+        want = {n: p.detach().numpy() for n, p in ref.named_parameters() if p.requires_grad}
         assert sorted(result["state"]) == sorted(want), name
         diffs[name] = (_close(result["losses"], losses, f"{name} losses", tol=1e-5),
                        max(_close(result["state"][n], want[n], f"{name} {n}", tol=1e-4) for n in want))
-        _close(result["logits"], logits.numpy(), f"{name} logits")
+        _close(result["logits"], logits.float().numpy(), f"{name} logits")
     with torch.no_grad():
         adapter = got["fully_shard_v2"]["saved"]
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
@@ -226,4 +236,16 @@ def test_lora_matches_single_process_peft(dirs):
         merged = AutoModelForCausalLM.from_pretrained(got["full_shard_v1"]["saved"])
         assert not any("lora" in n for n, _ in merged.named_parameters())
         _close(merged(torch.tensor(PROMPT)).logits.numpy(), got["full_shard_v1"]["logits"], "merged logits")
+        # bf16 base: the adapter (fp32) over the base loaded in bf16 gives the sharded logits; the merged
+        # model is stored bf16 (PEFT merges into the bf16 weights: its rounding is the only difference)
+        adapter = got["fully_shard_v2_bf16_base"]["saved"]
+        base = AutoModelForCausalLM.from_pretrained(dirs["llama"], dtype=torch.bfloat16)
+        peft_model = PeftModel.from_pretrained(base, adapter)
+        assert {p.dtype for n, p in peft_model.named_parameters() if "lora_" in n} == {torch.float32}
+        _close(peft_model(torch.tensor(PROMPT)).logits.float().numpy(), got["fully_shard_v2_bf16_base"]["logits"],
+               "bf16 base: adapter logits")
+        merged = AutoModelForCausalLM.from_pretrained(got["full_shard_v1_bf16_base"]["saved"], dtype="auto")
+        assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
+        _close(merged(torch.tensor(PROMPT)).logits.float().numpy(), got["full_shard_v1_bf16_base"]["logits"],
+               "bf16 base: merged logits", tol=5e-2)
     print("max |diff| (losses, adapters) vs single-process PEFT:", diffs)

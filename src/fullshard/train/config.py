@@ -422,6 +422,9 @@ class FinetuneOptions:
     lora_target_modules: Optional[str] = flag(None, "comma-separated module names to adapt, e.g. q_proj,v_proj "
                                               "(default: PEFT's for the architecture)", metavar="NAMES")
     merge_lora: bool = flag(False, "--lora-rank: export the base with the adapters merged in, not the adapter")
+    # fp32: one dtype for the whole model. bf16/fp16: the frozen base stored so, adapters fp32 (PEFT's default).
+    base_dtype: str = flag("fp32", "--lora-rank: dtype the frozen base is stored and trained in; the adapters stay fp32 "
+                           "(default: %(default)s)", choices=("fp32", "bf16", "fp16"))
 
 
 TRAIN_GROUPS = (ModelOptions, DistributedOptions, PipelineOptions, PrecisionOptions, DatasetOptions,

@@ -21,9 +21,13 @@ their shapes (no memory), after ``torch.manual_seed(seed)`` as a single-process 
 gives the adapters' values; and on the meta model, which gives the structure that is sharded. The
 row initializer serves adapter rows from the skeleton's values and base rows from the files.
 
-One dtype per model: every parameter, frozen base and adapters alike, trains in the run's dtype.
-Units may mix dtypes (core/mixed.py: a bf16 frozen base beside fp32 adapters), but the trainer has
-no flag yet to load the base in bf16.
+By default every parameter, frozen base and adapters alike, is fp32. ``--base-dtype bf16`` (or fp16,
+with ``--lora-rank``) stores the frozen base in that dtype and keeps the adapters fp32, as
+single-process ``from_pretrained(dtype=torch.bfloat16)`` + ``get_peft_model`` does: the meta model's
+parameters take the base dtype before PEFT runs, so PEFT rounds the adapters' initial values through
+it and casts them back to fp32 (its ``autocast_adapter_dtype``) exactly as in a single process; each
+rank casts its base rows as it reads them. Units then mix a bf16 base with fp32 adapters
+(core/mixed.py: each part gathers in its own dtype). Buffers stay fp32.
 """
 from __future__ import annotations
 
@@ -294,11 +298,25 @@ def load_meta(cfg, path: Optional[str] = None):
     path = path or cfg.hf_model
     model = build_meta(read_config(path))
     layers = layer_list(model, path)
+    base = BASE_DTYPES[getattr(cfg, "base_dtype", "fp32")]
+    if base != torch.float32:
+        if not cfg.lora_rank:
+            raise HFModelError(f"--base-dtype {cfg.base_dtype} needs --lora-rank R (> 0): only a frozen base is "
+                               "stored in it; a full fine-tune trains fp32 master weights (--bf16 computes in bf16)")
+        for p in model.parameters():  # meta: no memory; ties kept (same parameter objects)
+            p.data = p.data.to(base)
     names = base_names(model)
     adapters: dict[str, torch.Tensor] = {}
     if cfg.lora_rank:
         model, adapters = apply_lora(model, cfg, path)
+        wrong = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
+        if wrong:  # PEFT upcasts its adapters (autocast_adapter_dtype); a trainable base copy would not be
+            raise HFModelError(f"--base-dtype {cfg.base_dtype}: trainable parameters {wrong[:3]} are not fp32; "
+                               "train adapters only (--lora-target-modules) or use --base-dtype fp32")
     return model, layers, RowReader(model, path, names, adapters)
+
+
+BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def buffers_of(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:

@@ -20,7 +20,8 @@ def check(p, args, meta: dict) -> Optional[int]:
     """
     if not args.hf_model:
         for name, given in (("--lora-rank", args.lora_rank), ("--save-hf", args.save_hf),
-                            ("--merge-lora", args.merge_lora), ("--lora-target-modules", args.lora_target_modules)):
+                            ("--merge-lora", args.merge_lora), ("--lora-target-modules", args.lora_target_modules),
+                            ("--base-dtype", args.base_dtype != "fp32")):
             if given:
                 p.fail(f"{name} needs --hf-model DIR (LoRA and Hugging Face export are for Hugging Face checkpoints)")
         return None
@@ -34,6 +35,15 @@ def check(p, args, meta: dict) -> Optional[int]:
         for name, given in (("--merge-lora", args.merge_lora), ("--lora-target-modules", args.lora_target_modules)):
             if given:
                 p.fail(f"{name} needs --lora-rank R (> 0)")
+    if args.base_dtype != "fp32":
+        if not args.lora_rank:
+            p.fail(f"--base-dtype {args.base_dtype} needs --lora-rank R (> 0): it stores the frozen base in "
+                   f"{args.base_dtype}; a full fine-tune trains every parameter in fp32 master weights (add --bf16 to "
+                   "compute in bf16)")
+        other = "fp16" if args.fp16 else "bf16" if args.bf16 else None
+        if other and other != args.base_dtype:
+            p.fail(f"--base-dtype {args.base_dtype} with --{other} would cast the base to {other} in every "
+                   f"forward; use --base-dtype {other}, or drop --{other}")
     if args.optimizer == "muon":
         p.fail("--hf-model with --optimizer muon is not supported yet; use adam, cpu_adam, adafactor or lamb")
     try:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from fullshard import memory_stats
 from fullshard.core import collectives
 from fullshard.data import GlobalBatchSampler, ShardedBatchSampler, TokenBlockDataset
 from fullshard.train import checkpoint_utils, hf_export, invariance, optimizers, pipeline
@@ -178,13 +179,17 @@ class Run:
         kind = "GPUs" if self.device.type == "cuda" else "CPUs"
         cfg = self.cfg
         if cfg.hf_model:
-            described = f"Hugging Face {cfg.hf_model}" + (f" + LoRA rank {cfg.lora_rank}" if cfg.lora_rank else "")
+            described = f"Hugging Face {cfg.hf_model}" + (f" + LoRA rank {cfg.lora_rank} (base {cfg.base_dtype}, "
+                                                          "adapters fp32)" if cfg.lora_rank else "")
         else:
             described = f"{cfg.arch} ({cfg.arch_spec().describe()})"
         logger.info(f"model {described}, "
                     f"ddp-backend {self.cfg.ddp_backend}"
                     + ("" if self.cfg.ddp_backend == "c10d" else f" ({self._strategy()})"))
         logger.info(f"num. model params: {n:,} (num. trained: {self.trainer.num_trained:,})")
+        if cfg.hf_model:  # the base's bytes as stored (--base-dtype), from fullshard.memory_stats
+            shards = sum(u["sharded_bytes"] for k, u in memory_stats(self.trainer.model).items() if k != "pool")
+            logger.info(f"parameter shards on rank 0: {shards / 2**20:.2f} MiB")
         logger.info(optimizers.describe(self.cfg, self.trainer.optimizer))
         cfg, parts = self.cfg, []
         if cfg.fp16:
