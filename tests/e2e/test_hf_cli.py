@@ -4,6 +4,7 @@ adapter written for PEFT; and the bad inputs of the Hugging Face flags, each one
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -52,6 +53,8 @@ def llama_data(tmp_path_factory, cli, corpus_dir, llama_dir):
 def test_preprocess_with_model_tokenizer_then_lora_finetune(cli, llama_data, llama_dir, tmp_path):
     import torch
     from peft import PeftModel
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
     from transformers import AutoModelForCausalLM
 
     data = llama_data
@@ -59,23 +62,36 @@ def test_preprocess_with_model_tokenizer_then_lora_finetune(cli, llama_data, lla
     assert meta["vocab_size"] == 300 and meta["eos_id"] == 1 and meta["tokenizer"].startswith("hf:"), meta
     save = tmp_path / "ckpt"
 
-    def train(updates: int):
+    def train(updates: int, save=save):
+        # the frozen base stored in bf16, the adapters fp32
         proc = cli("train", str(data), "--hf-model", str(llama_dir), "--lora-rank", "4", "--lora-target-modules",
-                   "q_proj,v_proj", "--nproc-per-node", "2", "--fsdp-version", "2", "--tokens-per-sample", str(T),
-                   "--batch-size", "2", "--max-update", str(updates), "--lr", "1e-2", "--log-format", "simple",
-                   "--save-dir", str(save))
+                   "q_proj,v_proj", "--base-dtype", "bf16", "--nproc-per-node", "2", "--fsdp-version", "2",
+                   "--tokens-per-sample", str(T), "--batch-size", "2", "--max-update", str(updates), "--lr", "1e-2",
+                   "--log-format", "simple", "--save-dir", str(save))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc.stdout
 
     out = train(2)
     # q_proj: A 4x32 + B 32x4, v_proj: A 4x32 + B 16x4 (2 key-value heads of 8), in 2 layers
-    assert "+ LoRA rank 4" in out and "num. trained: 896)" in out, out[-3000:]
+    assert "+ LoRA rank 4 (base bf16, adapters fp32)" in out and "num. trained: 896)" in out, out[-3000:]
+    # rank 0's shards: half of the 28,192 base parameters in bf16 (2 bytes) + half of the 896 adapter ones in
+    # fp32 (4 bytes), plus padding; an fp32 base would take 56,384 + 1,792
+    shards = int(re.search(r"parameter shards on rank 0: ([\d,]+) bytes", out).group(1).replace(",", ""))
+    assert 28_192 + 1_792 <= shards < 28_192 + 1_792 + 512, out[-3000:]
     assert (save / "checkpoint_last").is_dir()
+    dtypes = {k: v.properties.dtype for k, v in FileSystemReader(str(save / "checkpoint_last")).read_metadata()
+              .state_dict_metadata.items() if k.startswith("model.") and hasattr(v, "properties")}
+    assert {d for k, d in dtypes.items() if "lora_" in k} == {torch.float32}, dtypes
+    assert {d for k, d in dtypes.items() if "lora_" not in k} == {torch.bfloat16}, dtypes
     out = train(3)  # resumes the adapters and their optimizer state from checkpoint_last
     assert "@ 2 updates" in out and "num_updates 3" in out, out[-3000:]
     adapter = save / "hf"
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in adapter.iterdir()}
-    base = AutoModelForCausalLM.from_pretrained(llama_dir)
+    train(3, tmp_path / "straight")  # the same 3 updates without a resume: the same adapter bit for bit
+    assert load_file(adapter / "adapter_model.safetensors").keys() and all(
+        torch.equal(v, load_file(tmp_path / "straight" / "hf" / "adapter_model.safetensors")[k])
+        for k, v in load_file(adapter / "adapter_model.safetensors").items())
+    base = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16)
     with torch.no_grad():
         ids = torch.tensor([[5, 9, 33, 120]])
         before = base(ids).logits
@@ -99,6 +115,8 @@ def _bad_dirs(tmp_path, llama_dir) -> dict:
     ("unknown", [], "transformers cannot read its config.json"),
     ("llama", ["--lora-rank", "4", "--lora-target-modules", "nope_proj"], "--lora-target-modules 'nope_proj' matches"),
     ("llama", ["--merge-lora"], "--merge-lora needs --lora-rank"),
+    ("llama", ["--base-dtype", "bf16"], "--base-dtype bf16 needs --lora-rank"),
+    ("llama", ["--lora-rank", "4", "--base-dtype", "fp16", "--bf16"], "--base-dtype fp16 with --bf16 would cast"),
     ("llama", ["--tokens-per-sample", "65"], "exceeds the 64 positions"),
     ("vocab", [], "preprocess with the model's tokenizer"),
     (None, ["--lora-rank", "4"], "--lora-rank needs --hf-model"),

@@ -189,7 +189,7 @@ class Run:
         logger.info(f"num. model params: {n:,} (num. trained: {self.trainer.num_trained:,})")
         if cfg.hf_model:  # the base's bytes as stored (--base-dtype), from fullshard.memory_stats
             shards = sum(u["sharded_bytes"] for k, u in memory_stats(self.trainer.model).items() if k != "pool")
-            logger.info(f"parameter shards on rank 0: {shards / 2**20:.2f} MiB")
+            logger.info(f"parameter shards on rank 0: {shards:,} bytes ({shards / 2**20:,.1f} MiB)")
         logger.info(optimizers.describe(self.cfg, self.trainer.optimizer))
         cfg, parts = self.cfg, []
         if cfg.fp16:
