@@ -5,9 +5,11 @@ Saves a random-weight Llama of about 110M parameters (fp32, tied embeddings; 2,0
 (meta construction, units per decoder layer, its own rows read from the safetensors file: see [Note: sharded
 Hugging Face load] in fullshard/train/hf_model.py) and reports its peak RSS growth during that build (VmHWM
 after, reset through /proc/self/clear_refs before, minus VmRSS before; file pages of the memory-mapped
-safetensors file count as they are touched).
+safetensors file count as they are touched). With ``--steps N`` the peak also spans N training updates
+after the load (batch 2 x 64 tokens per rank); ``--base-dtype bf16`` (with ``--lora-rank``) stores the frozen
+base in bf16 beside fp32 adapters.
 
-    PYTHONPATH=src python examples/hf_load_rss.py [--fsdp-version 1|2] [--lora-rank R]
+    PYTHONPATH=src python examples/hf_load_rss.py [--fsdp-version 1|2] [--lora-rank R] [--base-dtype bf16] [--steps N]
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _rank(rank: int, world: int, path: str, version: int, lora: int, init: str, out) -> None:
+def _rank(rank: int, world: int, path: str, version: int, lora: int, init: str, out, base_dtype: str = "fp32",
+          steps: int = 0) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     import peft  # noqa: F401  (imports are not the load)
@@ -38,15 +41,21 @@ def _rank(rank: int, world: int, path: str, version: int, lora: int, init: str, 
     from fullshard.train.trainer import Trainer
 
     cfg = TrainConfig(data_dir="unused", max_positions=2048, vocab_size=32000, fp16_scale_window=1, hf_model=path,
-                      fsdp_version=version, lora_rank=lora, lora_target_modules="q_proj,v_proj" if lora else None)
+                      fsdp_version=version, lora_rank=lora, lora_target_modules="q_proj,v_proj" if lora else None,
+                      base_dtype=base_dtype)
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM (peak RSS) to the current RSS
     before = _status_kib("VmRSS")
     trainer = Trainer(cfg, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        tokens = torch.randint(0, 32000, (2, 65), generator=gen)
+        trainer.train_step([(tokens[:, :-1], tokens[:, 1:])])
     peak = _status_kib("VmHWM")
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
-                for p in trainer.model.parameters())
+    from fullshard import memory_stats
+
+    local = sum(u["sharded_bytes"] for k, u in memory_stats(trainer.model).items() if k != "pool")
     out.put((rank, (peak - before) * 1024, local))
     dist.barrier()
     dist.destroy_process_group()
@@ -56,6 +65,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fsdp-version", type=int, default=2, choices=(1, 2))
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--base-dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--steps", type=int, default=0)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -73,17 +84,19 @@ def main() -> None:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         procs = [ctx.Process(target=_rank, args=(r, 2, path, args.fsdp_version, args.lora_rank,
-                                                 os.path.join(tmp, "init"), out)) for r in range(2)]
+                                                 os.path.join(tmp, "init"), out, args.base_dtype,
+                                                 args.steps)) for r in range(2)]
         for p in procs:
             p.start()
         results = sorted(out.get() for _ in procs)
         for p in procs:
             p.join()
     print(f"model: {params / 1e6:.1f}M parameters, {full_bytes / 2**20:.0f} MiB in fp32; fsdp-version "
-          f"{args.fsdp_version}, lora-rank {args.lora_rank}, 2 ranks")
+          f"{args.fsdp_version}, lora-rank {args.lora_rank}, base {args.base_dtype}, {args.steps} updates, "
+          "2 ranks")
     for rank, growth, local in results:
-        print(f"rank {rank}: peak RSS growth during the load {growth / 2**20:.0f} MiB = {growth / full_bytes:.2f}x "
-              f"the full model (its shards: {local / 2**20:.0f} MiB)")
+        print(f"rank {rank}: peak RSS growth during the load and updates {growth / 2**20:.0f} MiB = "
+              f"{growth / full_bytes:.2f}x the full model (its shards: {local / 2**20:.0f} MiB)")
 
 
 if __name__ == "__main__":

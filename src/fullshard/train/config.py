@@ -423,8 +423,8 @@ class FinetuneOptions:
                                               "(default: PEFT's for the architecture)", metavar="NAMES")
     merge_lora: bool = flag(False, "--lora-rank: export the base with the adapters merged in, not the adapter")
     # fp32: one dtype for the whole model. bf16/fp16: the frozen base stored so, adapters fp32 (PEFT's default).
-    base_dtype: str = flag("fp32", "--lora-rank: dtype the frozen base is stored and trained in; the adapters stay fp32 "
-                           "(default: %(default)s)", choices=("fp32", "bf16", "fp16"))
+    base_dtype: str = flag("fp32", "--lora-rank: dtype the frozen base is stored and trained in; the adapters "
+                           "stay fp32 (default: %(default)s)", choices=("fp32", "bf16", "fp16"))
 
 
 TRAIN_GROUPS = (ModelOptions, DistributedOptions, PipelineOptions, PrecisionOptions, DatasetOptions,
