@@ -86,7 +86,7 @@ class Launcher:
             pass
 
     def ranks(self) -> list:
-        """Pids of the ranks this launcher spawned (torch elastic's multiprocessing children)."""
+        """Pids of the ranks this launcher started (torch elastic's multiprocessing children)."""
         found = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
@@ -96,7 +96,7 @@ class Launcher:
                     cmdline = f.read()
             except (OSError, IndexError, ValueError):
                 continue
-            if ppid == self.proc.pid and "spawn_main" in cmdline:
+            if ppid == self.proc.pid and "resource_tracker" not in cmdline:  # spawned or forked
                 found.append(int(pid))
         return found
 

@@ -36,7 +36,8 @@ SAVED_BEFORE = {
     'save_interval_updates': 0, 'keep_interval_updates': -1, 'restore_file': 'checkpoint_last',
     'reset_optimizer': False, 'reset_dataloader': False, 'reset_lr_scheduler': False, 'reset_meters': False,
     'finetune_from_model': None, 'collective_timeout_s': 300.0, 'debug_collectives': False, 'debug': False,
-    'on_save_error': 'stop', 'start_method': None, 'max_restarts': 0, 'nnodes': 1, 'node_rank': 0, 'rdzv_endpoint': 'localhost:0',
+    'on_save_error': 'stop', 'start_method': None, 'max_restarts': 0, 'nnodes': 1, 'node_rank': 0,
+    'rdzv_endpoint': 'localhost:0',
     'rdzv_timeout_s': 900.0, 'optimizer': 'adam', 'hybrid_shard': False}
 # Fields added since, at their defaults (a run without them behaves as before).
 NEW_FIELDS = {"global_batch_size": None, "world_size_invariant": False, "threads_per_rank": None,

@@ -45,6 +45,7 @@ TORCHELASTIC_RESTART_COUNT) cannot read the previous round's keys either.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -200,7 +201,7 @@ def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max
         if max_nodes > 1 and rdzv.node_rank != 0:
             _wait_reachable(rdzv.endpoint, rdzv.node_rank, rdzv.timeout_s)
         try:
-            out = elastic_launch(config, entry)(arg)
+            out = elastic_launch(config, entry if start_method != "fork" else _forked(entry))(arg)
         except ChildFailedError as e:
             raise RankFailed(_describe_failure(e)) from None  # reads the error files: before the rmtree
         except SignalException as e:
@@ -212,6 +213,19 @@ def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
     return [out[r] for r in sorted(out)]
+
+
+def _forked(entry: Callable[[object], object]) -> Callable[[object], object]:
+    """``entry`` for a forked rank (fork pickles nothing, so a closure will do): first the signal
+    handlers a spawned rank starts with, not the ones torch's agent installed in the launcher (they
+    would raise its ``SignalException`` in the rank)."""
+    @functools.wraps(entry)
+    def rank_main(arg: object) -> object:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        return entry(arg)
+    return rank_main
 
 
 class Interrupted(RuntimeError):
