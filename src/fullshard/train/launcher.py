@@ -95,7 +95,7 @@ def launch(cfg: TrainConfig, entry: Callable[[TrainConfig], object]) -> list:
     rdzv = Rendezvous(cfg.rdzv_endpoint, cfg.node_rank, cfg.rdzv_timeout_s, cfg.rdzv_last_call_s,
                       cfg.rdzv_keep_alive_s)
     return launch_local(entry, cfg, cfg.nproc_per_node, max_restarts=cfg.max_restarts, nnodes=node_range(cfg.nnodes),
-                        rdzv=rdzv, start_method=start_method_of(getattr(cfg, "start_method", None)))
+                        rdzv=rdzv, start_method=getattr(cfg, "start_method", None))
 
 
 def start_method_of(chosen: Optional[str]) -> str:
@@ -150,7 +150,7 @@ class Rendezvous:
 
 def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max_restarts: int = 0,
                  nnodes: Tuple[int, int] = (1, 1), rdzv: Optional[Rendezvous] = None,
-                 start_method: str = "spawn") -> list:
+                 start_method: Optional[str] = None) -> list:
     """Run `entry(arg)` on `nproc` ranks of this machine with torch's elastic
     launcher (a c10d rendezvous: standalone on a free port for one node, at
     ``rdzv.endpoint`` hosted by node 0 for several); their return values by
@@ -162,12 +162,13 @@ def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max
         nnodes: ``(min, max)`` launchers taking part; min < max is an elastic job (torch elastic
             restarts the ranks at each membership change; ``entry`` resumes from its checkpoint).
         rdzv: where and how the launchers meet (default: one node, a free local port).
-        start_method: how torch elastic starts each rank (:data:`START_METHODS`): ``spawn``
-            re-imports everything in a fresh interpreter; ``fork`` copies this process, whose
-            imports the rank then shares.
+        start_method: how torch elastic starts each rank (:data:`START_METHODS`; None:
+            :func:`start_method_of`'s default): ``spawn`` re-imports everything in a fresh
+            interpreter; ``fork`` copies this process, whose imports the rank then shares.
     Raises:
         RankFailed: a rank raised or died ("rank R was lost: ..." / "rank R failed: <its error>").
-        LaunchError: the rendezvous could not be hosted or reached (names host:port).
+        LaunchError: the rendezvous could not be hosted or reached (names host:port), or the
+            start method is unusable (:func:`start_method_of`).
         Interrupted: this process got a termination signal; the ranks got it too (torch's agent
             passes it on and SIGKILLs them after its shutdown timeout, 30 s by default).
     """
@@ -177,6 +178,7 @@ def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     rdzv = rdzv or Rendezvous()
+    start_method = start_method_of(start_method)
     min_nodes, max_nodes = nnodes
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
     if min_nodes < max_nodes:
