@@ -31,9 +31,19 @@ stashed under its index, a backward that reached the unit twice gives one
 micro-batch (the sum of both, as under DDP), and one that did not reach it
 on this rank gives a zero micro-batch with no parameter used. The fold then
 adds micro-batch ``j`` of every rank for ``j`` in ``range(backwards)``, in
-the order of [Note: world-size invariance]. Not caught: a rank that runs
-fewer backwards in a window than the others (its fold collectives would not
-pair up).
+the order of [Note: world-size invariance]. A rank that ran fewer backwards
+in the window than the others (a user's mistake) would fold fewer times, and
+its folds would pair with other units' (the same size for identical blocks:
+silently wrong gradients). So every fold carries its sender's count
+(``folding``, a few elements after each rank's piece, never added to the
+gradient) and compares what arrived with its own on the device, with no host
+read (invariant._check_count). Every rank receives every rank's count in the
+window's first fold of the first unit folded, so all raise there, with one
+line; before that fold no collective differs when the window's forwards and
+backwards run none (NO_SHARD, units kept unsharded). Where they run
+all-gathers (FULL_SHARD, SHARD_GRAD_OP) the extra forward's all-gathers meet
+the other ranks' folds first: a collective mismatch the process group
+reports (gloo aborts on the size check) or a hang, as under torch FSDP.
 """
 from __future__ import annotations
 
@@ -63,6 +73,8 @@ class GradStash:
         # world_size_invariant: backwards ended in this unit's accumulation window
         # (see [Note: no_sync under world_size_invariant]).
         self.backwards = 0
+        # The backwards of the window the last pop folded: every fold of it carries this count.
+        self.folding = 0
 
     @property
     def active(self) -> bool:
@@ -100,6 +112,7 @@ class GradStash:
         window, self.window = self.window, None
         if unit.cfg.invariant_layout is not None:
             count, self.backwards = self.backwards, 0
+            self.folding = count
             _fold(unit, window, count)
             return full_grad, used
         if window is None:
