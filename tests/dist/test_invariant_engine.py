@@ -175,6 +175,17 @@ def test_exact_sum_does_not_depend_on_the_split():
     assert all(np.isnan(s[2]) for s in three)  # a nan on one rank is not lost by the MAX reduction
 
 
+def _kept_unsharded():
+    """fully_shard over the world, unsharded after the first forward: no all-gather after it, so the folds
+    are the only collectives of a backward."""
+    base = _model()
+    for block in base.layers:
+        fully_shard(block, world_size_invariant=True, reshard_after_forward=False)
+    model = fully_shard(base, world_size_invariant=True, reshard_after_forward=False)
+    model.set_reshard_after_backward(False)
+    return model
+
+
 def _bad_uses(rank, world):
     errors = []
     own = [collectives.new_group([0]), collectives.new_group([1])][rank]
@@ -191,14 +202,29 @@ def _bad_uses(rank, world):
         model(DATA[0, rank][:, :-1]).sum().backward()
     except RuntimeError as e:
         errors.append(str(e))
+    # no_sync windows of different lengths: identical blocks, whose folds would pair up across units
+    # unnoticed. Rank 1 runs one no_sync backward fewer (2 and 1; then 1 and 0, the wrapper).
+    for how, fewer in (("kept", 2), ("no_shard", 2), ("no_shard", 1)):
+        model = _kept_unsharded() if how == "kept" else _shard(how, world)
+        for _ in range(fewer - rank):
+            with no_sync(model):
+                model(DATA[0, rank][:, :-1]).sum().backward()
+        try:
+            model(DATA[0, rank][:, :-1]).sum().backward()
+        except RuntimeError as e:
+            errors.append(str(e))
     return errors
 
 
 @pytest.mark.fast
 def test_layouts_it_cannot_order_are_refused_with_one_line():
-    for rank, errors in enumerate(run_ranks(_bad_uses, 2, timeout_s=120)):
-        assert len(errors) == 2, errors
+    for rank, errors in enumerate(run_ranks(_bad_uses, 2, timeout_s=60)):
+        assert len(errors) == 5, errors
         assert "world_size_invariant=True with replicas needs the unit's ranks to be the whole world (shard " \
                "group 1 x replicas 1 != world size 2)" in errors[0]
         assert errors[1].startswith(f"[rank {rank}] unit ") and \
             "set_requires_all_reduce(False) cannot be used with world_size_invariant=True" in errors[1]
+        for error, mine in zip(errors[2:], (2 - rank, 2 - rank, 1 - rank)):
+            assert error.startswith(f"[rank {rank}] unit ") and "\n" not in error, error
+            assert f"world_size_invariant=True with no_sync: ranks ran different numbers of backwards since the " \
+                f"last synchronizing backward (this rank: {mine})" in error, error

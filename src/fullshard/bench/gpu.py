@@ -22,6 +22,10 @@ A step is ``zero_grad``, forward, backward and ``optimizer.step``, timed between
 ``torch.cuda.synchronize()`` calls; the table gives the median of ``--timed-steps`` steps after
 ``--warmup-steps``, and ``torch.cuda.max_memory_allocated`` over all steps (peak statistics reset once the
 model is wrapped). Ratios divide a row by torch FSDP2's (offload rows: by ``fsdp2_offload``) and by DDP's.
+After the timed steps, one more step runs under ``torch.cuda.set_sync_debug_mode("warn")`` (host syncs
+per step: the synchronizing CUDA calls it warns about) and one under torch.profiler, whose chrome trace is
+saved as ``OUT_DIR/trace_<mode>.json``; the table gives the fraction of all-gather and reduce-scatter
+kernel time during which compute kernels ran on other streams (bench/gpu_trace.py).
 The table goes to ``OUT_DIR/gpu.md`` (raw numbers: ``gpu.json``) and to stdout.
 
 ``--device cpu`` runs the same modes over gloo on the CPU (no memory figures; for developing this
@@ -52,6 +56,7 @@ from fullshard import (
     MixedPrecisionPolicy,
     fully_shard,
 )
+from fullshard.bench import gpu_trace
 from fullshard.core.params import local_of
 from fullshard.models import GPT, GPTConfig, TransformerBlock
 from fullshard.wrap import ModuleWrapPolicy
@@ -97,6 +102,8 @@ class GpuJob:
     timed_steps: int = 10
     seed: int = 0
     device: str = "cuda"
+    trace_dir: str = ""
+    """Where each mode's profiler trace goes (CUDA; empty: no syncs count, no trace)."""
 
     def config(self) -> GPTConfig:
         return GPTConfig(num_layers=self.num_layers, embed_dim=self.embed_dim, num_heads=self.num_heads,
@@ -186,21 +193,31 @@ def run_mode(name: str, job: GpuJob, init_file: str) -> dict:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times, losses = [], []
-        for step in range(steps):
-            sync()
-            start = time.perf_counter()
+
+        def one_step(step: int) -> torch.Tensor:
             opt.zero_grad(set_to_none=True)
-            x, y = tokens[step, :, :-1], tokens[step, :, 1:]
+            x, y = tokens[step % steps, :, :-1], tokens[step % steps, :, 1:]
             with autocast:
                 logits = model(x)
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
             loss.backward()
             opt.step()
+            return loss.detach()
+        for step in range(steps):
+            sync()
+            start = time.perf_counter()
+            loss = one_step(step)
             sync()
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
         timed = times[job.warmup_steps:]
+        syncs = hidden = None
+        if cuda and job.trace_dir:
+            syncs = gpu_trace.count_host_syncs(lambda: one_step(steps))
+            hidden = gpu_trace.profile_step(lambda: one_step(steps + 1),
+                                            os.path.join(job.trace_dir, f"trace_{name}.json"))
         return dict(mode=name, step_ms=1e3 * statistics.median(timed), step_ms_all=[1e3 * t for t in timed],
+                    host_syncs=syncs, comm_hidden=hidden,
                     max_allocated=torch.cuda.max_memory_allocated() if cuda else None,
                     max_reserved=torch.cuda.max_memory_reserved() if cuda else None,
                     after_wrap=after_wrap if cuda else None, losses=losses, params_on=_where(model))
@@ -215,6 +232,11 @@ def _ratio(a, b) -> str:
 
 def _gib(n) -> str:
     return f"{n / GIB:.2f}" if n is not None else "—"
+
+
+def _hidden(res: dict, kind: str) -> str:
+    row = (res.get("comm_hidden") or {}).get(kind)
+    return f"{100 * row['hidden_fraction']:.0f}%" if row else "—"
 
 
 def format_table(results: dict[str, dict], job: GpuJob, env: dict) -> str:
@@ -236,14 +258,15 @@ def format_table(results: dict[str, dict], job: GpuJob, env: dict) -> str:
         f"Command: `{env['command']}`",
         "",
         "| mode | params on | step ms (median) | tokens/s | max allocated GiB | after wrap GiB "
-        "| step x torch FSDP2 | step x DDP | memory x torch FSDP2 | memory x DDP | loss first → last |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| step x torch FSDP2 | step x DDP | memory x torch FSDP2 | memory x DDP | host syncs / step "
+        "| all-gather hidden | reduce-scatter hidden | loss first → last |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     ddp = results.get("ddp", {})
     for name, res in results.items():
         mode = MODES[name]
         if "error" in res:
-            lines.append(f"| {mode.label} | ERROR: {res['error']} |" + " |" * 9)
+            lines.append(f"| {mode.label} | ERROR: {res['error']} |" + " |" * 12)
             continue
         base = results.get(mode.baseline, {})
         vs_ddp = ddp if not mode.offload else {}
@@ -253,6 +276,8 @@ def format_table(results: dict[str, dict], job: GpuJob, env: dict) -> str:
             f"| {_ratio(res['step_ms'], base.get('step_ms'))} | {_ratio(res['step_ms'], vs_ddp.get('step_ms'))} "
             f"| {_ratio(res['max_allocated'], base.get('max_allocated'))} "
             f"| {_ratio(res['max_allocated'], vs_ddp.get('max_allocated'))} "
+            f"| {'—' if res.get('host_syncs') is None else res['host_syncs']} "
+            f"| {_hidden(res, 'all_gather')} | {_hidden(res, 'reduce_scatter')} "
             f"| {res['losses'][0]:.4f} → {res['losses'][-1]:.4f} |")
     return "\n".join(lines) + "\n"
 
@@ -309,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown modes {unknown}" if unknown else "--out-dir is required")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here (use --device cpu to try the modes on the CPU)")
-    job = GpuJob(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GpuJob)})
+    job = GpuJob(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GpuJob) if f.name != "trace_dir"},
+                 trace_dir=os.path.abspath(args.out_dir))
     results, env = {}, _env(job, argv)
     os.makedirs(args.out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,7 +27,9 @@ size in the last bits. Here the order is fixed by the data instead:
 The bytes sent per backward equal a reduce-scatter's, plus an all-gather
 of the shard with replicas (an all-reduce's second half). ``no_sync``
 keeps each micro-batch's unsharded gradient apart (one full gradient per
-micro-batch) and folds them in order at the synchronizing backward. The
+micro-batch) and folds them in order at the synchronizing backward; each
+fold carries the sender's count of its window's backwards, checked on the
+device (core/stash.py [Note: no_sync under world_size_invariant]). The
 gradient norm uses :func:`exact_sum` (see core/norms.py), whose result does
 not depend on how elements are split over ranks.
 
@@ -51,6 +53,12 @@ LIMB_BITS = 31
 LIMBS = 3
 _LAYOUTS: dict = {}
 _INDEX: dict = {}  # (layout, device) -> index tensors of start_fold's send order
+# Base-256 digits of the window count each fold sends every rank: exact in
+# bf16 and wider, for counts below 2**32.
+COUNT_DIGITS = 4
+_DIGITS: dict = {}  # (count, dtype, device) -> the count's digits on the device
+
+
 def is_marked(param) -> bool:
     """Whether ``param`` is a sharded parameter of a live world_size_invariant unit."""
     found = registry.find(param)
@@ -105,7 +113,9 @@ def start_fold(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "Pe
     """Send this backward's unsharded gradient ``full_grad`` (param-major,
     ``N·S`` elements; None = zeros) and its used flags to the ranks that
     fold each part (see [Note: world-size invariance]); the fold happens at
-    :meth:`PendingFold.finish`.
+    :meth:`PendingFold.finish`. Each rank's piece ends with the
+    ``COUNT_DIGITS`` digits of ``unit.stash.folding`` (the backwards of the
+    no_sync window being folded), never added to the gradient.
 
     Raises:
         RuntimeError: ``set_requires_all_reduce(False)`` on a replicated
@@ -117,29 +127,65 @@ def start_fold(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "Pe
         raise RuntimeError(f"[rank {collectives.rank()}] unit '{unit.name}': set_requires_all_reduce(False) "
                            "cannot be used with world_size_invariant=True (the replicas' sum is part of the fixed "
                            "order); leave it True")
-    reduce_in, block = reduce.reduce_input(unit, full_grad, used)
-    factor = unit.settings.grad_divide_factor
-    if factor not in (None, 1):
-        reduce_in.div_(factor)
     layout = cfg.invariant_layout
     world = len(layout)
     reps = world // unit.world
+    direct = reps == 1 and all(s == y for y, (s, _) in enumerate(layout))  # block y goes to rank y
+    reduce_in, block = reduce.reduce_input(unit, full_grad, used, extra=COUNT_DIGITS if direct else 0)
+    factor = unit.settings.grad_divide_factor
+    if factor not in (None, 1):
+        reduce_in.div_(factor)
     part = -(-block // reps)  # elements each replica folds
-    if reps == 1 and all(s == y for y, (s, _) in enumerate(layout)):
+    if direct:
         send = reduce_in
     else:
-        send = POOL.take(world * part, unit.reduce_dtype, cfg.compute_device)
+        send = POOL.take(world * (part + COUNT_DIGITS), unit.reduce_dtype, cfg.compute_device)
         padded = torch.zeros(unit.world, reps * part, dtype=reduce_in.dtype, device=reduce_in.device)
         padded[:, :block] = reduce_in.view(unit.world, block)
         pieces = padded.view(unit.world, reps, part)
         # World rank y receives sub-part q(y) of block s(y).
         idx_s, idx_q = _send_index(layout, reduce_in.device)
-        send.view(world, part).copy_(pieces[idx_s, idx_q])
+        send.view(world, part + COUNT_DIGITS)[:, :part].copy_(pieces[idx_s, idx_q])
         POOL.give(reduce_in)
-    recv = POOL.take(world * part, unit.reduce_dtype, cfg.compute_device)
+    count = _count_digits(unit.stash.folding, send.dtype, send.device)
+    send.view(world, part + COUNT_DIGITS)[:, part:].copy_(count)  # after the division: the count as it is
+    recv = POOL.take(world * (part + COUNT_DIGITS), unit.reduce_dtype, cfg.compute_device)
     work = collectives.all_to_all(recv, send, fold_group(unit), async_op=True,
                                   tag=f"unit '{unit.name}' (world_size_invariant)")
-    return PendingFold(unit, work, send, recv, block, part, reps, all(used))
+    return PendingFold(unit, work, send, recv, block, part, reps, all(used), count)
+
+
+def _count_digits(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``count``'s ``COUNT_DIGITS`` base-256 digits (least significant first)
+    as a tensor on ``device``: built once per count, so a fold copies no host
+    memory to the device."""
+    key = (count, dtype, str(device))
+    found = _DIGITS.get(key)
+    if found is None:
+        if len(_DIGITS) > 64:
+            _DIGITS.clear()
+        digits = [(count >> (8 * i)) & 255 for i in range(COUNT_DIGITS)]
+        found = _DIGITS[key] = torch.tensor(digits, dtype=dtype).to(device)
+    return found
+
+
+def _check_count(unit, received: torch.Tensor, count: torch.Tensor, folding: int) -> None:
+    """Raise on every rank when the ranks folding together ran different
+    numbers of backwards in the window being folded: their fold collectives
+    no longer pair up (a hang, or another unit's micro-batch added). Every
+    rank receives every rank's count, so all of them see a mismatch at the
+    same fold. No host read: an asynchronous device-side assert on CUDA
+    (fatal for the process), a RuntimeError at once on the CPU.
+
+    Args:
+        received: (fold-group size, COUNT_DIGITS) the counts that arrived.
+        count: (COUNT_DIGITS,) this rank's count ``folding``.
+    """
+    torch._assert_async(
+        (received == count).all(),
+        f"[rank {collectives.rank()}] unit '{unit.name}': world_size_invariant=True with no_sync: ranks ran "
+        f"different numbers of backwards since the last synchronizing backward (this rank: {folding}); run "
+        "the same backwards on every rank (one micro-batch each) before the synchronizing one")
 
 
 def _send_index(layout: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,10 +203,12 @@ class PendingFold:
     """An in-flight all-to-all of :func:`start_fold`; same interface as
     :class:`~fullshard.core.reduce.PendingReduce`."""
 
-    def __init__(self, unit, work, send, recv, block: int, part: int, reps: int, all_used: bool = False):
+    def __init__(self, unit, work, send, recv, block: int, part: int, reps: int, all_used: bool,
+                 count: torch.Tensor):
         self.unit, self.work, self.send, self.recv = unit, work, send, recv
         self.block, self.part, self.reps = block, part, reps
         self.all_used = all_used  # this rank used every parameter: every folded flag is positive
+        self.count, self.folding = count, unit.stash.folding  # the window count this rank sent (its digits)
 
     def _wait(self) -> None:
         if self.work is not None:
@@ -176,6 +224,12 @@ class PendingFold:
         ``later``: as :meth:`~fullshard.core.reduce.PendingReduce.finish`."""
         self._wait()
         unit = self.unit
+        rows = self.recv.view(-1, self.part + COUNT_DIGITS)  # one per rank: its piece, then its count
+        try:
+            _check_count(unit, rows[:, self.part:], self.count, self.folding)
+        except RuntimeError:
+            self.abandon()
+            raise
         if later is not None and later.holds(unit):
             later.flush()  # the fold starts from the unit's current .grad
         n_grad = unit.layout.grad_shard_numel
@@ -186,7 +240,7 @@ class PendingFold:
         rep = unit.cfg.replicate_group
         q = collectives.group_rank(rep) if rep is not None else 0
         mine = acc[q * self.part:(q + 1) * self.part]
-        for piece in self.recv.view(-1, self.part):  # world-rank order = global micro-batch order
+        for piece in rows[:, :self.part]:  # world-rank order = global micro-batch order
             mine.add_(piece)
         POOL.give(self.recv)
         self.recv = None
@@ -205,7 +259,8 @@ class PendingFold:
 
     def abandon(self) -> None:
         """Wait for the collective (its buffers must outlive it) and drop the result."""
-        self._wait()
+        if self.send is not None:
+            self._wait()
         POOL.give(self.recv)
         self.recv = None
         post_accumulate.forget(self.unit)

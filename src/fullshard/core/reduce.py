@@ -18,21 +18,23 @@ import torch
 from . import collectives, comm, flat, grads, offload, overlap, post_accumulate, used_flags
 
 
-def reduce_input(unit, full_grad: Optional[torch.Tensor], used: list[bool], alloc=None) -> tuple[torch.Tensor, int]:
+def reduce_input(unit, full_grad: Optional[torch.Tensor], used: list[bool], alloc=None,
+                 extra: int = 0) -> tuple[torch.Tensor, int]:
     """The reduce input of ``unit`` (from ``alloc``, core/comm.py; None: the
     pool): ``unit.world`` rank-major blocks, each this rank's gradient for
-    that block's owner followed by one used flag per layout parameter; and
-    the block's numel."""
+    that block's owner followed by one used flag per layout parameter, then
+    ``extra`` elements left unwritten for the caller (world_size_invariant's
+    window count, core/invariant.py); and the block's numel without them."""
     n_grad, n_flags = unit.layout.grad_shard_numel, len(unit.layout.params)
     block = n_grad + n_flags
-    reduce_in = comm.take(alloc, unit.world * block, unit.reduce_dtype, unit.cfg.compute_device)
+    reduce_in = comm.take(alloc, unit.world * (block + extra), unit.reduce_dtype, unit.cfg.compute_device)
     # copy_in writes every gradient element (padding rows included), so
     # only a missing gradient needs the buffer zeroed.
     if full_grad is None:
         reduce_in.zero_()
     else:
-        flat.copy_in(reduce_in, full_grad, unit.layout, block_numel=block)
-    used_flags.fill(reduce_in.view(unit.world, block)[:, n_grad:], used)
+        flat.copy_in(reduce_in, full_grad, unit.layout, block_numel=block + extra)
+    used_flags.fill(reduce_in.view(unit.world, block + extra)[:, n_grad:block], used)
     return reduce_in, block
 
 

@@ -18,6 +18,32 @@ notices. Either way the zeroed parameters' part of the stash is discarded,
 as DDP discards ``param.grad``. A sentinel still installed when the stash is
 reduced receives the reduced gradient; one whose parameter no rank used is
 reset to None, so an unused parameter keeps ``grad None``.
+
+[Note: no_sync under world_size_invariant]
+The synchronizing backward folds a unit's stashed micro-batches one by one
+(one all-to-all each, core/invariant.py), so every rank must fold as many.
+The count is made equal by construction, with no host read (it cost one
+all-reduce and one read per unit before): each unit counts the backwards that
+ended in its accumulation window (``backwards``, the same on every rank, as
+every rank runs the same backwards: the user's contract of
+world_size_invariant, one micro-batch per backward); a backward's gradient is
+stashed under its index, a backward that reached the unit twice gives one
+micro-batch (the sum of both, as under DDP), and one that did not reach it
+on this rank gives a zero micro-batch with no parameter used. The fold then
+adds micro-batch ``j`` of every rank for ``j`` in ``range(backwards)``, in
+the order of [Note: world-size invariance]. A rank that ran fewer backwards
+in the window than the others (a user's mistake) would fold fewer times, and
+its folds would pair with other units' (the same size for identical blocks:
+silently wrong gradients). So every fold carries its sender's count
+(``folding``, a few elements after each rank's piece, never added to the
+gradient) and compares what arrived with its own on the device, with no host
+read (invariant._check_count). Every rank receives every rank's count in the
+window's first fold of the first unit folded, so all raise there, with one
+line; before that fold no collective differs when the window's forwards and
+backwards run none (NO_SHARD, units kept unsharded). Where they run
+all-gathers (FULL_SHARD, SHARD_GRAD_OP) the extra forward's all-gathers meet
+the other ranks' folds first: a collective mismatch the process group
+reports (gloo aborts on the size check) or a hang, as under torch FSDP.
 """
 from __future__ import annotations
 
@@ -26,7 +52,7 @@ from typing import Optional
 
 import torch
 
-from . import collectives, flat, grads, invariant, offload, torch_private
+from . import flat, grads, invariant, offload, torch_private
 
 
 class GradStash:
@@ -44,6 +70,11 @@ class GradStash:
         # Zero gradients a window installed on sharded parameters (layout
         # index -> weakref); see [Note: no_sync and zero_grad].
         self.sentinels: dict[int, weakref.ref] = {}
+        # world_size_invariant: backwards ended in this unit's accumulation window
+        # (see [Note: no_sync under world_size_invariant]).
+        self.backwards = 0
+        # The backwards of the window the last pop folded: every fold of it carries this count.
+        self.folding = 0
 
     @property
     def active(self) -> bool:
@@ -54,9 +85,16 @@ class GradStash:
         """Keep a micro-batch's unsharded gradient (param-major, ``N·S``
         elements) and its used flags for a later reduce."""
         if self.window is None:
-            self.window = Window(self.unit_ref(), full_grad, used)
+            self.window = Window(self.unit_ref(), full_grad, used, self.backwards)
         else:
-            self.window.add(full_grad, used)
+            self.window.add(full_grad, used, self.backwards)
+
+    def end_backward(self, stashing: bool) -> None:
+        """A backward ended; ``stashing``: the unit stashed in it (no_sync, or
+        its gradient sync off). Counted under world_size_invariant only."""
+        unit = self.unit_ref()
+        if stashing and unit.cfg.invariant_layout is not None and unit.needs_grad:
+            self.backwards += 1
 
     def holds(self, full_grad: torch.Tensor) -> bool:
         """Whether the stash keeps ``full_grad``'s memory (it adopts the first
@@ -64,18 +102,18 @@ class GradStash:
         return self.window is not None and any(
             t.untyped_storage().data_ptr() == full_grad.untyped_storage().data_ptr() for t in self.window.tensors())
 
-    def pop(self, full_grad: Optional[torch.Tensor], used: list[bool],
-            agreed: bool = False) -> tuple[Optional[torch.Tensor], list[bool]]:
+    def pop(self, full_grad: Optional[torch.Tensor], used: list[bool]) -> tuple[Optional[torch.Tensor], list[bool]]:
         """``full_grad`` plus whatever :meth:`add` kept, and the union of the
         used flags; the stash is emptied. Under world_size_invariant the
-        stashed micro-batches are folded here instead, one by one, and
-        ``full_grad`` is returned as it is; ``agreed``: every rank calls this
-        for the unit now (a no_sync window is closing), so the ranks' stash
-        counts are compared even where this rank has none."""
+        window's micro-batches are folded here instead, one per backward of
+        the window (on every rank as many: [Note: no_sync under
+        world_size_invariant]), and ``full_grad`` is returned as it is."""
         unit = self.unit_ref()
         window, self.window = self.window, None
-        if unit.cfg.invariant_layout is not None and (window is not None or agreed):
-            _fold(unit, window)
+        if unit.cfg.invariant_layout is not None:
+            count, self.backwards = self.backwards, 0
+            self.folding = count
+            _fold(unit, window, count)
             return full_grad, used
         if window is None:
             return full_grad, used
@@ -86,8 +124,14 @@ class GradStash:
         if self.window is not None and self.window.discard_zeroed():
             self.discard()
 
+    def abandon(self) -> None:
+        """Forget the stash and the window's backwards (an interrupted iteration, reset_iter_state)."""
+        self.discard()
+        self.backwards = 0
+
     def discard(self) -> None:
-        """Forget the stash and take back sentinel gradients still installed."""
+        """Forget the stash and take back sentinel gradients still installed;
+        the window's backwards are still counted (their micro-batches fold as zeros)."""
         self.window = None
         unit = self.unit_ref()
         for i, ref in self.sentinels.items():
@@ -105,22 +149,14 @@ class GradStash:
         return 0 if self.window is None else sum(t.untyped_storage().nbytes() for t in self.window.tensors())
 
 
-def _fold(unit, window: Optional[Window]) -> None:
-    """world_size_invariant: fold each stashed micro-batch of ``unit`` in
-    order (one all-to-all each); every rank must hold as many.
-
-    Raises:
-        RuntimeError: ranks stashed different numbers of micro-batches
-            for this unit (a backward reached it on some ranks only).
-    """
-    parts = window.micro_batches() if window is not None else []
-    counts = torch.tensor([len(parts), -len(parts)], dtype=torch.int64)
-    collectives.all_reduce(counts, invariant.fold_group(unit), "max", tag=f"unit '{unit.name}' no_sync count")
-    if counts[0] != -counts[1]:
-        raise RuntimeError(
-            f"[rank {collectives.rank()}] unit '{unit.name}': under world_size_invariant=True every rank's "
-            f"no_sync backwards must reach the unit equally often (ranks stashed {-int(counts[1])} to "
-            f"{int(counts[0])} micro-batches); reach it on every rank or do not use no_sync")
+def _fold(unit, window: Optional[Window], count: int) -> None:
+    """world_size_invariant: fold the micro-batches of the window's ``count``
+    backwards of ``unit`` in order (one all-to-all each; zeros for a backward
+    that did not reach the unit on this rank)."""
+    if window is not None:
+        parts = window.micro_batches(count)
+    else:
+        parts = [(None, [False] * len(unit.layout.params))] * count
     for grad, used in parts:
         invariant.start_fold(unit, grad, used).finish(run_hooks=False)
 
@@ -141,16 +177,17 @@ class Window:
         full_grad: the first micro-batch's unsharded gradient (param-major,
             ``N·S`` elements); taken from ``.grad``, so ours to keep.
         used: per layout parameter, whether it received a gradient.
+        index: world_size_invariant: the window's backward that gave it.
     """
 
-    def __init__(self, unit, full_grad: torch.Tensor, used: list[bool]):
+    def __init__(self, unit, full_grad: torch.Tensor, used: list[bool], index: int = 0):
         self.unit_ref = weakref.ref(unit)
         self.grad = full_grad.to(unit.reduce_dtype)
         self.used = list(used)
-        # world_size_invariant: later micro-batches kept apart as [grad, used]
+        # world_size_invariant: each backward's gradient kept apart as [grad, used, backward index]
         # (their fold order interleaves other ranks' micro-batches); None: summed.
-        self.later: Optional[list[list]] = [] if unit.cfg.invariant_layout is not None else None
-        self.first_used = list(used)
+        self.parts: Optional[list[list]] = \
+            [[self.grad, list(used), index]] if unit.cfg.invariant_layout is not None else None
         # index -> (weakref to the .grad seen, its version); None once that
         # gradient was dropped.
         self.watch: dict[int, Optional[tuple[weakref.ref, int]]] = {}
@@ -183,23 +220,32 @@ class Window:
         grad = slot.sharded.grad
         self.watch[i] = (weakref.ref(grad), torch_private.version_counter(grad))
 
-    def add(self, full_grad: torch.Tensor, used: list[bool]) -> None:
+    def add(self, full_grad: torch.Tensor, used: list[bool], index: int = 0) -> None:
         self.discard_zeroed()
-        if self.later is not None:
-            self.later.append([full_grad.to(self.grad.dtype), list(used)])
+        if self.parts is not None and self.parts[-1][2] == index:  # reached again in the same backward
+            last = self.parts[-1]
+            last[0].add_(full_grad)
+            last[1] = [a or b for a, b in zip(last[1], used)]
+        elif self.parts is not None:
+            self.parts.append([full_grad.to(self.grad.dtype), list(used), index])
         else:
             self.grad.add_(full_grad)
         self.used = [a or b for a, b in zip(self.used, used)]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every stashed gradient tensor (one, or one per micro-batch)."""
-        return [self.grad] + [g for g, _ in self.later or ()]
+        return [self.grad] + [g for g, _, _ in (self.parts or [None])[1:]]
 
-    def micro_batches(self) -> list[tuple[torch.Tensor, list[bool]]]:
-        """world_size_invariant: each stashed micro-batch's (gradient, used
-        flags), in order, after discarding what the user zeroed."""
+    def micro_batches(self, count: int) -> list[tuple[Optional[torch.Tensor], list[bool]]]:
+        """world_size_invariant: the (gradient, used flags) of each of the
+        window's ``count`` backwards, in order, after discarding what the
+        user zeroed; (None, all False) for a backward that did not reach the unit."""
         self.discard_zeroed()
-        return [(self.grad, self.first_used)] + [(g, u) for g, u in self.later]
+        if self.parts[-1][2] >= count:  # a stash the window's count missed: never fold it silently wrong
+            raise RuntimeError(f"unit '{self.unit_ref().name}': a no_sync gradient of backward {self.parts[-1][2]} "
+                               f"was stashed, but the window counted {count} backwards; report this as a bug")
+        by_index = {j: (g, u) for g, u, j in self.parts}
+        return [by_index.get(j, (None, [False] * len(self.used))) for j in range(count)]
 
     def sentinel_freed(self, index: int) -> None:
         """A sentinel gradient was dropped (``zero_grad(set_to_none=True)``):
@@ -225,8 +271,8 @@ class Window:
                 p = lay.params[i]
                 for t in self.tensors():
                     t[p.full_offset:p.full_offset + p.full_span].zero_()
-                self.used[i] = self.first_used[i] = False
-                for part in self.later or ():
+                self.used[i] = False
+                for part in self.parts or ():
                     part[1][i] = False
             self._watch(unit, i)
         return not any(self.used)

@@ -214,7 +214,7 @@ def start_iteration(root: RootRuntime, discard: bool = False) -> None:
         unit = rt.unit
         unit.pooled_grad.release(unit.take_full_grad()[0])  # a partial gradient of a backward that raised
         if broken:
-            unit.stash.discard()
+            unit.stash.abandon()
         if discard:
             unit.partial_out = None
         unit.restore_all_params()  # a state-dict call that raised between install and restore
@@ -401,7 +401,7 @@ class PostBackwardHook:
                 unit.pooled_grad.release(grad, keep=unit.stash.holds(grad))
                 root.stash_window = True
             else:
-                root.pending.append(unit.reduce_grads(*unit.stash.pop(grad, used, agreed=root.stash_window)))
+                root.pending.append(unit.reduce_grads(*unit.stash.pop(grad, used)))
                 root.flags.synced.add(id(unit))
                 unit.pooled_grad.release(grad)  # reduce_grads copied it into the reduce-scatter input
                 # Each in flight holds a unit-sized input buffer: bounded
@@ -456,8 +456,9 @@ def _reduce_leftover_stashes(root: RootRuntime) -> None:
     for rt, flag in zip(root.runtimes, flags.tolist()):
         if flag:
             unit = rt.unit
-            unit.reduce_grads(*unit.stash.pop(None, [False] * len(unit.layout.params), agreed=True)).finish(
-                root.flags)
+            unit.reduce_grads(*unit.stash.pop(None, [False] * len(unit.layout.params))).finish(root.flags)
+        elif rt.settings.requires_gradient_sync:
+            rt.unit.stash.backwards = 0  # no rank stashed: nothing to fold (core/stash.py)
 
 
 def end_of_backward(root: RootRuntime) -> None:
@@ -467,6 +468,8 @@ def end_of_backward(root: RootRuntime) -> None:
     for pending in root.pending:
         pending.finish(root.flags)
     root.pending = []
+    for rt in root.runtimes:  # world_size_invariant: the backwards of each window (core/stash.py)
+        rt.unit.stash.end_backward(stashing=root.no_sync or not rt.settings.requires_gradient_sync)
     if root.stash_window and not root.no_sync:
         _reduce_leftover_stashes(root)
         # Units under set_requires_gradient_sync(False) keep accumulating.

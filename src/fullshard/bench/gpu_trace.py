@@ -1,0 +1,112 @@
+"""What ``python -m fullshard.bench.gpu`` measures of one step besides time and memory: host syncs
+(``torch.cuda.set_sync_debug_mode("warn")``'s warnings, counted) and the fraction of all-gather and
+reduce-scatter kernel time hidden behind compute kernels on other streams (from a torch.profiler chrome
+trace of the step, which is saved).
+
+The overlap analysis is a pure function over kernel intervals (:func:`hidden_time`), so it is tested on
+synthetic events without a GPU; the CUDA-only parts (:func:`count_host_syncs`, :func:`profile_step`) are
+called only with a GPU.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Callable, Iterable, NamedTuple
+
+import torch
+
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+"""Kinds of communication kernels; every other kernel is ``compute``."""
+
+
+class Kernel(NamedTuple):
+    """One kernel's interval on the GPU."""
+
+    start: float
+    """Start, in microseconds."""
+    end: float
+    """End, in microseconds (>= start)."""
+    stream: int
+    kind: str
+    """One of :data:`COMM_KINDS`, or ``compute``."""
+
+
+def kind_of(name: str) -> str:
+    """The kind of a kernel from its name (NCCL's ``ncclDevKernel_AllGather_RING_LL`` -> ``all_gather``)."""
+    low = name.lower().replace("_", "")
+    if "nccl" not in low:
+        return "compute"
+    for kind in COMM_KINDS:
+        if kind.replace("_", "") in low:
+            return kind
+    return "compute"  # another NCCL kernel (send/recv, broadcast): not one this bench reports
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
+def hidden_time(kernels: Iterable[Kernel]) -> dict[str, dict[str, float]]:
+    """Per communication kind, its kernels' total time and the part of it during which a compute kernel
+    ran on another stream.
+
+    Args:
+        kernels: the step's kernels, any order.
+    Returns:
+        ``{kind: {"total_us", "hidden_us", "hidden_fraction"}}`` for each kind in :data:`COMM_KINDS`
+        that has kernels (``hidden_fraction`` in [0, 1]; 0 when the total is 0).
+    """
+    kernels = list(kernels)
+    out: dict[str, dict[str, float]] = {}
+    for k in kernels:
+        if k.kind not in COMM_KINDS:
+            continue
+        # Compute on other streams only: a kernel on its own stream cannot run beside it.
+        busy = _union([(c.start, c.end) for c in kernels if c.kind == "compute" and c.stream != k.stream])
+        hidden = sum(max(0.0, min(e, k.end) - max(s, k.start)) for s, e in busy)
+        row = out.setdefault(k.kind, {"total_us": 0.0, "hidden_us": 0.0})
+        row["total_us"] += k.end - k.start
+        row["hidden_us"] += hidden
+    for row in out.values():
+        row["hidden_fraction"] = row["hidden_us"] / row["total_us"] if row["total_us"] else 0.0
+    return out
+
+
+def kernels_of_trace(path: str) -> list[Kernel]:
+    """The GPU kernels of a torch.profiler chrome trace (events of category ``kernel``)."""
+    with open(path) as f:
+        events = json.load(f).get("traceEvents", [])
+    return [Kernel(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), int(e.get("args", {}).get("stream", -1)),
+                   kind_of(e.get("name", "")))
+            for e in events if e.get("cat") == "kernel" and "ts" in e]
+
+
+def count_host_syncs(step: Callable[[], None]) -> int:
+    """Run ``step`` under ``torch.cuda.set_sync_debug_mode("warn")``; the number of synchronizing CUDA
+    calls it warned about (CUDA only)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def profile_step(step: Callable[[], None], path: str) -> dict[str, dict[str, float]]:
+    """Run ``step`` under torch.profiler (CPU and CUDA activity), save its chrome trace at ``path`` and
+    return :func:`hidden_time` of its kernels (CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    return hidden_time(kernels_of_trace(path))
