@@ -29,12 +29,14 @@ import signal
 import sys
 from typing import Optional, Sequence
 
+import torch
+
 from fullshard.bench import suite
 from fullshard.data import preprocess_cli
 from fullshard.train import eval_lm, generate, pipeline_plan_cli, plan
 from fullshard.train.launcher import Interrupted, LaunchError, RankFailed, launch
 from fullshard.train.loop import train_main
-from fullshard.train.options import OneLineArgumentParser, add_train_args, validate
+from fullshard.train.options import OneLineArgumentParser, add_train_args, under_torchrun, validate
 from fullshard.train.plot import LogError, plot
 from fullshard.train.sigterm import StoppedBySigterm
 
@@ -136,6 +138,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "preprocess":
         return int(preprocess_cli.run(args) or 0)
+    if args.command in ("train", "eval-lm", "bench") and not under_torchrun():
+        # This process only launches the ranks. With one intra-op thread it never starts OpenMP's
+        # thread pool, which does not survive a fork: a rank forked from it (--start-method fork)
+        # would hang in its first parallel region.
+        torch.set_num_threads(1)
     if args.command == "train":
         return _launch("train", validate(sub, args), train_main)
     if args.command == "eval-lm":

@@ -102,6 +102,10 @@ def start_method_of(chosen: Optional[str]) -> str:
     """The start method to launch with: ``chosen``, else ``$PET_START_METHOD`` (the variable torchrun
     reads for its ``--start-method``), else ``"spawn"``.
 
+    ``fork`` needs a launcher that never ran an intra-op parallel region: OpenMP's thread pool
+    does not survive a fork, and a forked rank entering one would hang (`fullshard train`,
+    ``eval-lm`` and ``bench`` keep their launcher at one thread).
+
     Raises:
         LaunchError: the method is none of :data:`START_METHODS`, or is ``fork`` after this process
             initialized CUDA (a forked rank could not use the GPU).
