@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fullshard import checkpoint, faults
 from fullshard.core import collectives
@@ -137,7 +138,8 @@ def load(run) -> tuple[int, int]:
     if path is None:
         if cfg.finetune_from_model:
             start = time.perf_counter()
-            load_weights(cfg.finetune_from_model, trainer.model)
+            load_weights(cfg.finetune_from_model, trainer.model, trainer.checkpoint_group)
+            trainer.after_load()
             logger.info(f"loaded weights from {cfg.finetune_from_model} for fine-tuning "
                         f"({time.perf_counter() - start:.2f} seconds)")
         return 1, 0
@@ -171,10 +173,14 @@ def load(run) -> tuple[int, int]:
     return epoch, offset
 
 
-def load_weights(path: str, model) -> Optional[dict]:
+def load_weights(path: str, model, parts_group=None) -> Optional[dict]:
     """Full weights into ``model``: a consolidated ``.safetensors`` / ``.pt``
     file (plain state dict) or a fullshard checkpoint directory (model only).
 
+    Args:
+        parts_group: the group over which ``model`` is spread in parts (pipeline stages; the
+            trainer's ``checkpoint_group``), or None: each rank loads its part's names, and the
+            names of all parts together must be the file's / checkpoint's.
     Returns:
         The checkpoint directory's ``extra`` (None for a file).
     Raises:
@@ -182,11 +188,46 @@ def load_weights(path: str, model) -> Optional[dict]:
         RuntimeError: a file whose names or shapes do not fit ``model``.
     """
     if os.path.isdir(path):
-        return checkpoint.load(path, model)
+        return checkpoint.load(path, model, process_group=parts_group)
     if path.endswith(".safetensors"):
         sd = load_file(path)
     else:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     target = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    target.load_state_dict(sd)
+    sd = _as_dtensors(sd, target)
+    if parts_group is None:
+        target.load_state_dict(sd)
+        return None
+    _load_part(path, target, sd, parts_group)
     return None
+
+
+def _as_dtensors(sd: dict, model: torch.nn.Module) -> dict:
+    """``sd`` with each full tensor that ``model`` holds as a DTensor (``fully_shard``: its state dict
+    is DTensor shards, which a plain tensor cannot be copied into) replaced by this rank's rows of it,
+    as a DTensor of the model's placements. No communication: every rank read the same file. A
+    tensor of another shape is left as is, for ``load_state_dict`` to name the mismatch."""
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return sd  # no state_dict() call: FullyShardedDataParallel's FULL one would gather
+    out = dict(sd)
+    for key, held in model.state_dict().items():
+        value = out.get(key)
+        if isinstance(held, DTensor) and torch.is_tensor(value) and not isinstance(value, DTensor) \
+                and value.shape == held.shape:
+            out[key] = distribute_tensor(value.to(held.dtype), held.device_mesh, held.placements, src_data_rank=None)
+    return out
+
+
+def _load_part(path: str, part: torch.nn.Module, sd: dict, parts_group) -> None:
+    """A whole model's state dict ``sd`` into this rank's ``part``: every part's names must be in
+    it, and each of its names must belong to some rank's part (one all-gather, so every rank of the
+    group raises together)."""
+    result = part.load_state_dict(sd, strict=False)
+    everyone = collectives.all_gather_object((sorted(result.missing_keys), sorted(result.unexpected_keys)),
+                                             parts_group, tag="fine-tuning names")
+    missing = sorted({k for keys, _ in everyone for k in keys})
+    unknown = sorted(set.intersection(*(set(keys) for _, keys in everyone)))
+    if missing or unknown:
+        raise RuntimeError(f"[rank {collectives.rank()}] {path} is of another model: "
+                           + "; ".join(([f"missing from it: {missing}"] if missing else [])
+                                       + ([f"not in the model: {unknown}"] if unknown else [])))

@@ -87,12 +87,23 @@ def check_flags(args, defaults: Dict[str, object]) -> Optional[str]:
     return None
 
 
+def muon_recipe(cfg) -> dict:
+    """Keyword arguments of ``muon_param_groups`` / ``muon_placement_fn`` that give Muon the same
+    matrices as on the whole GPT (every block's 2-D weight). Under --pipeline-parallel-size a stage
+    is a part of the model, whose last ``nn.Linear`` is a block's weight (or the last stage's copy
+    of the tied weight), not the head the recipe's ``head_adamw`` means: name the tied output
+    projection instead, so each stage's Muon matrices are the whole model's of that stage."""
+    if cfg.pipeline_parallel_size > 1:
+        return {"exclude": ("output_projection.weight",), "head_adamw": False}
+    return {}
+
+
 def placement_fn(cfg, model: torch.nn.Module) -> Optional[Callable]:
     """The ``shard_placement_fn`` the wrapper (``--fsdp-version 1``) takes for the optimizer on the
     unwrapped ``model`` (called before sharding it), or None: muon keeps each Muon matrix whole on one
     rank (``Owned``), so only its owner runs Newton-Schulz on it."""
     if cfg.optimizer == "muon":
-        return fullshard_optim.muon_placement_fn(model)
+        return fullshard_optim.muon_placement_fn(model, **muon_recipe(cfg))
     return None
 
 
@@ -171,7 +182,7 @@ def build(cfg, model: torch.nn.Module, shapes: Dict[str, torch.Size], host_shard
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, **kernel)
     if cfg.optimizer == "muon":
         names, groups = _names(model, shapes), []
-        for group in fullshard_optim.muon_param_groups(model):
+        for group in fullshard_optim.muon_param_groups(model, **muon_recipe(cfg)):
             params = group.pop("params")
             if group.get("use_muon"):  # 2-D matrices: all decay
                 groups.append({"params": list(params), "weight_decay": cfg.weight_decay, **group})

@@ -12,6 +12,11 @@ ZERO_BUBBLE_REASON = (
     "autograd graph (each unit's unsharded flat parameter is), so no weight gradient would reach the units and "
     "nothing would be reduce-scattered; use GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
 """Why the zero-bubble schedules cannot drive fullshard's units (`fullshard.pipelining` refuses them too)."""
+HF_MODEL_REASON = (
+    "stages are cut from fullshard's GPT (models/stages.py: embeddings, blocks, final norm, tied head), and a "
+    "Hugging Face model has no such cut (its embed_tokens, decoder layers, norm and lm_head live in the HF "
+    "classes' own forward); train it without --pipeline-parallel-size")
+"""Why --hf-model cannot be pipelined: `fullshard.models.stages.cut_gpt` only cuts fullshard's GPT."""
 
 
 def microbatches(cfg) -> int:
@@ -27,7 +32,7 @@ def check(cfg, world_size: int, num_layers: int) -> None:
     Raises:
         ValueError: P not dividing the world size, a stage count the schedule cannot use or the
             model cannot fill, too few micro-batches for the schedule, a batch the micro-batches do
-            not divide, a split that does not add up, or a flag pipelining does not support yet.
+            not divide, a split that does not add up, or a flag pipelining does not support.
     """
     p, v = cfg.pipeline_parallel_size, cfg.pipeline_stages_per_rank
     if p < 1 or v < 1:
@@ -37,18 +42,17 @@ def check(cfg, world_size: int, num_layers: int) -> None:
     if world_size % p:
         raise ValueError(f"--pipeline-parallel-size {p} does not divide the world size {world_size}; launch a "
                          f"multiple of {p} ranks")
-    unsupported = [(cfg.ddp_backend != "fully_sharded", "--ddp-backend c10d"),
+    unsupported = [(cfg.ddp_backend != "fully_sharded",
+                    "--ddp-backend c10d (each stage is sharded with fullshard units; use --ddp-backend fully_sharded)"),
                    (cfg.hybrid_shard and cfg.fsdp_version == 1,
                     "--hybrid-shard with --fsdp-version 1 (the wrapper's HYBRID_SHARD groups tile the world; use "
                     "--fsdp-version 2)"),
                    (cfg.hybrid_shard and cfg.world_size_invariant,
                     "--hybrid-shard with --world-size-invariant (the replicas' fold runs over the world; drop one)"),
-                   (cfg.optimizer == "muon", "--optimizer muon"),
-                   (bool(cfg.finetune_from_model), "--finetune-from-model"),
-                   (bool(cfg.hf_model), "--hf-model (stages are cut from fullshard's GPT)")]
+                   (bool(cfg.hf_model), f"--hf-model: {HF_MODEL_REASON}")]
     for bad, what in unsupported:
         if bad:
-            raise ValueError(f"--pipeline-parallel-size {p} does not support {what} yet")
+            raise ValueError(f"--pipeline-parallel-size {p} does not support {what}")
     if cfg.pipeline_schedule == "ZBVZeroBubble":
         raise ValueError(f"--pipeline-schedule ZBVZeroBubble is not supported: {ZERO_BUBBLE_REASON}")
     looped = cfg.pipeline_schedule in LOOPED
