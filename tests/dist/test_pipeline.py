@@ -12,7 +12,9 @@ pipelining (no weight staleness).
   validation loss and parameters (dropout, --update-freq > 1, both accumulation modes);
 - the trainer's other flags at pp=2 x dp=2 equal the same flags without pipelining: --bf16, --fp16 (an
   overflow on one rank of the first stage skips the update on every stage), --checkpoint-activations
-  and --cpu-offload (FLAG_CASES).
+  and --cpu-offload (FLAG_CASES); --optimizer muon (each stage's block matrices, per stage over its
+  data-parallel group) follows dp=4's muon;
+- --finetune-from-model (a checkpoint directory, a consolidated file) at pp=2 x dp=2 trains as at dp=4.
 """
 from __future__ import annotations
 
@@ -172,10 +174,17 @@ FLAG_CASES = {
                                          pipeline_grad_accumulation="unsharded", **_PIPE), None),
     "--fsdp-version 1 cpu_offload checkpoint_activations 1F1B": (dict(
         fsdp_version=1, cpu_offload=True, checkpoint_activations=True, pipeline_schedule="1F1B", **_PIPE), None),
+    # Muon orthogonalizes each block matrix whole: per stage, over the stage's data-parallel group.
+    "muon Interleaved1F1B unsharded": (dict(optimizer="muon", pipeline_schedule="Interleaved1F1B",
+                                            pipeline_stages_per_rank=2, pipeline_grad_accumulation="unsharded",
+                                            **_PIPE), dict(optimizer="muon")),
+    "muon --fsdp-version 1 GPipe reduce_scatter": (dict(optimizer="muon", fsdp_version=1, pipeline_schedule="GPipe",
+                                                        **_PIPE), dict(optimizer="muon", fsdp_version=1)),
 }
 FP16_INIT_SCALE = 2.0 ** 14
 FP16_RTOL = 1e-3  # fp16 rounding (unit roundoff 4.9e-4) differs with the batch split
 POISONED = 2  # the update whose gradient rank 0 makes inf under --fp16
+MUON_TOL = 1e-3  # Newton-Schulz runs in bfloat16 (torch.optim.Muon's): one rounding flip moves an update
 
 
 def _poison_rank0(trainer, rank: int) -> None:
@@ -194,6 +203,14 @@ def _poison_rank0(trainer, rank: int) -> None:
     trainer.scaler.unscale_ = poisoned
 
 
+def _optimizer_groups(trainer) -> dict:
+    """{plain parameter name: how this rank's optimizer steps it} ("muon", or AdamW and its weight decay)."""
+    stepped = trainer.pipeline.optim_model if trainer.pipeline is not None else trainer.model
+    names = {id(p): clean_name(n) for n, p in stepped.named_parameters()}
+    return {names[id(p)]: "muon" if g.get("use_muon") else f"adamw {g['weight_decay']}"
+            for g in trainer.optimizer.param_groups for p in g["params"]}
+
+
 def _flag_runs(rank, world) -> dict:
     """FLAG_CASES: each pipelined run and its reference without pipelining (when not one process):
     per-update (loss, norm), overflow flags, the final loss scale and update count, the parameters."""
@@ -205,7 +222,8 @@ def _flag_runs(rank, world) -> dict:
             _poison_rank0(trainer, rank)
         _, history = _train(cfg, rank, world, UPDATES, trainer=trainer)
         return dict(history=history, overflow=[h[1] == float("inf") for h in history],
-                    params=_full_params(trainer.model), scale=trainer.scaler.get_scale(), updates=trainer.num_updates)
+                    params=_full_params(trainer.model), scale=trainer.scaler.get_scale(), updates=trainer.num_updates,
+                    groups=_optimizer_groups(trainer))
 
     out = {}
     for name, (piped, plain) in FLAG_CASES.items():
@@ -265,6 +283,40 @@ def _pipelined_cases(rank, world, tmp):
     again.num_updates = UPDATES - 1
     _, last = _train(cfg, rank, world, 1, start=UPDATES - 1, trainer=again)
     out["resumed_fsdp1"] = dict(history=first + last, params=_full_params(again.model))
+    out["finetune"] = _finetune_runs(rank, world, tmp, os.path.join(tmp, "ckpt"))
+    return out
+
+
+# --finetune-from-model under pipelining: (source, pipeline flags); each fine-tunes one update and
+# is compared with the same source fine-tuned at pp=1 x dp=4.
+FINETUNE_CASES = {"checkpoint directory, 1F1B": ("dir", dict(pipeline_schedule="1F1B", **_PIPE)),
+                  "consolidated file, --fsdp-version 1 GPipe": ("file", dict(pipeline_schedule="GPipe", fsdp_version=1,
+                                                                                 **_PIPE))}
+
+
+def _finetune_runs(rank, world, tmp, saved) -> dict:
+    """Each FINETUNE_CASES source loaded through the trainer's --finetune-from-model path at pp=2 x
+    dp=2 and at pp=1 x dp=4, then one update: per-update (loss, norm) and the parameters. The file is
+    a plain GPT's state dict (another seed than the runs', both names of the tied weight)."""
+    from types import SimpleNamespace
+
+    from fullshard.models import build_model
+    from fullshard.train import checkpoint_utils
+    from fullshard.train.trainer import Trainer
+
+    plain_cfg = _cfg(1)
+    file = os.path.join(tmp, f"finetune_{rank}.pt")  # one per rank: no rank waits for another's write
+    torch.save(build_model(plain_cfg.arch_spec(), vocab_size=VOCAB, max_positions=plain_cfg.max_positions,
+                           seed=5).state_dict(), file)
+    out = {}
+    for name, (source, over) in FINETUNE_CASES.items():
+        src = saved if source == "dir" else file
+        common = dict(finetune_from_model=src, save_dir=os.path.join(tmp, "finetune_nothing_to_resume"))
+        for label, cfg in (("pp", _cfg(2, **over, **common)), ("plain", _cfg(4, **common))):
+            trainer = Trainer(cfg, torch.device("cpu"))
+            assert checkpoint_utils.load(SimpleNamespace(cfg=cfg, trainer=trainer)) == (1, 0)
+            _, history = _train(cfg, rank, world, 1, trainer=trainer)
+            out[(name, label)] = dict(history=history, params=_full_params(trainer.model))
     return out
 
 
@@ -340,6 +392,17 @@ def test_precision_checkpointing_and_offload_under_pipelining_equal_the_run_with
                           f"pp=2 x dp=2 {name}")
             continue
         want = runs[0]["plain"]
+        if piped.get("optimizer") == "muon":
+            # Each stage steps its parameters as the whole model's optimizer does (Muon on every block
+            # matrix, AdamW on the rest), and the run follows dp=4's within Newton-Schulz's bfloat16
+            # rounding (the fp32 gradients differ in summation order; measured 1.7e-4 at most).
+            kinds = {}
+            for run in runs:
+                kinds.update(run["pp"]["groups"])
+            assert kinds == want["groups"], (name, kinds, want["groups"])
+            _assert_close(got["history"], _merge([{name: r["pp"]} for r in runs], name), want,
+                          f"pp=2 x dp=2 {name} vs dp=4", rtol=MUON_TOL, atol=MUON_TOL)
+            continue
         if piped.get("bf16"):  # bf16 rounding differs with the batch split: losses and norms only
             np.testing.assert_allclose(np.array(got["history"]), np.array(want["history"]), rtol=BF16_RTOL, atol=1e-3,
                                        err_msg=f"pp=2 x dp=2 {name} vs dp=4: losses / gradient norms")
@@ -355,6 +418,17 @@ def test_precision_checkpointing_and_offload_under_pipelining_equal_the_run_with
                     (name, label, r, run[label]["updates"], run[label]["scale"])
         _assert_close(got["history"], _merge([{name: r["pp"]} for r in runs], name), want,
                       f"pp=2 x dp=2 {name} vs dp=4", rtol=FP16_RTOL, atol=FP16_RTOL)
+
+
+def test_finetune_from_model_under_pipelining_equals_the_run_without_it():
+    """--finetune-from-model at pp=2 x dp=2 (each stage loads its own layers from a checkpoint
+    directory or a consolidated file) trains as at pp=1 x dp=4 from the same weights."""
+    per_rank = _spawned(4)
+    for name in FINETUNE_CASES:
+        want = per_rank[0]["finetune"][(name, "plain")]
+        got = _merge([{name: out["finetune"][(name, "pp")]} for out in per_rank], name)
+        _assert_close(per_rank[0]["finetune"][(name, "pp")]["history"], got, want,
+                      f"--finetune-from-model {name}: pp=2 x dp=2 vs dp=4")
 
 
 def _pp2_dp1_cases(rank, world, saved):

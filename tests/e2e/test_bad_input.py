@@ -186,6 +186,8 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
      "--pipeline-parallel-size 2 does not support --hybrid-shard with --world-size-invariant"),
     (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--pipeline-microbatches", "3"],
      "--batch-size 4 is not divisible by --pipeline-microbatches 3"),
+    (["{data}", "--nproc-per-node", "2", "--pipeline-parallel-size", "2", "--hf-model", "{missing}"],
+     "--pipeline-parallel-size 2 does not support --hf-model: stages are cut from fullshard's GPT"),
     (["{data}", "--start-method", "thread"], "argument --start-method: invalid choice: 'thread'"),
 ]
 
