@@ -9,13 +9,12 @@ included. :func:`memory_totals` sums it over units (what ``fullshard train
 """
 from __future__ import annotations
 
-import torch.nn as nn
-
-from .construct import clean_name
 from typing import Optional
 
 import torch
+import torch.nn as nn
 
+from .construct import clean_name
 from .core import collectives, mixed
 from .core.buffers import POOL
 from .core.module import UnitModule
