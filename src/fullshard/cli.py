@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from fullshard.bench import suite
+from fullshard.bench import lora, suite
 from fullshard.data import preprocess_cli
 from fullshard.train import eval_lm, generate, pipeline_plan_cli, plan
 from fullshard.train.launcher import Interrupted, LaunchError, RankFailed, launch
@@ -152,8 +152,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.command == "consolidate":
         return _consolidate(sub, args)
     if args.command == "plan":
-        return (plan.run if args.pipeline_parallel_size is None else pipeline_plan_cli.run)(sub, args)
+        pipelined = args.pipeline_parallel_size is not None and not args.hf_model  # plan_hf refuses it
+        return (pipeline_plan_cli.run if pipelined else plan.run)(sub, args)
     if args.command == "bench":
+        if args.lora:
+            return lora.run(lora.job_from_args(args, sub.fail))
         return suite.run(suite.validate(args, sub.fail))
     return _plot(sub, args)
 

@@ -1,5 +1,6 @@
-"""Where a rank's memory is: per-unit bytes of shards, gathered parameters,
-unsharded gradients and ``no_sync`` stashes, and the buffer pool.
+"""Where a rank's memory is: per-unit bytes of shards (trainable and frozen, by
+dtype), gradient shards, optimizer state, gathered parameters, unsharded
+gradients and ``no_sync`` stashes, and the buffer pool.
 
 :func:`memory_stats` reads the engine's state and never communicates, so it
 may be called on any rank at any moment, from a hook in forward or backward
@@ -8,16 +9,23 @@ included. :func:`memory_totals` sums it over units (what ``fullshard train
 """
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 import torch.nn as nn
 
 from .construct import clean_name
 from .core import collectives, mixed
 from .core.buffers import POOL
 from .core.module import UnitModule
+from .core.params import local_of
 
 UNIT_FIELDS = ("sharded_bytes", "unsharded_bytes", "full_grad_bytes", "stashed_grad_bytes",
                "pending_reduce_scatters")
-"""Keys of every unit's entry, in order."""
+"""Keys of every unit's entry that :func:`memory_totals` sums, in order."""
+PARAM_FIELDS = ("trainable_bytes", "frozen_bytes", "grad_bytes")
+"""Keys of every unit's entry after :data:`UNIT_FIELDS`: its shard split by ``requires_grad``, and
+its gradient shards; then ``optim_state_bytes`` (with an optimizer) and ``by_dtype``."""
 POOL_FIELDS = ("in_use_bytes", "cached_bytes")
 """Keys of the ``"pool"`` entry, in order."""
 POOL_KEY = "pool"
@@ -25,7 +33,43 @@ TOTAL_FIELDS = UNIT_FIELDS + tuple(f"{POOL_KEY}_{k}" for k in POOL_FIELDS)
 """Keys of :func:`memory_totals`, in order."""
 
 
-def _unit_entry(fsdp_unit: UnitModule) -> dict[str, int]:
+def _nbytes(t: torch.Tensor) -> int:
+    t = local_of(t)
+    return t.numel() * t.element_size()
+
+
+def _param_entry(unit, optimizer: Optional[torch.optim.Optimizer]) -> dict:
+    """``trainable_bytes``, ``frozen_bytes``, ``grad_bytes``, [``optim_state_bytes``], ``by_dtype``."""
+    out = dict.fromkeys(("trainable_bytes", "frozen_bytes", "grad_bytes"), 0)
+    if optimizer is not None:
+        out["optim_state_bytes"] = 0
+    by_dtype: dict[str, dict[str, int]] = {}
+    for part in mixed.parts(unit):  # a mixed unit's frozen parts of other dtypes too
+        shard = part.flat_shard
+        size = shard.element_size()
+        trainable = 0
+        for slot, lay in zip(part.slots, part.layout.params):
+            if lay.owned and lay.placement.rank != part.rank:
+                continue  # an Owned parameter has a slot on its owner only
+            if slot.sharded is not None and slot.sharded.requires_grad:
+                trainable += lay.shard_numel * size
+            grad = None if slot.sharded is None else slot.grad()
+            out["grad_bytes"] += 0 if grad is None else _nbytes(grad)
+            if optimizer is not None and slot.sharded is not None:
+                state = optimizer.state.get(slot.sharded, {})
+                out["optim_state_bytes"] += sum(_nbytes(v) for v in state.values() if torch.is_tensor(v))
+        frozen = shard.numel() * size - trainable  # padding past the slots counts as frozen
+        entry = by_dtype.setdefault(str(shard.dtype).removeprefix("torch."),
+                                    {"trainable_bytes": 0, "frozen_bytes": 0})
+        entry["trainable_bytes"] += trainable
+        entry["frozen_bytes"] += frozen
+        out["trainable_bytes"] += trainable
+        out["frozen_bytes"] += frozen
+    out["by_dtype"] = by_dtype
+    return out
+
+
+def _unit_entry(fsdp_unit: UnitModule, optimizer: Optional[torch.optim.Optimizer]) -> dict:
     rt = fsdp_unit._runtime
     unit = rt.unit
     pending = 0 if rt.root is None else sum(1 for p in rt.root.pending if p.unit is unit)
@@ -34,10 +78,11 @@ def _unit_entry(fsdp_unit: UnitModule) -> dict[str, int]:
             "unsharded_bytes": unit.unsharded_bytes(),
             "full_grad_bytes": unit.full_grad_bytes(),
             "stashed_grad_bytes": unit.stash.nbytes(),
-            "pending_reduce_scatters": pending}
+            "pending_reduce_scatters": pending,
+            **_param_entry(unit, optimizer)}
 
 
-def memory_stats(model: nn.Module) -> dict[str, dict[str, int]]:
+def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, dict]:
     """This rank's memory held by each FSDP unit in ``model``, and by the buffer pool.
 
     Local to the rank: no collective, no synchronization, nothing changed.
@@ -46,6 +91,8 @@ def memory_stats(model: nn.Module) -> dict[str, dict[str, int]]:
         model: a :class:`~fullshard.FullyShardedDataParallel` (root or nested)
             or any ``nn.Module`` holding units (a module with none gives only
             the ``"pool"`` entry, e.g. a torch DDP model).
+        optimizer: the optimizer stepping ``model``'s parameters, to count
+            its state per unit (``optim_state_bytes``); None: not counted.
 
     Returns:
         ``{unit_name: {field: int}, ..., "pool": {field: int}}``. A unit's name
@@ -82,6 +129,23 @@ def memory_stats(model: nn.Module) -> dict[str, dict[str, int]]:
           in its root's pending list (count, not bytes; each holds a
           unit-sized input buffer from the pool until waited on, at the
           latest at the end of backward).
+        * ``trainable_bytes`` / ``frozen_bytes``: ``sharded_bytes`` split by
+          the registered parameters' ``requires_grad`` now: each trainable
+          parameter's slot (``ceil(R/N)`` rows, padding rows included) is
+          trainable; frozen slots and any padding after the slots are frozen.
+          A unit mixing a bf16 frozen base with fp32 adapters counts both
+          parts (core/mixed.py).
+        * ``grad_bytes``: the gradient shards held now as the registered
+          parameters' ``.grad`` (this rank's real rows, their dtype); only
+          trainable parameters ever have one.
+        * ``optim_state_bytes`` (only when ``optimizer`` is given): every
+          tensor of ``optimizer.state`` for the unit's registered parameters
+          (AdamW: ``exp_avg``, ``exp_avg_sq`` and the 0-dim ``step``; a DTensor
+          counts its local shard); frozen parameters given to the optimizer
+          never get state.
+        * ``by_dtype``: ``{dtype name: {"trainable_bytes", "frozen_bytes"}}``
+          per flat-shard dtype (``"float32"``, ``"bfloat16"``, ...), summing
+          to the two fields above.
 
         ``"pool"``: the process-wide buffer pool (core/buffers.py), shared by
         every model in the process. ``in_use_bytes``: pooled buffers handed
@@ -101,7 +165,7 @@ def memory_stats(model: nn.Module) -> dict[str, dict[str, int]]:
                     f"[rank {collectives.rank()}] memory_stats: the unit at module path {POOL_KEY!r} would hide the "
                     "buffer pool's entry; "
                     "rename that submodule, or call memory_stats(model.pool) for that unit alone")
-            out.setdefault(key, _unit_entry(module))
+            out.setdefault(key, _unit_entry(module, optimizer))
     stats = POOL.stats()
     out[POOL_KEY] = {k: int(stats[k]) for k in POOL_FIELDS}
     return out

@@ -27,6 +27,7 @@ from tests.dist.harness import run_ranks
 
 UNIT_KEYS = ["sharded_bytes", "unsharded_bytes", "full_grad_bytes", "stashed_grad_bytes",
              "pending_reduce_scatters"]
+PARAM_KEYS = ["trainable_bytes", "frozen_bytes", "grad_bytes"]
 
 
 def _unit_numels(plain: nn.Module, unit_paths: list[str], world: int) -> dict[str, tuple[int, int]]:
@@ -49,7 +50,10 @@ def _block_paths(plain: nn.Module) -> list[str]:
 def _check_shape(stats: dict, names: list[str]) -> None:
     assert list(stats) == names + ["pool"], list(stats)
     for name in names:
-        assert list(stats[name]) == UNIT_KEYS and all(type(v) is int for v in stats[name].values()), stats[name]
+        assert list(stats[name]) == UNIT_KEYS + PARAM_KEYS + ["by_dtype"], stats[name]
+        assert all(type(v) is int for k, v in stats[name].items() if k != "by_dtype"), stats[name]
+        entry = stats[name]
+        assert entry["trainable_bytes"] + entry["frozen_bytes"] == entry["sharded_bytes"], entry
     assert list(stats["pool"]) == ["in_use_bytes", "cached_bytes"], stats["pool"]
     assert all(type(v) is int and v >= 0 for v in stats["pool"].values()), stats["pool"]
 
@@ -206,10 +210,94 @@ def _plain_root_cases(rank, world):
     return "ok"
 
 
+class _LoraLinear(nn.Module):
+    """A frozen bf16 ``base`` Linear plus fp32 LoRA factors ``lora_A`` (r, in), ``lora_B`` (out, r)."""
+
+    def __init__(self, fan_in, fan_out, r):
+        super().__init__()
+        self.base = nn.Linear(fan_in, fan_out).to(torch.bfloat16).requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.randn(r, fan_in))
+        self.lora_B = nn.Parameter(torch.randn(fan_out, r))
+
+    def forward(self, x):
+        return self.base(x.to(torch.bfloat16)).float() + x @ self.lora_A.t() @ self.lora_B.t()
+
+
+class _Lora(nn.Module):
+    """Two LoRA layers (units mixing a bf16 frozen base with fp32 adapters) and a root unit whose
+    fp32 parameters are frozen (``proj``) and trainable (``head``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 8).requires_grad_(False)
+        self.layers = nn.ModuleList([_LoraLinear(8, 5, 2), _LoraLinear(5, 8, 3)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.layers[1](self.layers[0](self.proj(x))))
+
+
+def _local_numel(shape, rank, world) -> int:
+    """Real elements of ``rank``'s ``torch.chunk`` rows of a parameter of ``shape``."""
+    chunk = math.ceil(shape[0] / world)
+    return max(0, min(chunk, shape[0] - rank * chunk)) * math.prod(shape[1:])
+
+
+def _lora_cases(rank, world):
+    """Trainable / frozen / by-dtype shard bytes, gradient and AdamW state bytes of a LoRA-like model,
+    exact, on both doors."""
+    from fullshard.wrap import ModuleWrapPolicy
+
+    assert world == 2
+    names = ["", "layers.0", "layers.1"]
+    # Per rank at N=2 (ceil(R/2) rows each): layers.0: base.weight (5, 8) 3·8 + base.bias 3 bf16 = 54 B
+    # frozen, lora_A (2, 8) 1·8 + lora_B (5, 2) 3·2 fp32 = 56 B trainable; layers.1: base (8, 5) 4·5 + 4
+    # bf16 = 48 B, lora_A (3, 5) 2·5 + lora_B (8, 3) 4·3 fp32 = 88 B; root: proj (8, 8) 4·8 + 4 fp32 =
+    # 144 B frozen, head (3, 8) 2·8 + 2 fp32 = 72 B trainable.
+    want = {"": {"float32": {"trainable_bytes": 72, "frozen_bytes": 144}},
+            "layers.0": {"float32": {"trainable_bytes": 56, "frozen_bytes": 0},
+                         "bfloat16": {"trainable_bytes": 0, "frozen_bytes": 54}},
+            "layers.1": {"float32": {"trainable_bytes": 88, "frozen_bytes": 0},
+                         "bfloat16": {"trainable_bytes": 0, "frozen_bytes": 48}}}
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    for door in ("wrapper", FULLY_SHARD):
+        plain = _Lora()
+        trained = {n: [p.shape for m, p in plain.named_parameters() if m.startswith(n + ".") and p.requires_grad]
+                   for n in ("layers.0", "layers.1")}
+        trained[""] = [plain.head.weight.shape, plain.head.bias.shape]
+        if door == FULLY_SHARD:
+            for layer in plain.layers:
+                fullshard.fully_shard(layer)
+            model = fullshard.fully_shard(plain)
+        else:
+            model = FSDP(plain, auto_wrap_policy=ModuleWrapPolicy({_LoraLinear}))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # frozen parameters included: they get no state
+        stats = memory_stats(model)
+        _check_shape(stats, names)
+        for n in names:
+            assert stats[n]["by_dtype"] == want[n], (door, n, stats[n])
+            total = {k: sum(d[k] for d in want[n].values()) for k in ("trainable_bytes", "frozen_bytes")}
+            assert {k: stats[n][k] for k in total} == total, (door, n, stats[n])
+            assert stats[n]["grad_bytes"] == 0, (door, n)
+        model(x).sum().backward()
+        opt.step()
+        stats = memory_stats(model, opt)
+        for n in names:
+            grads = 4 * sum(_local_numel(s, rank, world) for s in trained[n])
+            assert stats[n]["grad_bytes"] == grads, (door, n, stats[n], grads)
+            # AdamW: exp_avg and exp_avg_sq like the gradient shard, and a 0-dim fp32 step per parameter
+            assert stats[n]["optim_state_bytes"] == 2 * grads + 4 * len(trained[n]), (door, n, stats[n])
+            assert stats[n]["by_dtype"] == want[n], (door, n)
+        opt.zero_grad(set_to_none=True)
+        assert all(e["grad_bytes"] == 0 for k, e in memory_stats(model).items() if k != "pool"), door
+    return "ok"
+
+
 def _cases(rank, world):
-    return _gpt_cases(rank, world), _plain_root_cases(rank, world)
+    return _gpt_cases(rank, world), _plain_root_cases(rank, world), _lora_cases(rank, world)
 
 
 def test_memory_stats():
     assert "memory_stats" in fullshard.__all__
-    assert run_ranks(_cases, 2) == [("ok", "ok")] * 2
+    assert run_ranks(_cases, 2) == [("ok", "ok", "ok")] * 2

@@ -81,6 +81,32 @@ def _full_state(model, door: str) -> dict:
     return sd
 
 
+def _check_plan(model, opt, rank: int, door: str) -> None:
+    """`fullshard plan --hf-model`'s per-rank model state (train/plan_hf.py) equals what memory_stats
+    counts on the wrapped model: frozen and trainable shard bytes by dtype, gradient shards after a
+    backward, AdamW state (plus its 0-dim fp32 step per trained parameter). Every dimension of the tiny
+    Llama is even, so both ranks hold the same and padding is nil."""
+    from fullshard import ShardingStrategy, memory_stats
+    from fullshard.train import plan_hf
+
+    plain = _peft_llama()
+    est = plan_hf.plan_hf(plan_hf.hf_units(plain, plain.base_model.model.model.layers),
+                          ShardingStrategy.FULL_SHARD, 2, "adam")
+    _loss(model, _batch(rank, 0)).backward()
+    units = [e for k, e in memory_stats(model, opt).items() if k != "pool"]
+    opt.zero_grad(set_to_none=True)
+    for kind in ("frozen", "trainable"):
+        got = {}
+        for e in units:
+            for dtype, d in e["by_dtype"].items():
+                got[dtype] = got.get(dtype, 0) + d[f"{kind}_bytes"]
+        assert {k: v for k, v in got.items() if v} == {k: v for k, v in est[kind].items() if v}, (door, kind, got)
+    assert est["frozen"]["bfloat16"] > 0 and est["trainable"]["float32"] > 0, est
+    assert sum(e["grad_bytes"] for e in units) == est["grads"] == est["trainable"]["float32"], (door, est)
+    trained = sum(p.requires_grad for p in plain.parameters())
+    assert sum(e["optim_state_bytes"] for e in units) == est["optimizer"] + 4 * trained, (door, est)
+
+
 def _group(rank: int, world: int) -> dict:
     from fullshard import FullyShardedDataParallel as FSDP, StateDictType, memory_stats
 
@@ -106,6 +132,7 @@ def _group(rank: int, world: int) -> dict:
         local = sum(p.to_local().nbytes if door == "fully_shard" else p.nbytes for p in model.parameters())
         held = sum(e["sharded_bytes"] for k, e in memory_stats(model).items() if k != "pool")
         assert local <= held <= 2 * local, (door, local, held)  # every dtype's shard counted, padding aside
+        _check_plan(model, opt, rank, door)
         got = _full_state(model, door)
         assert got.keys() == want.keys(), door
         lora = max((got[k].float() - want[k].float()).abs().max().item() for k in got if "lora_" in k)

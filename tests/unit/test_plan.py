@@ -195,3 +195,35 @@ def test_optimizer_state_per_rank_is_counted_exactly():
         assert {m[name][0] for m in measured} == {shard_elements(units, 2, owned=name == "muon")}, name
     adam, muon = state_elements(units, "adam", 2), state_elements(units, "muon", 2)
     assert muon[0] != muon[1] and sum(muon) < sum(adam)  # one momentum per matrix, on its owner
+
+
+def test_cli_plans_hf_lora_frozen_and_trainable_apart(tmp_path):
+    """`plan --hf-model DIR --lora-rank R`: the frozen base, the adapters, their gradients and optimizer
+    state on lines of their own; a bf16 base halves the frozen shards only. (That these equal the engine's
+    bytes is tests/dist/test_mixed_dtype.py's check against memory_stats.)"""
+    pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=1)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    base = ("--hf-model", str(tmp_path), "--world-size", "2")
+
+    def lines(*args):
+        r = _plan_cli(*base, *args)
+        assert r.returncode == 0, r.stderr
+        return {ln[:46].strip(): int(ln.split()[-2].replace(",", "")) for ln in r.stdout.splitlines()[2:]}
+
+    full, fp32, bf16 = lines(), lines("--lora-rank", "4"), lines("--lora-rank", "4", "--base-dtype", "bf16")
+    assert "frozen parameter shards (float32)" not in full
+    assert fp32["frozen parameter shards (float32)"] == 2 * bf16["frozen parameter shards (bfloat16)"] > 0
+    assert fp32["frozen parameter shards (float32)"] + fp32["trainable parameter shards (float32)"] > \
+        full["trainable parameter shards (float32)"]  # the adapters are added to the base
+    for key in ("trainable parameter shards (float32)", "gradient shards (trainable only)",
+                "Adam moments (fp32), trainable only"):
+        assert fp32[key] == bf16[key] and fp32[key] * 10 < full[key], key
+    for args, msg in ((("--base-dtype", "bf16"), "--base-dtype bf16 needs --lora-rank"),
+                      (("--arch", "transformer_lm_gpt_tiny"), "exclusive"), (("--budget-gb", "2"), "--budget-gb")):
+        bad = _plan_cli(*base, *args)
+        assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and msg in bad.stderr, bad.stderr
+    bad = _plan_cli("--world-size", "2")
+    assert bad.returncode == 2 and "--arch NAME" in bad.stderr

@@ -133,6 +133,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                                "at least 1)")
     p.add_argument("--seed", type=int, default=1, help="model init and data seed (default: %(default)s)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="deadline of each gloo collective, seconds")
+    p.add_argument("--lora", action="store_true",
+                   help="the LoRA rows instead (fullshard.bench.lora): full fine-tune, LoRA on an fp32 and a bf16 "
+                        "base, fullshard and torch FSDP2 + PEFT, on a small Hugging Face Llama; printed, not saved")
     p.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
                    help="where bench.md, bench.json and bench.png go (default: %(default)s)")
 

@@ -53,7 +53,14 @@ import torch
 
 from fullshard.api import ShardingStrategy
 from fullshard.models import ARCHS, TransformerBlock, build_model, make_config
-from fullshard.train.config import DatasetOptions, DistributedOptions, OptimizationOptions, PrecisionOptions
+from fullshard.train import plan_hf
+from fullshard.train.config import (
+    DatasetOptions,
+    DistributedOptions,
+    FinetuneOptions,
+    OptimizationOptions,
+    PrecisionOptions,
+)
 from fullshard.train.flags import add_options, flag
 from fullshard.train.optim_state import OPTIMIZER_STATE, gpt_units, shard_elements, state_elements
 from fullshard.train.options import OneLineArgumentParser, add_model_args, check_tokens_per_sample, resolve_arch
@@ -284,12 +291,14 @@ class PlanOptions:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """Register `fullshard plan`'s flags on ``p``."""
-    add_model_args(p, dict(required=True, choices=sorted(ARCHS), help="a named GPT (see `fullshard train --help`)"))
+    add_model_args(p, dict(default=None, choices=sorted(ARCHS),
+                           help="a named GPT (see `fullshard train --help`); or --hf-model DIR"))
     add_options(p, PlanOptions)
     add_options(p, DistributedOptions, ("cpu_offload", "checkpoint_activations"))
     add_options(p, PrecisionOptions, ("fp16", "bf16"))
     add_options(p, DatasetOptions, ("tokens_per_sample", "batch_size"))
     add_options(p, OptimizationOptions, ("optimizer",))
+    add_options(p, FinetuneOptions, ("hf_model", "lora_rank", "lora_alpha", "lora_target_modules", "base_dtype"))
 
 
 def check_args(p: OneLineArgumentParser, args: argparse.Namespace) -> tuple:
@@ -306,6 +315,8 @@ def check_args(p: OneLineArgumentParser, args: argparse.Namespace) -> tuple:
         p.fail("--bf16 and --fp16 are exclusive; pick one")
     if args.budget_gb is not None and args.budget_gb <= 0:
         p.fail(f"--budget-gb must be > 0, got {args.budget_gb}")
+    if args.arch is None:
+        p.fail("give --arch NAME (a GPT) or --hf-model DIR (a Hugging Face checkpoint)")
     try:
         shape = resolve_arch(args.arch, vars(args))
     except ValueError as e:
@@ -317,6 +328,13 @@ def check_args(p: OneLineArgumentParser, args: argparse.Namespace) -> tuple:
 
 def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
     """Check the flags (one line, exit 2 on bad input), print the plan and what fits the budget."""
+    if args.hf_model:
+        return _run_hf(p, args)
+    for name in ("lora_rank", "lora_target_modules"):
+        if getattr(args, name):
+            p.fail(f"--{name.replace('_', '-')} needs --hf-model DIR")
+    if args.base_dtype != "fp32":
+        p.fail("--base-dtype needs --hf-model DIR and --lora-rank R")
     shape, positions, dtype = check_args(p, args)
     work = gpt_workload(shape, args.batch_size, args.tokens_per_sample, args.vocab_size, max_positions=positions)
     cfg = Config(ShardingStrategy[args.sharding_strategy], args.world_size, dtype, args.cpu_offload,
@@ -329,3 +347,20 @@ def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
         for c, est in fits:
             print(f"  {est['device_total'] / 1e9:8.3f} GB  {c.label()}")
     return 0
+
+
+def _run_hf(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
+    """`fullshard plan --hf-model DIR` (:mod:`fullshard.train.plan_hf`): model state only."""
+    if args.arch is not None:
+        p.fail("--arch and --hf-model are exclusive; the plan is of one model")
+    for name, given in (("--budget-gb", args.budget_gb is not None), ("--cpu-offload", args.cpu_offload),
+                        ("--checkpoint-activations", args.checkpoint_activations),
+                        ("--pipeline-parallel-size", args.pipeline_parallel_size is not None)):
+        if given:
+            p.fail(f"{name} is not planned for --hf-model yet (model state only); drop it")
+    if args.world_size < 1:
+        p.fail(f"--world-size must be >= 1, got {args.world_size}")
+    if args.bf16 and args.fp16:
+        p.fail("--bf16 and --fp16 are exclusive; pick one")
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return plan_hf.run(p, args, dtype)
