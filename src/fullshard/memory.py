@@ -14,6 +14,7 @@ from .construct import clean_name
 from .core import collectives, mixed
 from .core.buffers import POOL
 from .core.module import UnitModule
+from .core.packed import PackedPart
 
 UNIT_FIELDS = ("sharded_bytes", "unsharded_bytes", "full_grad_bytes", "stashed_grad_bytes",
                "pending_reduce_scatters")
@@ -29,8 +30,10 @@ def _unit_entry(fsdp_unit: UnitModule) -> dict[str, int]:
     rt = fsdp_unit._runtime
     unit = rt.unit
     pending = 0 if rt.root is None else sum(1 for p in rt.root.pending if p.unit is unit)
-    shards = [p.flat_shard for p in mixed.parts(unit)]  # each dtype part of a mixed unit
-    return {"sharded_bytes": sum(s.numel() * s.element_size() for s in shards),
+    # Each dtype part of a mixed unit; a packed part (core/packed.py) holds its subclass shards' bytes.
+    shards = [p.shard_bytes() if isinstance(p, PackedPart) else p.flat_shard.numel() * p.flat_shard.element_size()
+              for p in mixed.parts(unit)]
+    return {"sharded_bytes": sum(shards),
             "unsharded_bytes": unit.unsharded_bytes(),
             "full_grad_bytes": unit.full_grad_bytes(),
             "stashed_grad_bytes": unit.stash.nbytes(),
