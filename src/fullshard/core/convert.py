@@ -143,6 +143,9 @@ def adopt(unit: Unit) -> bool:
         ValueError: the new values of one unit differ in dtype or device;
             an assigned value is not this rank's shard.
     """
+    if getattr(unit, "packed", False):  # core/packed.py: subclass shards, kept
+        unit.adopt()
+        return False
     unit.check_sharded("adopt new parameter values")
     for slot in unit.slots:
         wrong = slot.take_back()

@@ -101,6 +101,26 @@ class PackedPart(Unit):
         if self.state is not ShardedState.SHARDED:
             self.reshard()
 
+    def adopt(self) -> None:
+        """After ``nn.Module._apply``: keep this rank's subclass shards. A
+        result of the same class, shape, dtype and device (``to_empty`` or
+        ``.to()`` on the device the part computes on) is dropped, as the
+        parameters were never on the meta device; anything else is refused.
+
+        Raises:
+            ValueError: a parameter converted to another class, dtype, shape or device.
+        """
+        self.check_sharded("adopt new parameter values")
+        for slot in self.slots:
+            wrong = slot.take_back()
+            new, kept = slot.registered_local(), slot.local
+            if wrong is None and new is not kept and (type(new), new.shape, new.dtype, new.device) != \
+                    (type(kept), kept.shape, kept.dtype, kept.device):
+                wrong = f"parameter '{slot.fqn}' became {type(new).__name__} {new.dtype} on {new.device}"
+            if wrong:
+                self.refuse(f"module._apply() / load_state_dict(assign=True) ({wrong})")
+            slot.rebind(kept)
+
     def refuse(self, what: str) -> None:
         """Raise: ``what`` needs plain values this part does not hold.
 
