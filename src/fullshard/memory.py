@@ -18,6 +18,7 @@ from .construct import clean_name
 from .core import collectives, mixed
 from .core.buffers import POOL
 from .core.module import UnitModule
+from .core.packed import PackedPart
 from .core.params import local_of
 
 UNIT_FIELDS = ("sharded_bytes", "unsharded_bytes", "full_grad_bytes", "stashed_grad_bytes",
@@ -58,9 +59,11 @@ def _param_entry(unit, optimizer: Optional[torch.optim.Optimizer]) -> dict:
             if optimizer is not None and slot.sharded is not None:
                 state = optimizer.state.get(slot.sharded, {})
                 out["optim_state_bytes"] += sum(_nbytes(v) for v in state.values() if torch.is_tensor(v))
-        frozen = shard.numel() * size - trainable  # padding past the slots counts as frozen
-        entry = by_dtype.setdefault(str(shard.dtype).removeprefix("torch."),
-                                    {"trainable_bytes": 0, "frozen_bytes": 0})
+        if isinstance(part, PackedPart):  # frozen subclass shards (e.g. NF4): their own bytes, keyed by class
+            frozen, key = part.shard_bytes(), type(part.slots[0].registered_local()).__name__
+        else:  # padding past the slots counts as frozen
+            frozen, key = shard.numel() * size - trainable, str(shard.dtype).removeprefix("torch.")
+        entry = by_dtype.setdefault(key, {"trainable_bytes": 0, "frozen_bytes": 0})
         entry["trainable_bytes"] += trainable
         entry["frozen_bytes"] += frozen
         out["trainable_bytes"] += trainable
@@ -73,8 +76,10 @@ def _unit_entry(fsdp_unit: UnitModule, optimizer: Optional[torch.optim.Optimizer
     rt = fsdp_unit._runtime
     unit = rt.unit
     pending = 0 if rt.root is None else sum(1 for p in rt.root.pending if p.unit is unit)
-    shards = [p.flat_shard for p in mixed.parts(unit)]  # each dtype part of a mixed unit
-    return {"sharded_bytes": sum(s.numel() * s.element_size() for s in shards),
+    # Each dtype part of a mixed unit; a packed part (core/packed.py) holds its subclass shards' bytes.
+    shards = [p.shard_bytes() if isinstance(p, PackedPart) else p.flat_shard.numel() * p.flat_shard.element_size()
+              for p in mixed.parts(unit)]
+    return {"sharded_bytes": sum(shards),
             "unsharded_bytes": unit.unsharded_bytes(),
             "full_grad_bytes": unit.full_grad_bytes(),
             "stashed_grad_bytes": unit.stash.nbytes(),
@@ -144,8 +149,9 @@ def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
           counts its local shard); frozen parameters given to the optimizer
           never get state.
         * ``by_dtype``: ``{dtype name: {"trainable_bytes", "frozen_bytes"}}``
-          per flat-shard dtype (``"float32"``, ``"bfloat16"``, ...), summing
-          to the two fields above.
+          per flat-shard dtype (``"float32"``, ``"bfloat16"``, ...; a packed
+          subclass such as ``NF4Tensor`` under its class name), summing to
+          the two fields above.
 
         ``"pool"``: the process-wide buffer pool (core/buffers.py), shared by
         every model in the process. ``in_use_bytes``: pooled buffers handed

@@ -106,6 +106,8 @@ def convert_shard(unit: Unit, fn: Callable[[torch.Tensor], torch.Tensor]) -> boo
         for slot in unit.slots:
             slot.record_view_ptr()
         return False
+    if getattr(unit, "packed", False):  # core/packed.py: subclass shards, no flat values to convert
+        unit.refuse(f"converting to {new.dtype}")
     if new.device != old.device or new.shape != old.shape or not new.is_floating_point():
         raise RuntimeError(
             f"[rank {collectives.rank()}] unit '{unit.name}': converting the parameters to "
@@ -141,6 +143,9 @@ def adopt(unit: Unit) -> bool:
         ValueError: the new values of one unit differ in dtype or device;
             an assigned value is not this rank's shard.
     """
+    if getattr(unit, "packed", False):  # core/packed.py: subclass shards, kept
+        unit.adopt()
+        return False
     unit.check_sharded("adopt new parameter values")
     for slot in unit.slots:
         wrong = slot.take_back()

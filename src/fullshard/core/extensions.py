@@ -143,7 +143,7 @@ def start(unit) -> None:
         state = kept.get(i)
         if state is None or state.local is not local:
             state = _Gathered(local)
-        if slot.own_local:  # keep the flat region's plain value current (see the note)
+        if slot.own_local and not getattr(unit, "packed", False):  # keep the flat region's plain value current
             with torch.no_grad():
                 flat.shard_views(unit.flat_shard, unit.layout, unit.rank)[i].copy_(local)
         inputs, state.metadata = _pre(unit, i, local)

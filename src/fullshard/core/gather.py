@@ -26,6 +26,8 @@ def gather_full(unit, flat_shard: Optional[torch.Tensor] = None) -> list[torch.T
     """
     if not unit.layout.params:
         return []
+    if getattr(unit, "packed", False):  # core/packed.py: no plain values to gather
+        unit.refuse("gathering full parameters (summon_full_params, a full state dict)")
     lay, dev = unit.layout, unit.cfg.compute_device
     src = unit.flat_shard if flat_shard is None else flat_shard
     buf = torch.empty(lay.unsharded_numel, dtype=src.dtype, device=dev)

@@ -23,6 +23,9 @@ Code that walks a unit's parameters one slot at a time (state dicts,
 :func:`parts`. Trainable parameters of two dtypes in one unit are refused
 (their gradients would need two reduce-scatters; torch FSDP2 refuses them
 too), and so is making a part's parameter trainable after sharding.
+Frozen parameters of an all-gather-extension subclass (a QLoRA NF4 base)
+form one more part, a :class:`~fullshard.core.packed.PackedPart` gathered in
+their own packed format (core/packed.py [Note: packed parts]).
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from typing import Iterable
 
 import torch
 
-from . import collectives
+from . import collectives, packed
 from .params import ParamSlot
 from .settings import UnitSettings
 from .unit import ShardedState, Unit, UnitConfig
@@ -52,7 +55,7 @@ def make_unit(name: str, slots: list[ParamSlot], cfg: UnitConfig, settings: Unit
     Raises:
         ValueError: trainable parameters of different dtypes.
     """
-    if len({s.param.dtype for s in slots}) <= 1:
+    if len({s.param.dtype for s in slots}) <= 1 and not any(packed.is_packed(s) for s in slots):
         return Unit(name, slots, cfg, settings)
     return MixedUnit(name, slots, cfg, settings)
 
@@ -73,15 +76,18 @@ def check_dtypes(name: str, slots: list[ParamSlot]) -> None:
             "trainable parameters to one dtype (frozen ones may keep theirs), or shard them in separate units")
 
 
-def _split(name: str, slots: list[ParamSlot]) -> tuple[list[ParamSlot], list[list[ParamSlot]]]:
-    """The main dtype's slots and one list per other dtype (in first-seen order)."""
+def _split(name: str, slots: list[ParamSlot]) -> tuple[list[ParamSlot], list[list[ParamSlot]], list[ParamSlot]]:
+    """The main dtype's slots, one list per other dtype (in first-seen order)
+    and the packed slots (core/packed.py [Note: packed parts])."""
     check_dtypes(name, slots)
+    packs = [s for s in slots if packed.is_packed(s)]
+    slots = [s for s in slots if not packed.is_packed(s)]
     trainable = [s for s in slots if s.param.requires_grad]
-    main = (trainable or slots)[0].param.dtype
-    groups: dict[torch.dtype, list[ParamSlot]] = {}
+    main = (trainable or slots)[0].param.dtype if slots else None
+    groups: dict[torch.dtype, list[ParamSlot]] = {main: []}
     for s in slots:
         groups.setdefault(s.param.dtype, []).append(s)
-    return groups.pop(main), list(groups.values())
+    return groups.pop(main), list(groups.values()), packs
 
 
 class MixedUnit(Unit):
@@ -90,8 +96,10 @@ class MixedUnit(Unit):
     :class:`Unit`'s, each state transition applied to every part."""
 
     def __init__(self, name: str, slots: list[ParamSlot], cfg: UnitConfig, settings: UnitSettings):
-        main, others = _split(name, slots)
+        main, others, packs = _split(name, slots)
         self.side = tuple(Unit(name, group, cfg, settings) for group in others)
+        if packs:
+            self.side += (packed.PackedPart(name, packs, cfg, settings),)
         super().__init__(name, main, cfg, settings)
 
     def _each(self, states: Iterable[ShardedState]) -> list[Unit]:

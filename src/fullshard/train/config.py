@@ -425,6 +425,9 @@ class FinetuneOptions:
     # fp32: one dtype for the whole model. bf16/fp16: the frozen base stored so, adapters fp32 (PEFT's default).
     base_dtype: str = flag("fp32", "--lora-rank: dtype the frozen base is stored and trained in; the adapters "
                            "stay fp32 (default: %(default)s)", choices=("fp32", "bf16", "fp16"))
+    # none: as --base-dtype. nf4: decoder layers' frozen Linear weights as torchao NF4 (train/qlora.py).
+    quantize_base: str = flag("none", "--lora-rank: store the decoder layers' frozen Linear weights 4-bit (QLoRA: "
+                              "torchao NF4, gathered as packed bytes) (default: %(default)s)", choices=("none", "nf4"))
 
 
 TRAIN_GROUPS = (ModelOptions, DistributedOptions, PipelineOptions, PrecisionOptions, DatasetOptions,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fullshard.train import hf_model
+from fullshard.train import hf_model, qlora
+from fullshard.train.config import DEFAULT_FSDP_VERSION
 
 
 def check(p, args, meta: dict) -> Optional[int]:
@@ -21,7 +22,8 @@ def check(p, args, meta: dict) -> Optional[int]:
     if not args.hf_model:
         for name, given in (("--lora-rank", args.lora_rank), ("--save-hf", args.save_hf),
                             ("--merge-lora", args.merge_lora), ("--lora-target-modules", args.lora_target_modules),
-                            ("--base-dtype", args.base_dtype != "fp32")):
+                            ("--base-dtype", args.base_dtype != "fp32"),
+                            ("--quantize-base", args.quantize_base != "none")):
             if given:
                 p.fail(f"{name} needs --hf-model DIR (LoRA and Hugging Face export are for Hugging Face checkpoints)")
         return None
@@ -44,6 +46,8 @@ def check(p, args, meta: dict) -> Optional[int]:
         if other and other != args.base_dtype:
             p.fail(f"--base-dtype {args.base_dtype} with --{other} would cast the base to {other} in every "
                    f"forward; use --base-dtype {other}, or drop --{other}")
+    if args.quantize_base != "none":
+        _check_quantize(p, args)
     if args.optimizer == "muon":
         p.fail("--hf-model with --optimizer muon is not supported yet; use adam, cpu_adam, adafactor or lamb")
     try:
@@ -62,3 +66,18 @@ def check(p, args, meta: dict) -> Optional[int]:
         p.fail(f"--tokens-per-sample {args.tokens_per_sample} exceeds the {positions} positions of the model in "
                f"{args.hf_model!r}; use --tokens-per-sample <= {positions}")
     return positions
+
+
+def _check_quantize(p, args) -> None:
+    """--quantize-base nf4 (QLoRA, train/qlora.py): adapters on a frozen base, on fully_shard, with torchao."""
+    if not args.lora_rank:
+        p.fail(f"--quantize-base {args.quantize_base} needs --lora-rank R (> 0): only a frozen base is quantized "
+               "(QLoRA); drop --quantize-base for a full fine-tune")
+    if (args.fsdp_version or DEFAULT_FSDP_VERSION) != 2:
+        p.fail(f"--quantize-base {args.quantize_base} needs --fsdp-version 2 (fully_shard gathers NF4 weights as "
+               "packed bytes; the FSDP1 wrapper's flat parameters cannot hold them)")
+    if args.merge_lora:
+        p.fail(f"--merge-lora with --quantize-base {args.quantize_base} is not supported (a merged model would need "
+               "the base dequantized); export the adapter (drop --merge-lora)")
+    if not qlora.nf4_available():
+        p.fail(f"--quantize-base {args.quantize_base} needs torchao (pip install torchao==0.18.0)")

@@ -78,7 +78,8 @@ def low_precision(cfg: TrainConfig):
     return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
 
 
-def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn, blocks=None) -> nn.Module:
+def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn, blocks=None,
+                prepare=None) -> nn.Module:
     """Shard ``model`` (a GPT built on the meta device) as ``cfg.fsdp_version`` says (see [Note: fsdp
     versions]); every rank calls it.
 
@@ -91,6 +92,8 @@ def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_f
         blocks: the modules that become units before the root (default: ``model.layers``, whose
             TransformerBlocks the wrapper's auto-wrap policy finds); under activation checkpointing,
             the CheckpointWrappers that hold them.
+        prepare: version 2 only: ``prepare(block)`` runs on each block just before it is sharded
+            (``--quantize-base``: train/qlora.py).
     Returns:
         The model to train: a FullyShardedDataParallel root (version 1) or ``model`` itself, now a
         ``FSDPModule`` with DTensor parameters (version 2).
@@ -101,7 +104,7 @@ def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_f
         classes = {TransformerBlock} if blocks is None else {type(_inner(b)) for b in blocks}
         return _fsdp1(model, cfg, device, init_fn, classes)
     if cfg.fsdp_version == 2:
-        return _fully_shard(model, cfg, device, init_fn, model.layers if blocks is None else blocks)
+        return _fully_shard(model, cfg, device, init_fn, model.layers if blocks is None else blocks, prepare=prepare)
     raise ValueError(f"[rank {collectives.rank()}] --fsdp-version {cfg.fsdp_version!r}: use 1 or 2")
 
 
@@ -179,7 +182,7 @@ def device_mesh(strategy: ShardingStrategy, device_type: str) -> DeviceMesh:
 
 
 def _fully_shard(model: nn.Module, cfg: TrainConfig, device: torch.device, init_fn, blocks=None,
-                 mesh: DeviceMesh | None = None) -> nn.Module:
+                 mesh: DeviceMesh | None = None, prepare=None) -> nn.Module:
     strategy = strategy_of(cfg)
     low = low_precision(cfg)
     kwargs = dict(mesh=mesh if mesh is not None else device_mesh(strategy, device.type),
@@ -191,6 +194,8 @@ def _fully_shard(model: nn.Module, cfg: TrainConfig, device: torch.device, init_
     if blocks is None:  # a pipeline stage (models/stages.py) keeps its blocks in a ModuleDict
         blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for block in blocks:  # a CheckpointWrapper(block) under --checkpoint-activations
+        if prepare is not None:  # --quantize-base: the block's base weights quantized (train/qlora.py)
+            prepare(block)
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     # Shards live where the optimizer steps: host memory under --cpu-offload (torchtitan's order).
@@ -225,6 +230,8 @@ def init_local_rows(model: nn.Module, originals: dict, init_fn) -> None:
     """
     for name, param in model.named_parameters():
         local = param.to_local()
+        if type(local) is not torch.Tensor and not local.requires_grad:
+            continue  # materialized before sharding (an NF4 base weight, train/qlora.py): its values are its own
         lo, hi = _rows_of(param)
         if local.shape[0] != hi - lo:
             raise RuntimeError(f"[rank {collectives.rank()}] parameter '{name}': local shard has "

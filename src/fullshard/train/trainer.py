@@ -31,7 +31,7 @@ from fullshard.amp import ShardedGradScaler
 from fullshard.core import collectives
 from fullshard.memory import TOTAL_FIELDS, memory_stats, memory_totals
 from fullshard.models import TransformerBlock, build_model, make_param_init_fn, num_params
-from fullshard.train import hf_model, invariance, optimizers, pipeline, sharding
+from fullshard.train import hf_model, invariance, optimizers, pipeline, qlora, sharding
 from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import build_lr_scheduler
 from fullshard.train.progress import safe_round
@@ -119,7 +119,10 @@ class Trainer:
             apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, classes),
                                            offload_to_cpu=cfg.offload_activations)
         buffers = hf_model.buffers_of(model)  # fully_shard's to_empty loses their values
-        wrapped = sharding.shard_model(model, cfg, self.device, reader, blocks=list(layers))
+        quantize = None
+        if getattr(cfg, "quantize_base", "none") == "nf4":  # QLoRA: train/qlora.py
+            quantize = qlora.Quantizer(reader, self.world_size)
+        wrapped = sharding.shard_model(model, cfg, self.device, reader, blocks=list(layers), prepare=quantize)
         hf_model.restore_buffers(buffers)
         return wrapped, shapes, total
 

@@ -1,0 +1,70 @@
+"""QLoRA in `fullshard train` (``--hf-model DIR --lora-rank R --quantize-base nf4``): the frozen base's
+decoder-layer Linear weights stored 4-bit as torchao ``NF4Tensor`` (block size 64, scaler block 256:
+``to_nf4``'s defaults), sharded and all-gathered as packed bytes (core/packed.py [Note: packed parts]).
+
+Each such weight is quantized from the whole tensor, as a single process does, so every rank's shard
+is that rank's dim-0 rows of the same NF4 tensor (one per-tensor scaler mean; quantizing each rank's
+rows alone would give each rank its own, and the gathered tensor would dequantize other ranks' rows
+with the wrong one). Each rank reads one full weight at a time from the safetensors files (its
+``--base-dtype``), just before its decoder layer is sharded, which keeps its own rows; embeddings,
+norms and the output layer stay in ``--base-dtype``, the adapters fp32. torchao's ``F.linear`` on an
+``NF4Tensor`` dequantizes it to the input's dtype inside its own autograd function (PEFT's LoRA layer
+calls its base ``nn.Linear``, whose weight it is).
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+BLOCK, SCALER_BLOCK = 64, 256  # torchao to_nf4's defaults (QLoRA's)
+CHOICES = ("none", "nf4")
+
+
+class QuantizeError(ValueError):
+    """A base that cannot be quantized as asked; the message is one line."""
+
+
+def nf4_available() -> bool:
+    """Whether torchao's NF4 can be imported."""
+    try:
+        from torchao.quantization import to_nf4  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def base_linears(block: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The frozen ``nn.Linear`` modules of a decoder layer (PEFT's ``base_layer`` included, adapters not)."""
+    return [(n, m) for n, m in block.named_modules() if type(m) is nn.Linear and not m.weight.requires_grad]
+
+
+class Quantizer:
+    """``prepare(block)`` for `sharding.shard_model`: each frozen Linear weight of ``block`` becomes a
+    frozen ``NF4Tensor`` parameter built from its whole value read by ``reader``.
+
+    Args:
+        reader: the model's ``hf_model.RowReader`` (made before any parameter was replaced).
+        world: ranks a weight is sharded over (its rows must split into whole scaler blocks).
+    """
+
+    def __init__(self, reader, world: int):
+        self.reader, self.world = reader, world
+
+    def __call__(self, block: nn.Module) -> None:
+        from torchao.quantization import to_nf4
+
+        check_world(block, self.world)
+        for _, linear in base_linears(block):
+            value = self.reader.init_rows(linear.weight, 0, linear.weight.shape[0], "cpu")
+            linear.weight = nn.Parameter(to_nf4(value, BLOCK, SCALER_BLOCK), requires_grad=False)
+
+
+def check_world(block: nn.Module, world: int) -> None:
+    """Raise :class:`QuantizeError` when a frozen Linear of ``block`` cannot be sharded as NF4 at ``world`` ranks."""
+    for name, linear in base_linears(block):
+        rows, numel = linear.weight.shape[0], linear.weight.numel()
+        if rows % world or (numel // world) % (BLOCK * SCALER_BLOCK):
+            raise QuantizeError(
+                f"--quantize-base nf4: weight '{name}' {tuple(linear.weight.shape)} does not split into whole NF4 "
+                f"scaler blocks ({BLOCK} x {SCALER_BLOCK} elements) on each of {world} ranks; use fewer ranks or "
+                "--quantize-base none")
+
