@@ -130,6 +130,7 @@ def _dropped_and_accumulated(door: str, rank: int, overlap: bool, max_norm: floa
         opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     _backward(model, rank, 0, 0, sync=True)
     opt.zero_grad()
+    dropped = {f"dropped {k}": v for k, v in _state(model, opt).items()}  # before any other forward
     norms = []
     for step, micros, scale in ((1, 2, 1.0), (2, 1, 1.0), (3, 1, 1e22)):
         for micro in range(micros):
@@ -141,7 +142,7 @@ def _dropped_and_accumulated(door: str, rank: int, overlap: bool, max_norm: floa
             norms.append(opt.grad_norm)
         opt.zero_grad()
     assert norms[-1].isinf() and all(n.isfinite() for n in norms[:-1]), norms
-    return _state(model, opt) | {"norms": torch.stack(norms)}
+    return _state(model, opt) | dropped | {"norms": torch.stack(norms)}
 
 
 def _refusals(rank: int) -> None:
