@@ -7,10 +7,13 @@ Five iterations: plain; the root's ``norm`` skipped by every rank (its
 parameters keep ``grad None``); two micro-batches, the first under
 ``no_sync`` / ``set_requires_gradient_sync(False)``; plain, then
 ``zero_grad(set_to_none=False)``; plain (added into the zeroed gradients).
-``OffloadAdamW`` (without and with ``max_norm``) must give, bit for bit, the
-parameters and AdamW state of ``backward()``, ``fullshard.clip_grad_norm_`` and
-``torch.optim.AdamW(fused=True).step()``; each gradient must live in the same
-host storage at every step.
+``OffloadAdamW`` (without ``max_norm``, with one every step's norm exceeds, so
+every speculative step is redone, and with one no norm reaches) must give,
+bit for bit, the parameters and AdamW state of ``backward()``,
+``fullshard.clip_grad_norm_`` and ``torch.optim.AdamW(fused=True).step()``, and
+the same norms; each gradient must live in the same host storage at every
+step. Then, with ``max_norm``: an iteration dropped by ``zero_grad()`` before
+``step()``, and two synchronizing backwards for one step, equal the reference.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from tests.dist.harness import run_ranks
 
 LR = 1e-2
 CLIP = 0.05  # below every step's global norm here, so each step is clipped
+HIGH = 1e6  # above every step's global norm: the speculative steps stand
 
 
 Net = P.SkipNormNet
@@ -51,9 +55,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _backward(model, rank: int, step: int, micro: int, sync: bool) -> None:
+def _backward(model, rank: int, step: int, micro: int, sync: bool, scale: float = 1.0) -> None:
     x, y = P.tokens(10 * rank + micro, step)
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) * scale
     if sync:
         loss.backward()
     elif isinstance(model, FSDP):
@@ -68,7 +72,8 @@ def _backward(model, rank: int, step: int, micro: int, sync: bool) -> None:
 def _train(model, rank: int, overlap: bool, max_norm):
     """The five iterations; returns (full parameters and this rank's AdamW state, whether the parameters
     had changed after the first backward before step(), the global norms,
-    per parameter name whether its gradient kept one storage at every step)."""
+    per parameter name whether its gradient kept one storage at every step,
+    OffloadAdamW's (unit_steps_in_backward, redone_steps) or None)."""
     if overlap:
         opt = OffloadAdamW(model, lr=LR, max_norm=max_norm)
     else:
@@ -98,13 +103,46 @@ def _train(model, rank: int, overlap: bool, max_norm):
         else:
             opt.step()
         opt.zero_grad(set_to_none=step != 3)
-    full = {n: P.full(p) for n, p in named}
-    for i, st in opt.state_dict()["state"].items():  # AdamW's state, the step counts included
-        full.update({f"state {i} {k}": _local(v).clone() for k, v in st.items()})
+    full = _state(model, opt)
     # While the model lives: each parameter's gradient had one storage at every step.
     alive = {n: [r() for r in refs] for n, refs in storages.items()}
     reused = {n: len(a) >= 4 and a[0] is not None and all(s is a[0] for s in a) for n, a in alive.items()}
-    return full, moved, norms, reused
+    counts = (opt.unit_steps_in_backward, opt.redone_steps) if overlap else None
+    return full, moved, norms, reused, counts
+
+
+def _state(model, opt) -> dict:
+    """Full parameters and this rank's AdamW state (the step counts included)."""
+    full = {n: P.full(p) for n, p in model.named_parameters()}
+    for i, st in opt.state_dict()["state"].items():
+        full.update({f"state {i} {k}": _local(v).clone() for k, v in st.items()})
+    return full
+
+
+def _dropped_and_accumulated(door: str, rank: int, overlap: bool, max_norm: float) -> dict:
+    """An iteration dropped by zero_grad() before step(); two synchronizing backwards for one step
+    (the second forward puts the speculative steps back); a plain one; one whose finite gradients
+    (x 1e22) have an inf norm (every gradient clipped to 0, as clip_grad_norm_ does)."""
+    model = _make(door)
+    if overlap:
+        opt = OffloadAdamW(model, lr=LR, max_norm=max_norm)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    _backward(model, rank, 0, 0, sync=True)
+    opt.zero_grad()
+    dropped = {f"dropped {k}": v for k, v in _state(model, opt).items()}  # before any other forward
+    norms = []
+    for step, micros, scale in ((1, 2, 1.0), (2, 1, 1.0), (3, 1, 1e22)):
+        for micro in range(micros):
+            _backward(model, rank, step, micro, sync=True, scale=scale)
+        if not overlap:
+            norms.append(fullshard.clip_grad_norm_(model, max_norm))
+        opt.step()
+        if overlap:
+            norms.append(opt.grad_norm)
+        opt.zero_grad()
+    assert norms[-1].isinf() and all(n.isfinite() for n in norms[:-1]), norms
+    return _state(model, opt) | dropped | {"norms": torch.stack(norms)}
 
 
 def _refusals(rank: int) -> None:
@@ -140,28 +178,38 @@ def _refusals(rank: int) -> None:
 def _ranks(rank: int, world: int):
     report = {}
     for door in ("fully_shard", "FullyShardedDataParallel"):
-        for max_norm in (None, CLIP):
-            want, _, want_norms, storages = _train(_make(door), rank, False, max_norm)
-            got, moved, got_norms, got_storages = _train(_make(door), rank, True, max_norm)
+        for max_norm in (None, CLIP, HIGH):
+            want, _, want_norms, storages, _ = _train(_make(door), rank, False, max_norm)
+            got, moved, got_norms, got_storages, (in_backward, redone) = _train(_make(door), rank, True, max_norm)
             what = f"{door} max_norm={max_norm}"
             assert got.keys() == want.keys(), (what, sorted(got.keys() ^ want.keys()))
             for name in want:
                 assert torch.equal(got[name], want[name]), (what, name, (got[name] - want[name]).abs().max())
             assert got_norms == want_norms, (what, got_norms, want_norms)
-            assert all(n > CLIP for n in want_norms), (what, want_norms)  # clipping really happened
-            # Steps during backward without clipping; none before step() with it.
-            assert moved is (max_norm is None), (what, moved)
+            if max_norm is not None:  # clipping really happened (CLIP), or never (HIGH)
+                assert all((n > max_norm) is (max_norm == CLIP) for n in want_norms), (what, want_norms)
+            # Every unit of every iteration stepped during backward (3 units x 5), with clipping too;
+            # the clipped iterations redid their steps at step().
+            assert moved and in_backward == 15, (what, moved, in_backward)
+            assert redone == (5 if max_norm == CLIP else 0), (what, redone)
             for run, reused in (("AdamW", storages), ("OffloadAdamW", got_storages)):
                 assert all(reused.values()), (what, run, "gradient storage not reused across steps", reused)
-            report[what] = "bitwise equal"
+            report[what] = f"bitwise equal, {in_backward} unit steps in backward, {redone} redone"
+        for max_norm in (CLIP, HIGH):
+            want = _dropped_and_accumulated(door, rank, False, max_norm)
+            got = _dropped_and_accumulated(door, rank, True, max_norm)
+            for name in want:
+                assert torch.equal(got[name], want[name]), (door, max_norm, name)
+            report[f"{door} max_norm={max_norm} dropped + accumulated"] = "bitwise equal"
     _refusals(rank)
     dist.barrier()
     return report
 
 
 def test_offload_adamw_bitwise_and_reused_grad_buffers():
-    """OffloadAdamW (steps during backward; with max_norm clipped at step())
-    equals backward + clip_grad_norm_ + fused AdamW bit for bit under both
+    """OffloadAdamW (steps during backward; with max_norm speculatively,
+    redone at step() when the norm clips) equals backward + clip_grad_norm_
+    + fused AdamW bit for bit under both
     front doors with CPU offload, an unused parameter, no_sync accumulation
     and zero_grad(set_to_none=False); gradient shards stay in one host
     buffer per unit across steps; what it cannot do is refused."""

@@ -2,7 +2,9 @@
 fully_shard path give the same per-update losses, gradient norms and parameters, bit for bit, under
 every flag the trainer maps (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, no_sync and reduce-scatter
 accumulation, clipping, bf16, fp16 loss scaling, activation checkpointing, CPU offload with the
-fused CPU AdamW), and NO_SHARD's 2-D mesh equals the wrapper's NO_SHARD."""
+fused CPU AdamW), and NO_SHARD's 2-D mesh equals the wrapper's NO_SHARD. ``--cpu-offload --optimizer
+cpu_adam`` (OffloadAdamW: units stepped during backward, redone when --clip-norm clips) also equals
+the fused AdamW stepped after backward, bit for bit."""
 from __future__ import annotations
 
 import os
@@ -53,7 +55,10 @@ def _train(cfg: TrainConfig, rank: int) -> dict:
     for update in range(UPDATES):
         out = trainer.train_step(_micro_batches(rank, update, cfg.update_freq))
         history.append((out["loss_sum"], out["gnorm"], out["overflow"], out["loss_scale"]))
-    return dict(history=history, params=_local_params(trainer.model), num_updates=trainer.num_updates)
+    opt = trainer.optimizer
+    overlap = (opt.unit_steps_in_backward, opt.redone_steps) if hasattr(opt, "redone_steps") else None
+    return dict(history=history, params=_local_params(trainer.model), num_updates=trainer.num_updates,
+                overlap=overlap)
 
 
 CASES = {
@@ -62,6 +67,7 @@ CASES = {
     "bf16_checkpoint_activations": dict(bf16=True, checkpoint_activations=True),
     "fp16_loss_scale": dict(fp16=True, fp16_init_scale=2.0 ** 18),
     "cpu_offload_fused_adam": dict(cpu_offload=True, optimizer="cpu_adam", clip_norm=0.0),
+    "cpu_offload_fused_adam_clip": dict(cpu_offload=True, optimizer="cpu_adam", update_freq=2),
 }
 
 
@@ -70,19 +76,29 @@ def _compare_versions(rank, world, cases):
     # DTensor's implicit replication of its (1,) flag tensors (which warns, and was how it ran).
     warnings.filterwarnings("error", message="Found a non-scalar tensor")
     out = {}
+    from fullshard.train import optimizers
+
     for name in cases:
         runs = [_train(_cfg(fsdp_version=v, **CASES[name]), rank) for v in (1, 2)]
+        if CASES[name].get("optimizer") == "cpu_adam":  # and today's fused AdamW after backward
+            overlaps, optimizers.overlaps = optimizers.overlaps, lambda *_: False
+            try:
+                runs.append(_train(_cfg(fsdp_version=2, **CASES[name]), rank))
+            finally:
+                optimizers.overlaps = overlaps
         out[name] = runs
     return out
 
 
 def _assert_same(name, runs):
-    one, two = runs
+    one = runs[0]
     exact = lambda history: [tuple(map(repr, h)) for h in history]  # noqa: E731  (nan == nan, bit for bit)
-    assert exact(two["history"]) == exact(one["history"]), f"{name}: per-update (loss, gnorm, overflow, scale) differ"
-    assert one["params"].keys() == two["params"].keys()
-    for key, value in one["params"].items():
-        assert np.array_equal(value, two["params"][key]), f"{name}: parameter {key} differs"
+    for i, two in enumerate(runs[1:], 1):
+        assert exact(two["history"]) == exact(one["history"]), \
+            f"{name}: run {i}: per-update (loss, gnorm, overflow, scale) differ"
+        assert one["params"].keys() == two["params"].keys()
+        for key, value in one["params"].items():
+            assert np.array_equal(value, two["params"][key]), f"{name}: run {i}: parameter {key} differs"
 
 
 @pytest.mark.fast
@@ -96,7 +112,12 @@ def test_versions_match_bitwise_at_two_ranks():
     overflows = [h[2] for h in ranks[0]["fp16_loss_scale"][0]["history"]]
     assert overflows[0] and not overflows[-1]
     # Clipping acted: every clipped update's norm is above --clip-norm.
-    assert all(h[1] > 0.05 for h in ranks[0]["full_no_sync_clip"][0]["history"])
+    for name in ("full_no_sync_clip", "cpu_offload_fused_adam_clip"):
+        assert all(h[1] > 0.05 for h in ranks[0][name][0]["history"]), name
+    # cpu_adam: both versions stepped every unit during backward (3 units, 3 updates); with --clip-norm
+    # every update redid its steps, without it none; the run after backward had no OffloadAdamW.
+    for name, redone in (("cpu_offload_fused_adam", 0), ("cpu_offload_fused_adam_clip", UPDATES)):
+        assert [r["overlap"] for r in ranks[0][name]] == [(3 * UPDATES, redone)] * 2 + [None], name
 
 
 def _hybrid(rank, world):

@@ -11,7 +11,7 @@ coefficient, so a low-precision gradient is multiplied in fp32 and rounded once.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -22,32 +22,48 @@ from .module import UnitModule
 from .params import local_of
 
 
+def counted_grads(unit) -> list[torch.Tensor]:
+    """This rank's gradient shards of ``unit`` that the norm counts (plain
+    tensors, slot order): all of them, or none at a replicate-group rank
+    other than 0 (a replica holds the same rows)."""
+    rep = unit.cfg.replicate_group
+    if rep is not None and collectives.group_rank(rep) != 0:
+        return []
+    return [g for g in (slot.grad() for slot in unit.slots) if g is not None]
+
+
 def grads_by_kind(runtimes, params: Iterable[nn.Parameter]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(gradients of sharded parameters this rank counts in the norm: a
-    replica counts them only at replicate-group rank 0; gradients of
-    unmanaged parameters)."""
+    """(gradients of sharded parameters this rank counts in the norm
+    (:func:`counted_grads`, unit by unit); gradients of unmanaged parameters)."""
     sharded_ids, counted = set(), []
     for rt in runtimes:
-        rep = rt.unit.cfg.replicate_group
-        mine = rep is None or collectives.group_rank(rep) == 0
-        for slot in rt.unit.slots:
-            sharded_ids.add(id(slot.sharded))
-            grad = slot.grad()
-            if grad is not None and mine:
-                counted.append(grad)
+        sharded_ids.update(id(slot.sharded) for slot in rt.unit.slots)
+        counted += counted_grads(rt.unit)
     local = [p.grad for p in params if id(p) not in sharded_ids and p.grad is not None]
     return counted, local
 
 
-def _norm_part(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+def grad_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """One plain gradient's ``norm_type`` norm as :func:`reduced_norm` takes
+    it (computed in fp32, 0-dim on the host); what ``known`` holds."""
+    return torch.linalg.vector_norm(grad.float(), norm_type).cpu()
+
+
+def _norm_part(grads: list[torch.Tensor], norm_type: float, known: Optional[dict] = None) -> torch.Tensor:
     # An empty shard (fewer rows than ranks) adds nothing; the inf norm of an
     # empty tensor is an error (no identity for max), which would leave the
     # other ranks waiting in the all-reduce.
     grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type).cpu() for g in grads])
+    known = known or {}
+    norms = torch.stack([_known_or_norm(g, norm_type, known) for g in grads])
     return norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
+
+
+def _known_or_norm(grad: torch.Tensor, norm_type: float, known: dict) -> torch.Tensor:
+    found = known.get(id(grad))
+    return found[1] if found is not None and found[0] is grad else grad_norm(grad, norm_type)
 
 
 def _powered(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -68,14 +84,16 @@ def _exact_norm(grads: list[torch.Tensor], norm_type: float, groups: list) -> fl
 
 
 def reduced_norm(parts: list[tuple[tuple, list[torch.Tensor]]], norm_type: float,
-                 exact: bool = False) -> torch.Tensor:
+                 exact: bool = False, known: Optional[dict] = None) -> torch.Tensor:
     """The ``norm_type`` norm of every gradient element of ``parts``: each
     part is (the groups its contribution is summed over, max for inf, in
     that order; this rank's plain gradient tensors). Parts add up in the
     order given, which every rank must share, with the same groups: a rank
     holding no gradient of a part still takes part in its reductions.
     Empty tensors contribute nothing (the inf norm of an empty tensor is an
-    error, which would leave the other ranks waiting).
+    error, which would leave the other ranks waiting). ``known``: id(gradient)
+    -> (that gradient, its :func:`grad_norm`) computed earlier (while backward
+    ran), used for that very tensor; the result has the same bits.
 
     ``exact`` (``world_size_invariant`` units, p < inf): the p-th powers are
     summed exactly (core/invariant.py :func:`exact_sum`), so the norm does
@@ -90,7 +108,7 @@ def reduced_norm(parts: list[tuple[tuple, list[torch.Tensor]]], norm_type: float
         return torch.tensor(value ** (1.0 / norm_type), dtype=torch.float32)
     total = torch.zeros((), dtype=torch.float32)
     for groups, grads in parts:
-        part = _norm_part(grads, norm_type)
+        part = _norm_part(grads, norm_type, known)
         for group in groups:
             collectives.all_reduce(part, group, "max" if is_inf else "sum", tag="gradient norm")
         total = torch.maximum(total, part) if is_inf else total + part
@@ -189,9 +207,25 @@ def clip_(params: list[nn.Parameter], parts: list[tuple[tuple, list[torch.Tensor
         raise RuntimeError(f"[rank {collectives.rank()}] The total norm of order {norm_type} for gradients from "
                            "`parameters` is non-finite, so it cannot be clipped. To disable this error and scale the "
                            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    _scale_([local_of(p.grad) for p in params if p.grad is not None], coef, foreach)
+    scale_grads_(params, clip_coef(total, max_norm), foreach)
     return total
+
+
+def clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clip coefficient ``min(1, max_norm / (total + 1e-6))`` (0-dim
+    fp32; nan for a nan norm, 0 for an inf one): exactly 1 leaves every
+    gradient's bits as they are."""
+    return torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+
+
+def scale_grads_(params: list[nn.Parameter], coef: torch.Tensor, foreach: bool = False) -> None:
+    """Multiply every gradient of ``params`` (its local tensor) in place by ``coef`` (see :func:`clip_`)."""
+    _scale_([local_of(p.grad) for p in params if p.grad is not None], coef, foreach)
+
+
+def root_norm(rt, params: list[nn.Parameter], norm_type: float, known: Optional[dict] = None) -> torch.Tensor:
+    """The norm :func:`clip_root_` clips by, without clipping (``known``: see :func:`reduced_norm`)."""
+    return reduced_norm(_root_parts(rt, params), norm_type, rt.unit.cfg.invariant_layout is not None, known)
 
 
 def clip_root_(rt, params: list[nn.Parameter], max_norm: float, norm_type: float,

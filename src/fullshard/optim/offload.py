@@ -14,19 +14,32 @@ reach). Each element's update depends only on that element's gradient and
 state, so stepping unit by unit gives the bits one ``AdamW.step()`` after
 backward gives.
 
-With ``max_norm`` the global gradient norm is needed before any step: the
-steps wait for ``opt.step()``, which clips exactly as
-``fullshard.clip_grad_norm_(model, max_norm, norm_type)`` does and then
-steps every unit (no overlap with backward; exact). A speculative step
-redone when the norm exceeds ``max_norm`` would overlap too, at the cost of
-a copy of each unit's parameters and AdamW state kept until the norm is
-known (3x the shards' bytes): not built.
+With ``max_norm`` the global gradient norm is needed before the steps.
+Each unit is still stepped during backward, speculatively: first its
+shards and AdamW state are copied to host buffers (optim/snapshots.py:
+allocated once and reused, 3x the shards' bytes for fp32 AdamW, 4x with
+amsgrad), and the norm of each of its gradient shards is taken as
+``clip_grad_norm_`` takes it (core/norms.py :func:`grad_norm`). ``opt.step()``
+then only adds those norms in ``clip_grad_norm_``'s order and all-reduces
+the scalar, so the norm has the same bits. If torch's coefficient
+``min(1, max_norm / (norm + 1e-6))`` is exactly 1 (the norm is at most
+``max_norm``, less 1e-6), the gradients clip to themselves and the steps
+taken stand. Otherwise (clipped, or a nan / inf norm) every unit is put
+back from its copy, the gradients are scaled as ``clip_grad_norm_`` scales
+them, and every unit is stepped again: the bits of the non-overlapped step,
+paid for with one more pass over the state. It pays when most steps are not
+clipped; ``speculate=False`` waits for ``opt.step()`` instead (no copies).
+A forward, or ``zero_grad()``, before ``opt.step()`` puts the speculative
+steps back first (the forward reads the parameters before the update; a
+zeroed iteration takes no step), and those units step at ``opt.step()``.
 
 Gradient accumulation: micro-batches under ``no_sync()`` /
 ``set_requires_gradient_sync(False)`` reduce nothing, so only the
 synchronizing backward steps. A unit whose gradient arrives a second time
 before ``opt.step()`` (two synchronizing backwards per step, or a unit
-reduced twice in one backward) raises: its step has already been taken.
+reduced twice in one backward) raises without ``max_norm`` (its step has
+already been taken); with it, the speculative steps are put back and those
+units step at ``opt.step()``.
 The next forward of the model waits for the steps in flight (a forward
 pre-hook), as do ``zero_grad``, ``state_dict`` and ``load_state_dict``.
 """
@@ -42,6 +55,7 @@ from torch.optim.adam import adam
 
 from ..core import collectives, norms, offload, optim_guard, state
 from ..core.module import UnitModule, unit_modules
+from .snapshots import Snapshots
 
 
 def _root(model: nn.Module, what: str, init: bool = True):
@@ -76,7 +90,7 @@ class OffloadAdamW(torch.optim.AdamW):
     The parameters after ``opt.step()`` are bit for bit those of
     ``backward()``, then ``fullshard.clip_grad_norm_(model, max_norm,
     norm_type)`` when ``max_norm`` is set, then
-    ``torch.optim.AdamW(model.parameters(), fused=fused, ...).step()``; its
+    ``torch.optim.AdamW(params, fused=fused, ...).step()``; its
     ``state_dict()`` is that optimizer's.
 
     Args:
@@ -84,11 +98,21 @@ class OffloadAdamW(torch.optim.AdamW):
             (``CPUOffloadPolicy()`` / ``CPUOffload(offload_params=True)``),
             unless the model computes on the CPU.
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
-        max_norm: clip the global gradient norm to it before stepping (the
-            steps then wait for ``opt.step()``); None: no clipping.
+        max_norm: clip the global gradient norm to it before stepping
+            (``float("inf")``: only measure it); None: no clipping.
         norm_type: p of the clipping norm.
         fused: ``torch.optim.AdamW``'s ``fused`` (True: one fused kernel
             per dtype; False: its ``foreach`` path).
+        params: parameters or parameter groups (dicts, as torch optimizers
+            take them) of ``model``; None: ``model.parameters()``.
+        speculate: with ``max_norm``, step each unit during backward and
+            redo the steps when the norm clips (False: wait for ``opt.step()``).
+
+    Attributes:
+        grad_norm: with ``max_norm``, the last step's norm before clipping
+            (0-dim fp32, what ``clip_grad_norm_`` returns).
+        unit_steps_in_backward: units stepped during a backward (a count).
+        redone_steps: ``opt.step()`` calls that put speculative steps back and redid them.
     Raises:
         TypeError: ``model`` is not a ``fully_shard`` / wrapper module.
         ValueError: a nested unit; a unit that keeps its shards on an
@@ -98,7 +122,8 @@ class OffloadAdamW(torch.optim.AdamW):
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
-                 max_norm: Optional[float] = None, norm_type: float = 2.0, fused: bool = True):
+                 max_norm: Optional[float] = None, norm_type: float = 2.0, fused: bool = True,
+                 params=None, speculate: bool = True):
         _root(model, "OffloadAdamW", init=False)
         units = [m.unit for m in unit_modules(model)]
         for unit in units:
@@ -110,18 +135,24 @@ class OffloadAdamW(torch.optim.AdamW):
                 raise ValueError(f"OffloadAdamW: unit '{unit.name}' computes or reduces in float16, which needs a "
                                  "gradient scaler whose inf check must come before any step; use bfloat16, or "
                                  "torch.optim.AdamW with the scaler")
-        super().__init__(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         amsgrad=amsgrad, maximize=maximize, fused=fused or None, foreach=None if fused else True)
+        super().__init__(model.parameters() if params is None else params, lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, fused=fused or None,
+                         foreach=None if fused else True)
         self.max_norm, self.norm_type = max_norm, float(norm_type)
-        self.grad_norm: Optional[torch.Tensor] = None  # the norm before clipping of the last step (max_norm)
+        self.grad_norm: Optional[torch.Tensor] = None
+        self.unit_steps_in_backward = self.redone_steps = 0
+        self._speculate = max_norm is None or speculate
         self._model = weakref.ref(model)
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._jobs: list[concurrent.futures.Future] = []
         self._stepped: dict[int, str] = {}  # id(unit) -> name: units whose gradient arrived since step()
-        self._done: set[int] = set()  # id() of parameters stepped since the last step()
+        self._deferred: set[int] = set()  # id(unit): speculative steps put back; they step at step()
+        self._done: dict[int, torch.Tensor] = {}  # id -> parameter stepped since the last step()
         # id(parameter) -> (parameter, fingerprint of its .grad when stepped during backward): a gradient
         # changed afterwards (a clip, a scaler's unscale_) came too late for that step.
         self._versions: dict[int, tuple] = {}
+        self._known: dict[int, tuple] = {}  # id(gradient shard) -> (it, its norm): norms.reduced_norm's known
+        self._saved = Snapshots()  # what the speculative steps (max_norm) overwrote
         me = weakref.ref(self)
 
         def ready(unit, me=me):
@@ -130,24 +161,27 @@ class OffloadAdamW(torch.optim.AdamW):
                 opt._unit_ready(unit)
         for unit in units:
             offload.on_grads_ready(unit, me, ready)
-        self._handle = model.register_forward_pre_hook(lambda *_: me() and me()._drain(), prepend=True)
+        self._handle = model.register_forward_pre_hook(lambda *_: me() and me()._before_forward(), prepend=True)
 
     # ------------------------------------------------------------ backward
     def _unit_ready(self, unit) -> None:
-        """A unit's gradient is in ``.grad`` (possibly still landing): step it now, or at step() with max_norm."""
+        """A unit's gradient is in ``.grad`` (possibly still landing): step it now (speculatively with
+        max_norm), or at step()."""
         if id(unit) in self._stepped and self.max_norm is None:
             raise RuntimeError(
                 f"[rank {collectives.rank()}] OffloadAdamW: unit '{unit.name}' got a gradient again before "
                 "opt.step(); it steps each unit in the backward that reduces the unit's gradient, so call "
                 "opt.step() after every synchronizing backward and accumulate micro-batches under no_sync() "
                 "(set_requires_gradient_sync(False))")
+        if id(unit) in self._stepped and id(unit) not in self._deferred:
+            self._undo()  # its gradient grows after its speculative step: put every such step back
         self._stepped[id(unit)] = unit.name
-        if self.max_norm is not None:
-            return  # the global norm comes first: step() clips, then steps
+        if not self._speculate or id(unit) in self._deferred:
+            return
         if unit.state.name == "UNSHARDING":  # an all-gather in flight still reads the shard
             unit.wait_unshard()
         params = [s.sharded for s in unit.slots if s.sharded.grad is not None]
-        self._done.update(id(p) for p in params)
+        self._done.update((id(p), p) for p in params)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fullshard-offload-adamw")
         self._jobs.append(self._pool.submit(self._step_unit, unit, params))
@@ -155,7 +189,11 @@ class OffloadAdamW(torch.optim.AdamW):
     def _step_unit(self, unit, params: list[torch.Tensor]) -> None:
         offload.wait(unit)  # its gradient copy has landed on the host
         self._versions.update((id(p), (p, _fingerprint(p))) for p in params)
+        if self.max_norm is not None:
+            self._saved.save(self.state, params)
+            self._known.update((id(g), (g, norms.grad_norm(g, self.norm_type))) for g in norms.counted_grads(unit))
         self._update(params)
+        self.unit_steps_in_backward += 1
 
     def _drain(self) -> None:
         """Wait for the unit steps in flight; re-raise the first failure."""
@@ -163,6 +201,21 @@ class OffloadAdamW(torch.optim.AdamW):
         errors = [e for e in (job.exception() for job in jobs) if e is not None]
         if errors:
             raise errors[0]
+
+    def _undo(self, defer: bool = True) -> None:
+        """Put the speculative steps taken since step() back; ``defer``: their units step at step()
+        (else the iteration is over: nothing of it is kept)."""
+        self._drain()
+        self._saved.restore(self.state)
+        self._deferred = set(self._stepped) | self._deferred if defer else set()
+        self._done, self._versions, self._known = {}, {}, {}
+        if not defer:
+            self._stepped = {}
+
+    def _before_forward(self) -> None:
+        self._drain()
+        if self._done and self.max_norm is not None:
+            self._undo()  # the forward reads the parameters before this update
 
     @torch.no_grad()
     def _update(self, params: list[torch.Tensor]) -> None:
@@ -185,26 +238,29 @@ class OffloadAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         """Finish this iteration's step: wait for the units stepped during
-        backward, then (with ``max_norm``) clip and step every unit, and step
+        backward; with ``max_norm``, all-reduce the norm and, when it clips,
+        put those steps back, clip and step every unit again; then step
         every parameter with a gradient that was not stepped yet.
 
         Raises:
             ValueError: a closure (backward has already run).
             RuntimeError: the model is in forward or backward; a gradient
-                scaler drives the step (fp16 is refused); a unit step failed.
+                scaler drives the step (fp16 is refused); a gradient changed
+                after its unit was stepped; a unit step failed.
         """
         if closure is not None:
             raise ValueError("OffloadAdamW.step() takes no closure: the steps follow the backward you ran")
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             raise RuntimeError("OffloadAdamW cannot be stepped through a gradient scaler: its units step before "
                                "the scaler's inf check; train in bfloat16 or float32 without one")
-        model, done, versions = self._model(), self._done, self._versions
+        model, done, versions, known = self._model(), self._done, self._versions, self._known
         try:
             self._drain()
         finally:
-            self._stepped, self._done, self._versions = {}, set(), {}
+            self._stepped, self._done, self._versions, self._known, self._deferred = {}, {}, {}, {}, set()
         changed = next((p for p, v in versions.values() if not _same(_fingerprint(p), v)), None)
         if changed is not None:
+            self._saved.restore(self.state)  # with max_norm: no step of this iteration stays
             raise RuntimeError(
                 f"[rank {collectives.rank()}] OffloadAdamW: a gradient changed after it was stepped during backward "
                 f"(shape {tuple(changed.shape)}; a clip_grad_norm_, a scaler's unscale_ or zero_grad before step()), "
@@ -214,12 +270,23 @@ class OffloadAdamW(torch.optim.AdamW):
             rt = _root(model, "OffloadAdamW.step()")
             state.require_idle(rt.root, "OffloadAdamW.step()")
             if self.max_norm is not None:
-                self.grad_norm = norms.clip_root_(rt, list(model.parameters()), self.max_norm, self.norm_type)
+                params = list(model.parameters())
+                self.grad_norm = norms.root_norm(rt, params, self.norm_type, known)
+                coef = norms.clip_coef(self.grad_norm, self.max_norm)
+                if not bool(coef == 1.0):  # clipped, or a nan / inf norm: redo every step with clipped gradients
+                    if done:
+                        self._saved.restore(self.state)
+                        self.redone_steps += 1
+                    done = {}
+                    norms.scale_grads_(params, coef)
+        self._saved.forget()
         self._update([p for g in self.param_groups for p in g["params"] if p.grad is not None and id(p) not in done])
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._drain()
+        if self._done and self.max_norm is not None:
+            self._undo(defer=False)  # gradients dropped before step(): this iteration takes no step
         super().zero_grad(set_to_none)
 
     def state_dict(self):

@@ -5,7 +5,10 @@ its parameter groups and the line the run header logs.
 optimizer   built                                                    flags read
 ==========  =======================================================  =====================================
 adam        ``torch.optim.AdamW`` (foreach under --cpu-offload)       --adam-betas --adam-eps
-cpu_adam    ``torch.optim.AdamW(fused=True)`` on host shards          --adam-betas --adam-eps
+cpu_adam    ``torch.optim.AdamW(fused=True)`` on host shards; with    --adam-betas --adam-eps
+            --cpu-offload ``fullshard.optim.OffloadAdamW`` (fused,
+            each unit stepped during backward, --clip-norm its
+            max_norm) where :func:`overlap_refusal` allows it
 muon        ``fullshard.optim.Muon``: Muon on the 2-D weights of      --muon-* and, for the AdamW group,
             the transformer blocks, AdamW on the rest (one object,    --adam-betas --adam-eps
             ``use_muon`` groups); --fsdp-version 1 places each Muon
@@ -98,6 +101,31 @@ def muon_recipe(cfg) -> dict:
     return {}
 
 
+def overlap_refusal(cfg) -> Optional[str]:
+    """Why this run's ``--optimizer cpu_adam --cpu-offload`` steps after backward with
+    ``torch.optim.AdamW(fused=True)`` rather than unit by unit during it
+    (``fullshard.optim.OffloadAdamW``, the same bits), as a phrase for the run header; None when
+    it overlaps. Only combinations OffloadAdamW cannot do, or that its tests do not cover, fall back."""
+    if cfg.fp16:
+        return "--fp16 (the loss scaler's inf check must come before any step)"
+    if cfg.pipeline_parallel_size > 1:
+        return "--pipeline-parallel-size (the stages are not one root module)"
+    if cfg.update_freq > 1 and cfg.accumulate_mode != "no_sync":
+        return (f"--accumulate-mode {cfg.accumulate_mode} (every micro-batch reduces, so a step taken during "
+                "one backward would be put back by the next)")
+    if cfg.hf_model:
+        return "--hf-model (frozen base weights: not covered by OffloadAdamW's tests)"
+    if cfg.world_size_invariant:
+        return "--world-size-invariant (not covered by OffloadAdamW's tests)"
+    return None
+
+
+def overlaps(cfg, host_shards: bool) -> bool:
+    """The run builds ``fullshard.optim.OffloadAdamW`` (see :func:`overlap_refusal`)."""
+    return (cfg.optimizer == "cpu_adam" and cfg.cpu_offload and host_shards and cfg.ddp_backend == "fully_sharded"
+            and overlap_refusal(cfg) is None)
+
+
 def placement_fn(cfg, model: torch.nn.Module) -> Optional[Callable]:
     """The ``shard_placement_fn`` the wrapper (``--fsdp-version 1``) takes for the optimizer on the
     unwrapped ``model`` (called before sharding it), or None: muon keeps each Muon matrix whole on one
@@ -179,6 +207,9 @@ def build(cfg, model: torch.nn.Module, shapes: Dict[str, torch.Size], host_shard
         if cfg.optimizer == "cpu_adam" and host_shards:
             kernel = {"fused": True}
         groups = param_groups(model, shapes, cfg.weight_decay)
+        if overlaps(cfg, host_shards):  # --clip-norm 0 only measures the norm (trainer._clip's inf)
+            return fullshard_optim.OffloadAdamW(model, params=groups, lr=cfg.lr, betas=cfg.adam_betas,
+                                                eps=cfg.adam_eps, max_norm=cfg.clip_norm or float("inf"))
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, **kernel)
     if cfg.optimizer == "muon":
         names, groups = _names(model, shapes), []
@@ -208,8 +239,13 @@ def describe(cfg, optimizer: torch.optim.Optimizer) -> str:
     count = lambda gs: sum(len(g["params"]) for g in gs)  # noqa: E731
     wd = f"weight decay {cfg.weight_decay:g} on >=2-D weights"
     if cfg.optimizer in ("adam", "cpu_adam"):
+        overlap = ""
+        if isinstance(optimizer, fullshard_optim.OffloadAdamW):
+            overlap = ", each unit stepped during backward (OffloadAdamW)"
+        elif cfg.optimizer == "cpu_adam" and cfg.cpu_offload and cfg.ddp_backend == "fully_sharded":
+            overlap = f", stepped after backward: {overlap_refusal(cfg)}"
         return (f"optimizer {cfg.optimizer}: AdamW (betas {cfg.adam_betas}, eps {cfg.adam_eps:g}, {wd}"
-                f"{', fused' if groups[0].get('fused') else ''}) on {count(groups)} tensors")
+                f"{', fused' if groups[0].get('fused') else ''}{overlap}) on {count(groups)} tensors")
     if cfg.optimizer == "muon":
         muon = [g for g in groups if g.get("use_muon")]
         adamw = [g for g in groups if not g.get("use_muon")]

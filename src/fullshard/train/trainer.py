@@ -31,6 +31,7 @@ from fullshard.amp import ShardedGradScaler
 from fullshard.core import collectives
 from fullshard.memory import TOTAL_FIELDS, memory_stats, memory_totals
 from fullshard.models import TransformerBlock, build_model, make_param_init_fn, num_params
+from fullshard.optim import OffloadAdamW
 from fullshard.train import hf_model, invariance, optimizers, pipeline, qlora, sharding
 from fullshard.train.config import TrainConfig
 from fullshard.train.lr_scheduler import build_lr_scheduler
@@ -249,8 +250,12 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.tie_gradients()
         self.scaler.unscale_(self.optimizer)
-        gnorm = self._clip()
+        # OffloadAdamW (--cpu-offload --optimizer cpu_adam) clips inside its step, by the same norm.
+        overlapped = isinstance(self.optimizer, OffloadAdamW)
+        gnorm = None if overlapped else self._clip()
         self.scaler.step(self.optimizer)
+        if overlapped:
+            gnorm = float(self.optimizer.grad_norm)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipeline is not None:
