@@ -7,8 +7,6 @@ the decoder layers' all-gathers carry packed bytes (<= 0.3x those of the same mo
 bf16, measured in the same group by counting every all-gather's output bytes)."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn as nn
@@ -161,14 +159,18 @@ def _trainer_group(rank: int, world: int, path: str) -> dict:
     return {"losses": losses, "kinds": kinds, "adapters": adapters}
 
 
-def test_trainer_quantize_base_nf4_builds_the_single_process_base(tmp_path):
+def test_trainer_quantize_base_nf4_matches_single_process_data_parallel_qlora(tmp_path):
     from peft import LoraConfig, get_peft_model
     from torchao.quantization import to_nf4
     from transformers import AutoModelForCausalLM
 
     _llama().save_pretrained(tmp_path)  # bf16 random weights
     got = run_ranks(_trainer_group, 2, str(tmp_path))
-    # Single-process QLoRA: from_pretrained in bf16, PEFT seeded as the trainer, the same NF4 base.
+    # Single-process QLoRA: from_pretrained in bf16, PEFT seeded as the trainer, the same NF4 base,
+    # and DDP's gradient: each rank's half-batch mean loss, the two gradients averaged. (The gradient
+    # of the concatenated batch in one pass sums in another order: its last-bit differences flip a
+    # bf16 rounding of an activation at step 2, and Adam's first lora_A update, ~0.74 * lr * sign(g),
+    # turns the flipped sign of a tiny gradient into 1.5e-2; the trainer at 1 rank equals that loop.)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     model.config.use_cache = False
     torch.manual_seed(SEED)
@@ -182,18 +184,22 @@ def test_trainer_quantize_base_nf4_builds_the_single_process_base(tmp_path):
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=LR)
     want = []
     for s in range(STEPS):
-        inputs, targets = (torch.cat(t) for t in zip(_batch(0, s), _batch(1, s)))
-        loss = nn.functional.cross_entropy(model(inputs).logits.float().reshape(-1, VOCAB), targets.reshape(-1))
-        loss.backward()
+        halves = []
+        for rank in range(2):
+            inputs, targets = _batch(rank, s)
+            loss = nn.functional.cross_entropy(model(inputs).logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+            (loss / 2).backward()
+            halves.append(loss.item())
         opt.step()
         opt.zero_grad()
-        want.append(loss.item())
+        want.append(sum(halves) / 2)
+    adapters = {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
     print(f"trainer losses {got[0]['losses']} vs single process {want}")
-    for res in got:
+    for rank, res in enumerate(got):
         assert res["kinds"] >= {"NF4Tensor"}, res["kinds"]
-        # The first loss (lora_B starts at zero: the base alone) shows the trainer's NF4 base is the
-        # single-process one. Later steps are not compared: the trainer's adapters end 1.5e-2 from
-        # this loop's (not yet explained; see the h29 report), so only the engine test above checks
-        # training parity.
-        assert abs(res["losses"][0] - want[0]) <= 1e-5, (res["losses"], want)
-        assert all(math.isfinite(x) for x in res["losses"]), res["losses"]
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want), rtol=1e-5, atol=1e-5)
+        assert res["adapters"].keys() == adapters.keys(), sorted(res["adapters"].keys() ^ adapters.keys())
+        worst = max((torch.from_numpy(v) - torch.chunk(adapters[n], 2)[rank]).abs().max().item()
+                    for n, v in res["adapters"].items())
+        print(f"rank {rank}: adapters max |diff| vs single process {worst:.3g}")
+        assert worst <= 2e-5, worst
