@@ -50,7 +50,7 @@ NEW_FIELDS = {"global_batch_size": None, "world_size_invariant": False, "threads
               "pipeline_stages_per_rank": 1, "pipeline_split": "even", "pipeline_grad_accumulation": "reduce_scatter",
               # --hf-model, LoRA (issue 29)
               "hf_model": None, "save_hf": None, "lora_rank": 0, "lora_alpha": 8.0, "lora_dropout": 0.0,
-              "lora_target_modules": None, "merge_lora": False, "base_dtype": "fp32"}
+              "lora_target_modules": None, "merge_lora": False, "base_dtype": "fp32", "quantize_base": "none"}
 ELASTIC_DEFAULTS = {"rdzv_last_call_s": 30, "rdzv_keep_alive_s": 5, "save_on_sigterm": False}
 """Flags added after SAVED_BEFORE was captured, at their defaults (--nnodes became text then)."""
 ARGV = ["data-bin/wiki", "--arch", "transformer_lm_gpt_mini", "--fp16", "--lr", "0.001", "--adam-betas", "(0.9,0.98)",

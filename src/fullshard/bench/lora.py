@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fullshard import fully_shard as ours_fully_shard
 from fullshard.bench import measure
 from fullshard.bench.rank import PatchedCollectives
 from fullshard.core import collectives
@@ -121,9 +122,9 @@ def build(job: LoraJob, mode: LoraMode) -> torch.nn.Module:
 def shard(mode: LoraMode, model: torch.nn.Module) -> torch.nn.Module:
     """Each decoder layer, then the root: fullshard's or torch's ``fully_shard`` (defaults: FULL_SHARD)."""
     if mode.family == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard  # the baseline only (lazy, as in bench/rank.py)
     else:
-        from fullshard import fully_shard
+        fully_shard = ours_fully_shard
     inner = model.get_base_model() if mode.lora else model
     for layer in inner.model.layers:
         fully_shard(layer)
