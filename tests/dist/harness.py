@@ -168,6 +168,8 @@ def run_main(main, argv: list, env: dict, timeout_s: float, args=None) -> subpro
     ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
         out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        for path in (out_path, err_path):  # there even if the process dies before writing
+            open(path, "w").close()
         proc = ctx.Process(target=_main_worker, args=(main, argv, env, os.getcwd(), out_path, err_path))
         proc.start()
         proc.join(timeout_s)
