@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 from fullshard.bench import reductions
-from tests.e2e.common import cli_env
+from tests.e2e.common import cli_env, run_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run_example(nproc: int) -> list:
-    env = cli_env()  # PET_START_METHOD=fork: torchrun forks its ranks too
+    env = cli_env()  # (torchrun starts a script's ranks as new interpreters whatever the start method)
     env["PYTHONPATH"] = os.path.join(ROOT, "src")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            "--standalone", os.path.join(ROOT, "examples", "invariant.py")],
@@ -24,7 +24,8 @@ def _run_example(nproc: int) -> list:
 
 
 def test_example_gives_the_same_bits_at_one_and_three_ranks():
-    one, three = _run_example(1), _run_example(3)
+    runs = run_all({n: lambda n=n: _run_example(n) for n in (1, 3)})
+    one, three = runs[1], runs[3]
     assert len(one) == 5 and one[-1].startswith("1 ranks: parameters sha256 ")
     assert one[:4] == three[:4]
     assert one[-1].split()[-1] == three[-1].split()[-1]
