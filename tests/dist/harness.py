@@ -44,7 +44,8 @@ _CONTEXT = None
 _MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3}
 
 
-def _context():
+def context():
+    """The multiprocessing context ranks start from (the preloaded forkserver, or spawn)."""
     global _CONTEXT
     if _CONTEXT is None:
         method = os.environ.get("FULLSHARD_TEST_START", "forkserver")
@@ -90,7 +91,7 @@ def _worker(rank, world_size, init_file, backend, fn, args, results, env, cwd):
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, backend: str = "gloo"):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a ``backend`` process group."""
-    ctx = _context()
+    ctx = context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
@@ -165,7 +166,7 @@ def run_main(main, argv: list, env: dict, timeout_s: float, args=None) -> subpro
     Raises:
         subprocess.TimeoutExpired: it ran longer than ``timeout_s`` (it is killed).
     """
-    ctx = _context()
+    ctx = context()
     with tempfile.TemporaryDirectory() as tmp:
         out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
         for path in (out_path, err_path):  # there even if the process dies before writing

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from fullshard.bench import reductions
+from tests.dist import harness
 from tests.e2e.common import cli_env, run_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,7 +33,7 @@ def test_example_gives_the_same_bits_at_one_and_three_ranks():
 
 
 def test_reduction_costs_table():
-    table = reductions.run(2, [2**18], 1)
+    table = reductions.run(2, [2**18], 1, context=harness.context())  # ranks forked, as tests/dist's
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| 1 MiB fp32")]
     assert [row[2].strip() for row in rows] == ["reduce-scatter", "ordered fold", "fixed point"]
     # Bytes one rank sends: half the gradient, and three int64 limbs per fp32 element for fixed point.

@@ -96,9 +96,10 @@ def _rank(rank: int, world: int, init_file: str, numels: list, repeat: int, queu
         queue.put(rows)
 
 
-def run(world: int, numels: list, repeat: int) -> str:
-    """Time the paths on ``world`` local ranks; returns the Markdown table."""
-    ctx = mp.get_context("spawn")
+def run(world: int, numels: list, repeat: int, context=None) -> str:
+    """Time the paths on ``world`` local ranks; returns the Markdown table. ``context``: the
+    multiprocessing context the ranks start from (default: spawn)."""
+    ctx = context or mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
