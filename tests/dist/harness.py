@@ -20,6 +20,7 @@ a hang is killed after ``timeout_s`` and reported, never waited on forever.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import multiprocessing as mp
 import os
@@ -55,6 +56,15 @@ def context():
     return _CONTEXT
 
 
+def _become_caller(env, cwd):
+    """In a process forked from the forkserver (started with the environment of the first call):
+    the caller's environment, working directory and ``MALLOC_*_`` tunables, as spawn would give."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    _apply_malloc_env(env)
+
+
 def _apply_malloc_env(env):
     """Set the caller's ``MALLOC_*_`` tunables in a forked rank, where glibc never reads them."""
     wanted = {param: int(env[name]) for name, param in _MALLOPT.items() if name in env}
@@ -67,12 +77,7 @@ def _apply_malloc_env(env):
 
 
 def _worker(rank, world_size, init_file, backend, fn, args, results, env, cwd):
-    # The forkserver was started with the environment of the first call; give the
-    # rank the caller's, as spawn would.
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    _apply_malloc_env(env)
+    _become_caller(env, cwd)
     import torch
     import torch.distributed as dist
 
@@ -132,10 +137,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, backend: str
 
 
 def _main_worker(main, argv, env, cwd, out_path, err_path):
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    _apply_malloc_env(env)
+    _become_caller(env, cwd)
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
@@ -150,8 +152,6 @@ def _main_worker(main, argv, env, cwd, out_path, err_path):
     except BaseException:
         traceback.print_exc()
     finally:
-        import atexit
-
         atexit._run_exitfuncs()  # a multiprocessing child skips them; a command's process runs them
         sys.stdout.flush()
         sys.stderr.flush()
