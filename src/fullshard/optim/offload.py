@@ -97,7 +97,12 @@ class OffloadAdamW(torch.optim.AdamW):
         model: the root module; every unit must keep its shards on the host
             (``CPUOffloadPolicy()`` / ``CPUOffload(offload_params=True)``),
             unless the model computes on the CPU.
-        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
+        lr: as ``torch.optim.AdamW``'s ``lr``.
+        betas: as ``torch.optim.AdamW``'s ``betas``.
+        eps: as ``torch.optim.AdamW``'s ``eps``.
+        weight_decay: as ``torch.optim.AdamW``'s ``weight_decay``.
+        amsgrad: as ``torch.optim.AdamW``'s ``amsgrad``.
+        maximize: as ``torch.optim.AdamW``'s ``maximize``.
         max_norm: clip the global gradient norm to it before stepping
             (``float("inf")``: only measure it); None: no clipping.
         norm_type: p of the clipping norm.
