@@ -7,7 +7,6 @@ the sharded parameters live units registered are in ``core/registry.py``).
 """
 from __future__ import annotations
 
-import functools
 import os
 import weakref
 from typing import Any, Optional
@@ -166,7 +165,7 @@ def prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, 
         differ, for ``consistency.defer``; otherwise they raise here."""
     for s in slots:
         if s.param.is_meta:  # only reachable with row-wise init
-            s.init_rows = functools.partial(param_init_fn.init_rows, s.param, device=device)
+            s.init_rows = deferred_init.rows_fn(param_init_fn, s.param, device)
     real = [s for s in slots if not s.param.is_meta]  # deferred rows are identical by construction
     if sync_module_states:
         consistency.broadcast_from_first([s.param for s in real] + deferred_init.buffers_of(own), *groups)

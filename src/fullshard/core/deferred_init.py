@@ -2,12 +2,14 @@
 placement of their buffers, at construction and after a conversion.
 
 See the ``param_init_fn`` protocol in docs/design.md: an object with
-``init_rows(param, row_start, row_end, device)`` lets each unit materialize
-only its rank's rows (:func:`rowwise_init`); a plain ``fn(module)``
+``init_rows(param, row_start, row_end, device[, out=])`` lets each unit materialize
+only its rank's rows (:func:`rowwise_init`, written straight into the shard when it
+takes ``out=``: :func:`rows_fn`); a plain ``fn(module)``
 materializes one module at a time (:func:`materialize`).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -28,6 +30,22 @@ def rowwise_init(param_init_fn) -> bool:
     (``param_init_fn.init_rows(param, row_start, row_end, device)``), so each
     rank materializes only its own shard."""
     return param_init_fn is not None and callable(getattr(param_init_fn, "init_rows", None))
+
+
+def rows_fn(param_init_fn, param: torch.Tensor, device: torch.device) -> Callable:
+    """``fn(row_start, row_end, out)`` for a meta ``param``: its rows initialized by
+    ``param_init_fn.init_rows``, written into ``out`` (a tensor of the rows' shape and
+    ``param.dtype``, e.g. a view of the flat shard) when the initializer takes ``out=``, so no
+    transient copy of the rows is made; otherwise a new tensor (``out`` ignored). Either way the
+    caller copies the result into ``out`` unless it is ``out``."""
+    init_rows = param_init_fn.init_rows
+    takes_out = "out" in inspect.signature(init_rows).parameters
+
+    def fn(row_start: int, row_end: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if takes_out and out is not None and out.dtype == param.dtype and out.device == torch.device(device):
+            return init_rows(param, row_start, row_end, device, out=out)
+        return init_rows(param, row_start, row_end, device)
+    return fn
 
 
 def materialize(modules: list[nn.Module], param_init_fn: Optional[Callable[[nn.Module], None]],

@@ -230,7 +230,8 @@ def shard_into(flat_shard: torch.Tensor, layout: FlatLayout,
     Args:
         flat_shard: 1-D tensor of ``layout.shard_numel`` elements.
         full: in layout order, each a full parameter or ``fn(row_start,
-            row_end)`` returning just those rows (deferred init of a shard).
+            row_end, out)`` returning just those rows (deferred init of a shard;
+            written into ``out``, a view of ``flat_shard``, where it can).
     """
     flat_shard.zero_()
     for p, t in zip(layout.params, full):
@@ -239,11 +240,16 @@ def shard_into(flat_shard: torch.Tensor, layout: FlatLayout,
             continue
         dst = flat_shard[p.shard_offset:p.shard_offset + (hi - lo) * p.row_numel]
         if p.strided:  # a row initializer gives dim-0 rows: take them all, keep the chunk of dim d
-            whole = t(0, p.shape[0]) if callable(t) else t.detach()
+            whole = t(0, p.shape[0], None) if callable(t) else t.detach()
             dst.view(p.local_shape(rank)).copy_(whole.reshape(p.shape).narrow(p.dim, lo, hi - lo))
         else:
-            rows = t(lo, hi) if callable(t) else t.detach().reshape(p.rows, p.row_numel)[lo:hi]
-            dst.copy_(rows.reshape(-1))
+            if callable(t):
+                out = dst.view(hi - lo, *p.shape[1:])
+                rows = t(lo, hi, out)
+                if rows is not out:
+                    out.copy_(rows)
+            else:
+                dst.copy_(t.detach().reshape(p.rows, p.row_numel)[lo:hi].reshape(-1))
 
 
 def shard_views(flat_shard: torch.Tensor, layout: FlatLayout, rank: int) -> list[torch.Tensor]:

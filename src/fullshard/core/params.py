@@ -105,9 +105,10 @@ class ParamSlot:
     fqn: str
     param: Optional[torch.Tensor]
     owners: list[tuple[nn.Module, str]]
-    init_rows: Optional[Callable[[int, int], torch.Tensor]] = None
-    """For a meta ``param``: ``fn(row_start, row_end)`` returning those rows
-    initialized, so the unit materializes only this rank's chunk."""
+    init_rows: Optional[Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]] = None
+    """For a meta ``param``: ``fn(row_start, row_end, out)`` returning those rows
+    initialized (written into ``out`` where it can: core/deferred_init.py
+    ``rows_fn``), so the unit materializes only this rank's chunk."""
     spec: Optional[DTensorSpec] = None
     sharded: Optional[nn.Parameter] = None
     local: Optional[torch.Tensor] = None

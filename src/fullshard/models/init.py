@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -159,7 +159,7 @@ class _ParamInitFn:
                     f"meta buffer {type(module).__name__}.{local} has no init rule")
 
     def init_rows(self, param: nn.Parameter, row_start: int, row_end: int,
-                  device: torch.device | str) -> torch.Tensor:
+                  device: torch.device | str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rows ``[row_start, row_end)`` of a (meta) parameter of the model, initialized.
 
         Lets a sharding wrapper materialize only a rank's own shard of a
@@ -170,9 +170,12 @@ class _ParamInitFn:
                 (a tied one under any of its names).
             row_start, row_end: Dim-0 row range, ``0 <= row_start <= row_end <= shape[0]``.
             device: Where to allocate the result.
+            out: Where to write it instead (that shape and dtype, on ``device``;
+                e.g. a view of a rank's shard, so no transient copy is made).
 
         Returns:
-            Tensor of shape ``(row_end - row_start, *param.shape[1:])`` and ``param.dtype``.
+            Tensor of shape ``(row_end - row_start, *param.shape[1:])`` and ``param.dtype``
+            (``out`` when given).
 
         Raises:
             ValueError: ``param`` is not a parameter of the model.
@@ -182,7 +185,10 @@ class _ParamInitFn:
             raise ValueError("init_rows: the parameter was not part of the model given to make_param_init_fn")
         qualname, owner, owner_local = entry
         shape = (row_end - row_start, *param.shape[1:]) if param.dim() else (row_end - row_start,)
-        out = torch.empty(shape, dtype=param.dtype, device=device)
+        if out is None:
+            out = torch.empty(shape, dtype=param.dtype, device=device)
+        elif tuple(out.shape) != shape or out.dtype != param.dtype:
+            raise ValueError(f"init_rows: out is {out.dtype} {tuple(out.shape)}, the rows are {param.dtype} {shape}")
         init_rows_(out, owner, owner_local, qualname, self._seed, self._num_layers, row_start)
         return out
 

@@ -227,9 +227,11 @@ class RowReader:
         raise RuntimeError("the Hugging Face loader initializes rows only (init_rows); report this")
 
     def init_rows(self, param: nn.Parameter, row_start: int, row_end: int,
-                  device: torch.device | str) -> torch.Tensor:
+                  device: torch.device | str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rows ``[row_start, row_end)`` of ``param``: shape ``(row_end - row_start, *param.shape[1:])``,
-        ``param.dtype``, on ``device``.
+        ``param.dtype``, on ``device``; written into ``out`` when given (a rank's shard: the file's
+        bytes are read straight into it, or converted a few MiB at a time, so no transient copy of
+        the rows is made).
 
         Raises:
             ValueError: ``param`` is not a parameter of the model this reader was made for.
@@ -238,8 +240,11 @@ class RowReader:
         if source is None:
             raise ValueError("init_rows: the parameter is not one of the Hugging Face model's")
         if isinstance(source, torch.Tensor):
-            return source[row_start:row_end].to(device=device, dtype=param.dtype, copy=True)
-        return read_rows(*self._where[source], row_start, row_end).to(device=device, dtype=param.dtype)
+            rows = source[row_start:row_end]
+            return rows.to(device=device, dtype=param.dtype, copy=True) if out is None else out.copy_(rows)
+        if out is None:
+            return read_rows(*self._where[source], row_start, row_end).to(device=device, dtype=param.dtype)
+        return read_rows_into(out, *self._where[source], row_start)
 
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -270,6 +275,34 @@ def read_rows(file: str, entry: dict, start: int, row_start: int, row_end: int) 
         with open(file, "rb") as f:
             f.seek(start + entry["data_offsets"][0] + row_start * row_bytes)
             f.readinto(memoryview(out.view(torch.uint8).numpy()).cast("B"))
+    return out
+
+
+CHUNK_BYTES = 8 << 20
+"""Bytes converted at a time when the file's dtype is not the shard's (`read_rows_into`)."""
+
+
+def read_rows_into(out: torch.Tensor, file: str, entry: dict, start: int, row_start: int) -> torch.Tensor:
+    """Read rows ``[row_start, row_start + len(out))`` of one tensor of a safetensors file into ``out``
+    (a contiguous CPU tensor of the rows' shape): straight into its memory when it has the stored
+    dtype, else through a buffer of at most `CHUNK_BYTES`, converted by ``copy_``. Another ``out``
+    (a device tensor) gets the rows read whole and copied. Returns ``out``."""
+    rows = out.shape[0] if out.dim() else 1
+    stored = _DTYPES[entry["dtype"]]
+    if not out.numel():
+        return out
+    if out.device.type != "cpu" or not out.is_contiguous():
+        return out.copy_(read_rows(file, entry, start, row_start, row_start + rows).view(out.shape))
+    if out.dtype == stored:
+        with open(file, "rb") as f:
+            f.seek(start + entry["data_offsets"][0] + row_start * (out.numel() // rows) * stored.itemsize)
+            f.readinto(memoryview(out.view(torch.uint8).numpy()).cast("B"))
+        return out
+    flat = out.view(rows, -1)
+    step = max(1, CHUNK_BYTES // (flat.shape[1] * stored.itemsize))
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        flat[lo:hi].copy_(read_rows(file, entry, start, row_start + lo, row_start + hi).view(hi - lo, -1))
     return out
 
 

@@ -13,10 +13,29 @@ calls its base ``nn.Linear``, whose weight it is).
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch.nn as nn
 
 BLOCK, SCALER_BLOCK = 64, 256  # torchao to_nf4's defaults (QLoRA's)
 CHOICES = ("none", "nf4")
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
+
+
+def trim_heap() -> None:
+    """Return freed heap pages to the OS (glibc's ``malloc_trim(0)``; nothing elsewhere).
+
+    Quantizing one weight after another frees temporaries whose pages glibc keeps (its mmap
+    threshold rises after the first large free, so later ones come from the heap). Those pages,
+    not the NF4 shards, set a rank's load peak: 220 / 267 MiB per rank on the 109.5M Llama at 2
+    ranks without the trim, 118 / 115 MiB with it (examples/hf_load_rss.py --quantize-base nf4).
+    """
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 class QuantizeError(ValueError):
@@ -56,6 +75,8 @@ class Quantizer:
         for _, linear in base_linears(block):
             value = self.reader.init_rows(linear.weight, 0, linear.weight.shape[0], "cpu")
             linear.weight = nn.Parameter(to_nf4(value, BLOCK, SCALER_BLOCK), requires_grad=False)
+            del value
+            trim_heap()
 
 
 def check_world(block: nn.Module, world: int) -> None:

@@ -237,7 +237,9 @@ def init_local_rows(model: nn.Module, originals: dict, init_fn) -> None:
             raise RuntimeError(f"[rank {collectives.rank()}] parameter '{name}': local shard has "
                                f"{local.shape[0]} rows, torch.chunk gives rows [{lo}, {hi}); cannot initialize "
                                "it by rows; report this with the model and mesh")
-        local.copy_(init_fn.init_rows(originals[name], lo, hi, local.device))
+        rows = init_fn.init_rows(originals[name], lo, hi, local.device, out=local)  # written in place
+        if rows is not local:
+            local.copy_(rows)
 
 
 @contextlib.contextmanager
