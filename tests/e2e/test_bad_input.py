@@ -43,6 +43,8 @@ def paths(corpus_dir, tmp_path_factory):
     variant("tiny", edit_meta=lambda m: m["splits"]["train"].update(num_tokens=100))
     variant("tinyvalid", edit_meta=lambda m: m["splits"]["valid"].update(num_tokens=10))
     variant("truncated", edit_dir=lambda d: (d / "train.bin").write_bytes((d / "train.bin").read_bytes()[:1000]))
+    variant("baddtype", edit_meta=lambda m: m.update(dtype="int8"))
+    variant("oddsize", edit_dir=lambda d: (d / "train.bin").write_bytes((d / "train.bin").read_bytes()[:1001]))
     other = root / "other" / "checkpoint_last"
     checkpoint.save(str(other), nn.Linear(4, 3))
     out["other"] = str(other)
@@ -121,12 +123,14 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
     (["{missing}"], "does not exist"),
     (["{file}"], "does not exist"),
     (["{nometa}"], "no meta.json"),
-    (["{badjson}"], "cannot read"),
+    (["{badjson}"], "meta.json is not valid JSON"),
     (["{novalid}"], "no 'valid' split"),
     (["{empty}"], "fewer than one batch"),
     (["{tiny}"], "fewer than one batch"),
     (["{tinyvalid}"], "fewer than one sample"),
     (["{truncated}"], "train"),
+    (["{baddtype}"], "records token dtype 'int8', not one of uint16, uint32; rerun `fullshard preprocess`"),
+    (["{oddsize}"], "train.bin holds 1,001 bytes, not a whole number of uint16 token ids"),
     (["{data}", "--nproc-per-node", "64"], "x 64 ranks"),
     (["{data}", "--save-dir", "{file}"], "exists and is not a directory"),
     (["{data}", "--log-file", "{nometa}"], "is a directory"),

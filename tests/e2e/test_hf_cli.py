@@ -99,6 +99,61 @@ def test_preprocess_with_model_tokenizer_then_lora_finetune(cli, llama_data, lla
     assert (after - before).abs().max() > 1e-4  # the trained adapter changes the model
 
 
+def test_tokenizer_of_more_than_65536_ids_trains(cli, tmp_path):
+    """A Qwen2 with its own 70,000-id tokenizer: preprocess writes uint32 ids and `fullshard train --hf-model`
+    at 2 ranks logs, at update 1 (the 4 train blocks make one global batch), single-process transformers'
+    loss on those blocks; ids above 65,535 truncated to uint16 would give another loss."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from tests.e2e.common import json_records
+    from tests.wide_tokenizer import WIDE_VOCAB, save_wide_tokenizer, word
+
+    model_dir = tmp_path / "qwen2"
+    torch.manual_seed(0)
+    # hidden 8: the 70,000-row embedding and output stay small; a wide init makes the loss depend on the targets
+    config = Qwen2Config(vocab_size=WIDE_VOCAB, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=False, initializer_range=0.5, bos_token_id=1, eos_token_id=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    save_wide_tokenizer(model_dir)
+    rng = np.random.default_rng(0)
+    (tmp_path / "train.txt").write_text(" ".join(word(i) for i in rng.integers(62_000, WIDE_VOCAB, 4 * T + 4)))
+    (tmp_path / "valid.txt").write_text(" ".join(word(i) for i in rng.integers(2, WIDE_VOCAB, 2 * T)))
+    data = tmp_path / "data"
+    proc = cli("preprocess", "--trainpref", str(tmp_path / "train.txt"), "--validpref", str(tmp_path / "valid.txt"),
+               "--destdir", str(data), "--tokenizer", str(model_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((data / "meta.json").read_text())["dtype"] == "uint32"
+    stream = torch.from_numpy(np.fromfile(data / "train.bin", dtype=np.uint32).astype(np.int64))
+    # 4 blocks of T + 1 tokens at stride T (the launcher asks for 4 x (T + 1) tokens: one document and its eos)
+    assert stream.numel() == 4 * T + 5 and int(stream.max()) > 65_535
+
+    proc = cli("train", str(data), "--hf-model", str(model_dir), "--nproc-per-node", "2", "--fsdp-version", "2",
+               "--tokens-per-sample", str(T), "--batch-size", "2", "--max-update", "2", "--lr", "1e-3",
+               "--log-format", "json", "--log-interval", "1", "--no-save")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logs = json_records(proc.stdout)
+    losses = [float(r["loss"]) for r in logs["train_inner"]]
+    assert len(losses) == 2 and all(np.isfinite(losses)) and np.isfinite(float(logs["valid"][-1]["valid_loss"]))
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    blocks = stream[:4 * T + 1].unfold(0, T + 1, T)  # (4, T + 1) at stride T
+
+    def bits(tokens):
+        with torch.no_grad():
+            logits = model(tokens[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, WIDE_VOCAB), tokens[:, 1:].reshape(-1)).item() \
+            / np.log(2)
+
+    want, truncated = bits(blocks), bits(blocks % 2**16)
+    assert abs(want - truncated) > 0.05, (want, truncated)
+    assert abs(losses[0] - want) <= 1.5e-3, (losses, want)  # the log rounds to 3 decimals
+    print(f"loss (bits) at updates 1, 2: {losses}; single-process transformers {want:.4f}, "
+          f"ids truncated to uint16 {truncated:.4f}; train.bin {(data / 'train.bin').stat().st_size} bytes")
+
+
 def _bad_dirs(tmp_path, llama_dir) -> dict:
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -1,6 +1,7 @@
 """Unit tests for fullshard.data: tokenizer, corpus, preprocess, datasets, sampler."""
 
 import argparse
+import json
 import pickle
 import random
 
@@ -20,6 +21,7 @@ from fullshard.data import (
     read_meta,
     split_documents,
 )
+from tests.wide_tokenizer import WIDE_VOCAB, save_wide_tokenizer, word
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +273,49 @@ def test_token_block_dataset_errors(tmp_path, data_dir):
     (data_dir / "train.bin").write_bytes(b"\0\0")
     with pytest.raises(DataError, match="does not match meta.json"):
         TokenBlockDataset(data_dir, "train", 8)
+    (data_dir / "train.bin").write_bytes(b"\0\0\0")
+    with pytest.raises(DataError, match="holds 3 bytes, not a whole number of uint16 token ids"):
+        TokenBlockDataset(data_dir, "train", 8)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    (data_dir / "meta.json").write_text(json.dumps({**meta, "dtype": "int64"}))
+    with pytest.raises(DataError, match="records token dtype 'int64', not one of uint16, uint32"):
+        TokenBlockDataset(data_dir, "valid", 8)
+
+
+def test_data_dir_without_dtype_reads_uint16(data_dir):
+    """A meta.json written before the dtype was recorded holds uint16 ids."""
+    meta = json.loads((data_dir / "meta.json").read_text())
+    want = TokenBlockDataset(data_dir, "train", 8)[2]
+    del meta["dtype"]
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    assert read_meta(data_dir)["dtype"] == "uint16"
+    got = TokenBlockDataset(data_dir, "train", 8)[2]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# --- tokenizers with more than 65,536 ids ------------------------------------------------
+
+def test_token_dtype_is_the_narrowest_that_holds_every_id():
+    assert [binarize.token_dtype(v) for v in (300, 50257, 2**16, 2**16 + 1, 151_646)] == \
+        ["uint16", "uint16", "uint16", "uint32", "uint32"]
+    with pytest.raises(DataError, match="does not fit uint32"):
+        binarize.token_dtype(2**32 + 1)
+
+
+def test_preprocess_with_more_than_65536_ids_writes_uint32(tmp_path):
+    ids = [[2, 65_535, 65_536, 69_999, 7], [40_000, 65_537, 3, 69_998, 65_536, 12, 5, 66_000], [69_997, 9]]
+    text = "\n\n".join(" ".join(word(i) for i in doc) for doc in ids)
+    src = write_corpus(tmp_path / "src", {"c.txt": text})
+    tok = save_wide_tokenizer(tmp_path / "tok")
+    meta = preprocess(tmp_path / "out", trainpref=src, validpref=src / "c.txt", tokenizer=tok).meta
+    assert (meta["vocab_size"], meta["eos_id"], meta["dtype"]) == (WIDE_VOCAB, 1, "uint32"), meta
+    want = [t for doc in ids for t in (*doc, 1)]
+    assert (tmp_path / "out" / "train.bin").stat().st_size == 4 * len(want) == 4 * meta["splits"]["train"]["num_tokens"]
+    assert np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint32).tolist() == want
+    ds = TokenBlockDataset(tmp_path / "out", "train", 4)
+    blocks = [ds[i] for i in range(len(ds))]
+    assert [int(t) for x, _ in blocks for t in x] == want[:4 * len(ds)]
+    assert [int(t) for _, y in blocks for t in y] == want[1:4 * len(ds) + 1]
 
 
 # --- sampler --------------------------------------------------------------------------

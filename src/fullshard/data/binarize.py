@@ -4,9 +4,11 @@
 
 Output layout of ``destdir`` (see [Note: binarized layout]):
 
-- ``{split}.bin``: a flat array of ``uint16`` token ids, every document
-  followed by ``<|endoftext|>`` (50256); read it with
-  ``np.memmap(path, dtype=np.uint16, mode="r")``.
+- ``{split}.bin``: a flat array of token ids, every document followed by the
+  tokenizer's end-of-sequence id (``<|endoftext|>``, 50256, for GPT-2 BPE);
+  ``uint16`` for a tokenizer of at most 65,536 ids, ``uint32`` above (Llama 3,
+  Qwen2); meta.json's ``dtype`` names it (a meta.json without it: ``uint16``).
+  Read it with ``np.memmap(path, dtype=meta["dtype"], mode="r")``.
 - ``meta.json``: ``format_version``, ``tokenizer``, ``vocab_size``, ``eos_id``,
   ``dtype``, ``splits`` (per split: ``file``, ``num_tokens``,
   ``num_documents``), ``source`` (what was read, the valid split rule) and
@@ -41,7 +43,8 @@ from .tokenizer import GPT2Tokenizer, HFTokenizer, load_gpt2_tokenizer
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-TOKEN_DTYPE = "uint16"
+TOKEN_DTYPES = ("uint16", "uint32")
+"""The dtypes a ``{split}.bin`` may hold, narrowest first (meta.json's ``dtype``)."""
 META_FILE = "meta.json"
 SPLITS = ("train", "valid", "test")
 _ENCODE_CHUNK_DOCS = 1024
@@ -111,14 +114,26 @@ def _encode_chunks(tokenizer: GPT2Tokenizer, docs: Sequence[str],
             yield [tokenizer.encode(d) for d in chunk]
 
 
+def token_dtype(vocab_size: int) -> str:
+    """The narrowest of :data:`TOKEN_DTYPES` holding ids in ``[0, vocab_size)``.
+
+    Raises:
+        DataError: ``vocab_size`` exceeds 2**32.
+    """
+    for name in TOKEN_DTYPES:
+        if vocab_size - 1 <= np.iinfo(name).max:
+            return name
+    raise DataError(f"a tokenizer of {vocab_size:,} ids does not fit uint32 token files")
+
+
 def _write_split(path: Path, docs: Sequence[str], tokenizer: GPT2Tokenizer,
-                 workers: int) -> int:
-    """Writes ``docs`` (each + eos) as uint16 ids to ``path``; returns the token count."""
+                 workers: int, dtype: str) -> int:
+    """Writes ``docs`` (each + eos) as ``dtype`` ids to ``path``; returns the token count."""
     num_tokens = 0
     with open(path, "wb") as f:
         for encoded in _encode_chunks(tokenizer, docs, workers):
             flat = [t for ids in encoded for t in (*ids, tokenizer.eos_id)]
-            np.asarray(flat, dtype=TOKEN_DTYPE).tofile(f)
+            np.asarray(flat, dtype=dtype).tofile(f)
             num_tokens += len(flat)
     return num_tokens
 
@@ -210,7 +225,7 @@ def preprocess(destdir: str | Path, trainpref: str | Path | None = None,
         "tokenizer": tokenizer.name,
         "vocab_size": tokenizer.vocab_size,
         "eos_id": tokenizer.eos_id,
-        "dtype": TOKEN_DTYPE,
+        "dtype": token_dtype(tokenizer.vocab_size),
         "splits": {},
         "source": {
             "train": BUILTIN_CORPUS_NAME if builtin else str(trainpref),
@@ -236,7 +251,7 @@ def _write_outputs(destdir: Path, docs: dict[str, list[str]], meta: dict,
         for split, split_docs in docs.items():
             tmp = destdir / f"{split}.bin{tag}"
             temps.append(tmp)
-            num_tokens = _write_split(tmp, split_docs, tokenizer, workers)
+            num_tokens = _write_split(tmp, split_docs, tokenizer, workers, meta["dtype"])
             meta["splits"][split] = {"file": f"{split}.bin", "num_tokens": num_tokens,
                                      "num_documents": len(split_docs)}
         meta_tmp = destdir / f"{META_FILE}{tag}"

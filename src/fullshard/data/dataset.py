@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .binarize import META_FILE
+from .binarize import META_FILE, TOKEN_DTYPES
 from .errors import DataError
 
 
@@ -20,10 +20,12 @@ def read_meta(data_dir: str | Path) -> dict:
 
     Returns:
         The parsed meta dict (``tokenizer``, ``vocab_size``, ``eos_id``,
-        ``dtype``, ``splits``, ``source``, ...).
+        ``dtype``, ``splits``, ``source``, ...); ``dtype`` is ``"uint16"``
+        where meta.json has none (data written before uint32 token files).
 
     Raises:
-        DataError: The directory or its meta.json is missing or unreadable.
+        DataError: The directory or its meta.json is missing or unreadable,
+            or its ``dtype`` is not one of ``uint16``, ``uint32``.
     """
     path = Path(data_dir) / META_FILE
     if not path.is_file():
@@ -33,8 +35,12 @@ def read_meta(data_dir: str | Path) -> dict:
         meta = json.loads(path.read_text())
     except ValueError as e:
         raise DataError(f"{path} is not valid JSON ({e}); rerun `fullshard preprocess`") from e
-    if "splits" not in meta or "dtype" not in meta:
-        raise DataError(f"{path} lacks 'splits' or 'dtype'; rerun `fullshard preprocess`")
+    if not isinstance(meta, dict) or "splits" not in meta:
+        raise DataError(f"{path} lacks 'splits'; rerun `fullshard preprocess`")
+    meta.setdefault("dtype", TOKEN_DTYPES[0])
+    if meta["dtype"] not in TOKEN_DTYPES:
+        raise DataError(f"{path} records token dtype {meta['dtype']!r}, not one of {', '.join(TOKEN_DTYPES)}; "
+                        "rerun `fullshard preprocess`")
     return meta
 
 
@@ -54,8 +60,9 @@ class TokenBlockDataset(torch.utils.data.Dataset):
         tokens_per_sample: Block length T in tokens.
 
     Raises:
-        DataError: Missing directory/meta/split file, a file whose size does
-            not match meta.json, or fewer than ``tokens_per_sample + 1`` tokens.
+        DataError: Missing directory/meta/split file, an unknown token dtype,
+            a file whose size is not a multiple of the dtype's item size or
+            does not match meta.json, or fewer than ``tokens_per_sample + 1`` tokens.
         ValueError: ``tokens_per_sample < 1``.
     """
 
@@ -74,7 +81,11 @@ class TokenBlockDataset(torch.utils.data.Dataset):
         self.dtype = np.dtype(meta["dtype"])
         self.num_tokens = int(info["num_tokens"])
         expected_bytes = self.num_tokens * self.dtype.itemsize
-        if not self.path.is_file() or self.path.stat().st_size != expected_bytes:
+        size = self.path.stat().st_size if self.path.is_file() else None
+        if size is not None and size % self.dtype.itemsize:
+            raise DataError(f"{self.path} holds {size:,} bytes, not a whole number of {self.dtype.name} token ids "
+                            f"(meta.json's dtype); rerun `fullshard preprocess`")
+        if size != expected_bytes:
             raise DataError(f"{self.path} is missing or does not match meta.json; "
                             f"rerun `fullshard preprocess`")
         if self.num_tokens < tokens_per_sample + 1:

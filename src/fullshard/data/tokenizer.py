@@ -101,7 +101,8 @@ class HFTokenizer:
     Attributes:
         name: ``"hf:<directory name>:<first 12 hex digits of tokenizer.json's SHA-256>"`` (meta.json and
             the preprocess fingerprint: another tokenizer file re-tokenizes).
-        vocab_size: token ids it can produce (added tokens included).
+        vocab_size: token ids it can produce: its largest id + 1 (added tokens included); above 65,536,
+            preprocess writes uint32 token files.
         eos_id: the id appended after each document: ``eos_token`` of ``tokenizer_config.json``, else
             ``eos_token_id`` of ``config.json``.
 
@@ -109,8 +110,7 @@ class HFTokenizer:
         path: the checkpoint directory.
 
     Raises:
-        DataError: no ``tokenizer.json``, no end-of-sequence token found, or more than 65,536 ids
-            (data files hold uint16 ids).
+        DataError: no ``tokenizer.json``, or no end-of-sequence token found.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -127,10 +127,9 @@ class HFTokenizer:
         self._tok = Tokenizer.from_file(str(file))
         digest = hashlib.sha256(file.read_bytes()).hexdigest()[:12]
         self.name = f"hf:{path.resolve().name}:{digest}"
-        self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
-        if self.vocab_size > 2**16:
-            raise DataError(f"--tokenizer {str(path)!r} has {self.vocab_size:,} ids; data files hold uint16 ids "
-                            "(at most 65,536): this tokenizer is not supported yet")
+        # The largest id, not the count: a vocabulary with gaps still needs every id to fit the token files.
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        self.vocab_size: int = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
         eos = None
         for name, key in (("tokenizer_config.json", "eos_token"), ("config.json", "eos_token_id")):
             if (path / name).is_file():

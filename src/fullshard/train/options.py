@@ -224,7 +224,9 @@ def check_data(p: OneLineArgumentParser, data_dir: str) -> dict:
                f"--destdir {data_dir} ...` first")
     try:
         meta = read_meta(data_dir)
-    except (DataError, OSError, ValueError) as e:
+    except DataError as e:  # its message says what to do
+        p.fail(str(e))
+    except (OSError, ValueError) as e:
         p.fail(f"cannot read {os.path.join(data_dir, 'meta.json')}: {e}; re-run `fullshard preprocess`")
     return meta
 
