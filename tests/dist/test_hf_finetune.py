@@ -140,8 +140,10 @@ def _lora_group(rank: int, world: int, dirs: dict) -> dict:
 
 
 def _reference(path: str, lora: bool, dtype: torch.dtype = torch.float32):
-    """Single-process transformers (PEFT with ``lora``) AdamW training on the concatenated rank batches,
-    the checkpoint loaded in ``dtype`` (PEFT keeps the adapters fp32)."""
+    """Single-process transformers (PEFT with ``lora``) AdamW training with DDP's gradient (each rank's
+    batch's mean-loss gradient, averaged; one pass over the concatenated batches sums in another order,
+    which a bf16 base's roundings can amplify), the checkpoint loaded in ``dtype`` (PEFT keeps the
+    adapters fp32)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -156,13 +158,16 @@ def _reference(path: str, lora: bool, dtype: torch.dtype = torch.float32):
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=LR)
     losses = []
     for u in range(UPDATES):
-        inputs, targets = (torch.cat(t) for t in zip(_batch(0, u), _batch(1, u)))
-        logits = model(inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
-        loss.backward()
+        total = 0.0
+        for rank in range(2):
+            inputs, targets = _batch(rank, u)
+            logits = model(inputs).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+            (loss / 2).backward()
+            total += loss.item() / 2
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(total)
     with torch.no_grad():
         logits = model(torch.tensor(PROMPT)).logits
     return model, losses, logits

@@ -1,7 +1,8 @@
 """QLoRA on ``fully_shard`` (core/packed.py [Note: packed parts]): a tiny Llama whose decoder layers'
 Linear weights are torchao ``NF4Tensor`` (frozen, built from the full bf16 weight with ``to_nf4``),
 PEFT LoRA adapters (fp32) on q_proj/v_proj, one unit per decoder layer, 2 ranks, 3 AdamW steps.
-Checked against single-process training of the same NF4 model on the concatenated batches: losses
+Checked against single-process data-parallel training of the same NF4 model (each rank's batch's
+gradient, averaged): losses
 and adapters; the NF4 shards are each rank's bytes of the full NF4 tensor, unchanged by training;
 the decoder layers' all-gathers carry packed bytes (<= 0.3x those of the same model with its base in
 bf16, measured in the same group by counting every all-gather's output bytes)."""
@@ -53,15 +54,21 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tok[:, :-1], tok[:, 1:]
 
 
-def _train(model: nn.Module, batches) -> list[float]:
+def _train(model: nn.Module, batches, world: int = 1) -> list[float]:
+    """AdamW steps, each on ``world`` micro-batches whose mean-loss gradients are averaged (DDP's
+    gradient; one pass over the concatenated batch sums in another order, and a flipped bf16 rounding
+    can grow through Adam's sign into 1e-2); returns each step's mean loss."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
-    for inputs, targets in batches:
-        loss = nn.functional.cross_entropy(model(inputs).logits.float().reshape(-1, VOCAB), targets.reshape(-1))
-        loss.backward()
+    for step in range(len(batches) // world):
+        total = 0.0
+        for inputs, targets in batches[step * world:(step + 1) * world]:
+            loss = nn.functional.cross_entropy(model(inputs).logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+            (loss / world).backward()
+            total += loss.item() / world
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(total)
     return losses
 
 
@@ -117,7 +124,7 @@ def test_qlora_matches_single_process_and_gathers_packed_bytes():
     ref = _model(True)
     base = _base(ref)
     assert len(base) == 2 * 7  # q, k, v, o, gate, up, down per layer
-    want = _train(ref, [tuple(torch.cat(t) for t in zip(_batch(0, s), _batch(1, s))) for s in range(STEPS)])
+    want = _train(ref, [_batch(rank, s) for s in range(STEPS) for rank in range(2)], world=2)
     adapters = {n: p.detach() for n, p in ref.named_parameters() if "lora_" in n}
     # Each rank's loss is its half-batch mean; their mean is the global batch's.
     losses = torch.tensor([res["nf4"]["losses"] for res in got]).mean(0)
@@ -131,7 +138,7 @@ def test_qlora_matches_single_process_and_gathers_packed_bytes():
             rows = torch.chunk(adapters[n], 2)[rank]
             worst = max(worst, (torch.from_numpy(value) - rows).abs().max().item())
         print(f"rank {rank}: adapters max |diff| vs single process {worst:.3g}")
-        assert worst <= 2e-5, worst
+        assert worst <= 1e-6, worst
         assert q["nf4_equal"].keys() == base.keys() and all(q["nf4_equal"].values()), q["nf4_equal"]
         ratio = q["layer_bytes_per_step"] / res["bf16"]["layer_bytes_per_step"]
         shard_ratio = q["sharded_bytes"] / res["bf16"]["sharded_bytes"]
@@ -143,8 +150,6 @@ def test_qlora_matches_single_process_and_gathers_packed_bytes():
 
 # ---------------------------------------------------------------- the trainer: --quantize-base nf4
 SEED, WD = 5, 0.01
-
-
 PROMPT = [[3, 17, 5, 41, 8, 2, 60, 9]]
 
 
@@ -224,7 +229,7 @@ def test_trainer_quantize_base_nf4_matches_single_process_data_parallel_qlora_an
         worst = max((torch.from_numpy(v) - torch.chunk(adapters[n], 2)[rank]).abs().max().item()
                     for n, v in res["adapters"].items())
         print(f"rank {rank}: adapters max |diff| vs single process {worst:.3g}")
-        assert worst <= 2e-5, worst
+        assert worst <= 1e-6, worst
     # The adapter over the base as training saw it (the checkpoint in bf16, decoder Linear weights to_nf4
     # of them, single process): the sharded model's logits. The merged model (bf16, each NF4 weight
     # dequantized by torchao, the adapters merged in by PEFT) loads with transformers alone: the same

@@ -449,7 +449,7 @@ def _reduce_leftover_stashes(root: RootRuntime) -> None:
         return
     cfg = root.runtimes[0].unit.cfg
     flags = torch.tensor([1.0 if rt.unit.stash.active and rt.settings.requires_gradient_sync else 0.0
-                          for rt in root.runtimes])
+                          for rt in root.runtimes], device=cfg.compute_device)  # NCCL reduces device tensors
     for group in (cfg.shard_group, cfg.replicate_group):
         if group is not None:
             collectives.all_reduce(flags, group, "max", tag="no_sync stashes")

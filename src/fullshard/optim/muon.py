@@ -298,7 +298,10 @@ def muon_param_groups(model: nn.Module, *, exclude: Iterable[str] = (), head_ada
     everything else: embeddings, norms, biases, the head (Jordan et al. 2024).
 
     Call it on the model the optimizer steps (wrapped, after sharding); names
-    are the unwrapped model's.
+    are the unwrapped model's. On a part of a model (a pipeline stage) whose
+    last ``nn.Linear`` is not the whole model's head, pass ``head_adamw=False``
+    (and ``exclude`` the head where the part holds it), or a block matrix goes
+    to AdamW.
 
     Args:
         model: the model (plain, FullyShardedDataParallel or fully_shard).
