@@ -8,6 +8,8 @@ the decoder layers' all-gathers carry packed bytes (<= 0.3x those of the same mo
 bf16, measured in the same group by counting every all-gather's output bytes)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -148,10 +150,14 @@ def test_qlora_matches_single_process_and_gathers_packed_bytes():
 
 # ---------------------------------------------------------------- the trainer: --quantize-base nf4
 SEED, WD = 5, 0.01
+PROMPT = [[3, 17, 5, 41, 8, 2, 60, 9]]
 
 
 def _trainer_group(rank: int, world: int, path: str) -> dict:
+    import dataclasses
+
     from fullshard.train.config import TrainConfig
+    from fullshard.train.hf_export import export
     from fullshard.train.trainer import Trainer
 
     cfg = TrainConfig(data_dir="unused", max_positions=32, vocab_size=VOCAB, tokens_per_sample=T, batch_size=B, lr=LR,
@@ -163,12 +169,28 @@ def _trainer_group(rank: int, world: int, path: str) -> dict:
     kinds = {type(_local(p)).__name__ for p in trainer.model.parameters() if not p.requires_grad}
     adapters = {n.replace("_checkpoint_wrapped_module.", ""): _local(p).detach().numpy().copy()
                 for n, p in trainer.model.named_parameters() if "lora_" in n}
-    return {"losses": losses, "kinds": kinds, "adapters": adapters}
+    with torch.no_grad():
+        logits = trainer.model(torch.tensor(PROMPT)).logits.float().numpy().copy()
+    # Both exports of the one trained model: the PEFT adapter, and the merged model (--merge-lora).
+    saved = {"adapter": export(cfg, trainer.model, trainer.peft_model, f"{path}/out/adapter"),
+             "merged": export(dataclasses.replace(cfg, merge_lora=True), trainer.model, trainer.peft_model,
+                              f"{path}/out/merged")}
+    return {"losses": losses, "kinds": kinds, "adapters": adapters, "logits": logits, "saved": saved}
 
 
-def test_trainer_quantize_base_nf4_matches_single_process_data_parallel_qlora(tmp_path):
-    from peft import LoraConfig, get_peft_model
+def _nf4_base(model: nn.Module) -> nn.Module:
+    """``model`` with its decoder layers' base Linear weights replaced by ``to_nf4`` of them, in place
+    (PEFT's adapters are Linear too, frozen once loaded for inference: kept)."""
     from torchao.quantization import to_nf4
+
+    for name, module in model.get_decoder().layers.named_modules():
+        if type(module) is nn.Linear and "lora_" not in name:
+            module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+    return model
+
+
+def test_trainer_quantize_base_nf4_matches_single_process_data_parallel_qlora_and_exports(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     _llama().save_pretrained(tmp_path)  # bf16 random weights
@@ -183,9 +205,7 @@ def test_trainer_quantize_base_nf4_matches_single_process_data_parallel_qlora(tm
     torch.manual_seed(SEED)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                              task_type="CAUSAL_LM"))
-    for module in model.base_model.model.model.layers.modules():
-        if type(module) is nn.Linear and not module.weight.requires_grad:
-            module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+    _nf4_base(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=LR)
@@ -210,3 +230,28 @@ def test_trainer_quantize_base_nf4_matches_single_process_data_parallel_qlora(tm
                     for n, v in res["adapters"].items())
         print(f"rank {rank}: adapters max |diff| vs single process {worst:.3g}")
         assert worst <= 1e-6, worst
+    # The adapter over the base as training saw it (the checkpoint in bf16, decoder Linear weights to_nf4
+    # of them, single process): the sharded model's logits. The merged model (bf16, each NF4 weight
+    # dequantized by torchao, the adapters merged in by PEFT) loads with transformers alone: the same
+    # logits but for the bf16 rounding of each merged weight (W + B A alpha / r), as for a bf16 base.
+    sharded, saved = got[0]["logits"], got[0]["saved"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["adapter", "merged"]  # no partial directory left
+    prompt = torch.tensor(PROMPT)
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+        peft = _nf4_base(PeftModel.from_pretrained(base, saved["adapter"]))
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(saved["adapter"]))
+        adapter_diff = (peft(prompt).logits.float() - torch.from_numpy(sharded)).abs().max().item()
+        merged = AutoModelForCausalLM.from_pretrained(saved["merged"], dtype="auto")
+        assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
+        assert not any("lora" in n for n, _ in merged.named_parameters())
+        merged_diff = (merged(prompt).logits.float() - torch.from_numpy(sharded)).abs().max().item()
+        # What the tolerances tell apart: the adapter over the bf16 base, not quantized.
+        plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16),
+                                          saved["adapter"])
+        unquantized = (plain(prompt).logits.float() - torch.from_numpy(sharded)).abs().max().item()
+    print(f"exports: adapter over the NF4 base, logits max |diff| {adapter_diff:.3g}; merged bf16 model "
+          f"{merged_diff:.3g}; the adapter over the unquantized base {unquantized:.3g} (logits' max |value| "
+          f"{abs(sharded).max():.3g})")
+    assert adapter_diff <= 1e-5, adapter_diff
+    assert merged_diff <= 3e-2 < unquantized, (merged_diff, unquantized)

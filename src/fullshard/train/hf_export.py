@@ -10,8 +10,16 @@ one tensor at a time and kept only on rank 0, which writes
 - with ``--merge-lora``: the base with the adapters merged in by PEFT (``merge_and_unload``), as the
   full model.
 
+Under ``--quantize-base nf4`` (train/qlora.py) the adapter export gathers no base weight: the adapter
+is for the base as training saw it, the ``--base-dtype`` checkpoint with each decoder-layer frozen
+Linear weight replaced by ``to_nf4`` of it. ``--merge-lora`` gathers each NF4 weight as NF4 and
+dequantizes it (torchao's dequantization, the forward's) to ``--base-dtype``, in which the merged
+model is written.
+
 The tokenizer and generation files of ``--hf-model`` are copied along, so DIR is a complete checkpoint.
-Rank 0 holds the full model while it writes (the gather's cost; no other rank does).
+Rank 0 holds the full model while it writes (the gather's cost; no other rank does). It writes into a
+hidden sibling directory and moves the files into DIR only once all are written, so a failure leaves
+no half-written DIR.
 """
 from __future__ import annotations
 
@@ -25,15 +33,21 @@ from torch.distributed.tensor import DTensor
 
 from fullshard import FSDPModule, FullyShardedDataParallel, StateDictType
 from fullshard.core import collectives
-from fullshard.train import hf_model
+from fullshard.train import hf_model, qlora
 
 # Files of a checkpoint directory that are neither weights nor the model config: copied along.
 _SKIP = (".safetensors", ".bin", ".pt", hf_model.INDEX, hf_model.CONFIG, "adapter_config.json")
 
 
-def gather_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def gather_state_dict(model: nn.Module, nf4: bool = True) -> dict[str, torch.Tensor]:
     """The full state dict of a sharded model on rank 0 (CPU tensors, the unwrapped model's names);
-    an empty dict on the other ranks. Every rank must call it (one all-gather per sharded tensor)."""
+    an empty dict on the other ranks. Every rank must call it (one all-gather per sharded tensor).
+
+    Args:
+        model: the sharded model (FullyShardedDataParallel root or ``fully_shard`` model).
+        nf4: a torchao ``NF4Tensor`` weight (``--quantize-base nf4``) is gathered as NF4 and kept
+            dequantized to its original dtype (:func:`qlora.dequantize`); False leaves it out.
+    """
     if isinstance(model, FSDPModule):
         state = model.state_dict()
     else:
@@ -41,9 +55,12 @@ def gather_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             state = model.state_dict()
     out, rank0 = {}, collectives.rank() == 0
     for name, value in state.items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
+        packed = qlora.is_nf4(value.to_local() if isinstance(value, DTensor) else value)
+        if packed and not nf4:
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value  # NF4: its packed bytes travel
         if rank0:
-            out[name] = full.detach().to("cpu", copy=True)
+            out[name] = qlora.dequantize(full).to("cpu") if packed else full.detach().to("cpu", copy=True)
     return out
 
 
@@ -93,17 +110,37 @@ def export(cfg, model: nn.Module, peft_model=None, out_dir: str | None = None) -
         The directory written.
     """
     out_dir = out_dir or cfg.save_hf or os.path.join(cfg.save_dir, "hf")
-    state = gather_state_dict(model)
+    # The adapter alone needs no NF4 base weight (nor their dequantized copies on rank 0).
+    state = gather_state_dict(model, nf4=peft_model is None or bool(cfg.merge_lora))
     if collectives.rank() == 0:
-        _write(cfg, state, peft_model, out_dir)
+        write_dir(out_dir, lambda tmp: _write(cfg, state, peft_model, tmp))
     collectives.barrier()
     return out_dir
+
+
+def write_dir(out_dir: str, write) -> None:
+    """Run ``write(tmp)`` on a new hidden sibling directory of ``out_dir``, then move its files into
+    ``out_dir`` (made if missing; files of other names there are kept). If ``write`` raises, the
+    sibling is removed and ``out_dir`` is untouched."""
+    out_dir = os.path.abspath(out_dir)
+    parent, base = os.path.split(out_dir)
+    tmp = os.path.join(parent, f".{base}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed export by a process of the same id
+    os.makedirs(tmp)
+    try:
+        write(tmp)
+        if not os.path.exists(out_dir):
+            os.rename(tmp, out_dir)
+            return
+        for name in os.listdir(tmp):  # same file system: each a rename
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write(cfg, state: dict, peft_model, out_dir: str) -> None:
     from transformers import AutoConfig
 
-    os.makedirs(out_dir, exist_ok=True)
     config = AutoConfig.from_pretrained(cfg.hf_model)
     if peft_model is None:
         _plain_model(config, state).save_pretrained(out_dir)

@@ -76,8 +76,5 @@ def _check_quantize(p, args) -> None:
     if (args.fsdp_version or DEFAULT_FSDP_VERSION) != 2:
         p.fail(f"--quantize-base {args.quantize_base} needs --fsdp-version 2 (fully_shard gathers NF4 weights as "
                "packed bytes; the FSDP1 wrapper's flat parameters cannot hold them)")
-    if args.merge_lora:
-        p.fail(f"--merge-lora with --quantize-base {args.quantize_base} is not supported (a merged model would need "
-               "the base dequantized); export the adapter (drop --merge-lora)")
     if not qlora.nf4_available():
         p.fail(f"--quantize-base {args.quantize_base} needs torchao (pip install torchao==0.18.0)")

@@ -10,12 +10,18 @@ with the wrong one). Each rank reads one full weight at a time from the safetens
 norms and the output layer stay in ``--base-dtype``, the adapters fp32. torchao's ``F.linear`` on an
 ``NF4Tensor`` dequantizes it to the input's dtype inside its own autograd function (PEFT's LoRA layer
 calls its base ``nn.Linear``, whose weight it is).
+
+Export (train/hf_export.py): the adapter is saved alone (no base weight gathered); ``--merge-lora``
+gathers each NF4 weight as NF4 and dequantizes it with torchao (:func:`dequantize`, the forward's own
+dequantization) before PEFT merges the adapters in.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import sys
 
+import torch
 import torch.nn as nn
 
 BLOCK, SCALER_BLOCK = 64, 256  # torchao to_nf4's defaults (QLoRA's)
@@ -49,6 +55,27 @@ def nf4_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def is_nf4(t) -> bool:
+    """Whether ``t`` is a torchao ``NF4Tensor`` (never imports torchao: none exists before it is imported)."""
+    if "torchao" not in sys.modules:
+        return False
+    from torchao.quantization import NF4Tensor
+
+    return isinstance(t, NF4Tensor)
+
+
+def dequantize(weight) -> torch.Tensor:
+    """A plain tensor of an ``NF4Tensor``'s values in its original dtype (``--base-dtype``): torchao's
+    dequantization, the one its ``F.linear`` runs on every forward (``weight.to(input.dtype)``).
+
+    Args:
+        weight: a full ``NF4Tensor`` ``(out_features, in_features)``.
+    Returns:
+        A new ``(out_features, in_features)`` tensor of ``weight.dtype``.
+    """
+    return weight.to(weight.dtype)
 
 
 def base_linears(block: nn.Module) -> list[tuple[str, nn.Linear]]:
