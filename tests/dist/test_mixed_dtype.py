@@ -82,17 +82,24 @@ def _full_state(model, door: str) -> dict:
 
 
 def _check_plan(model, opt, rank: int, door: str) -> None:
-    """`fullshard plan --hf-model`'s per-rank model state (train/plan_hf.py) equals what memory_stats
-    counts on the wrapped model: frozen and trainable shard bytes by dtype, gradient shards after a
-    backward, AdamW state (plus its 0-dim fp32 step per trained parameter). Every dimension of the tiny
-    Llama is even, so both ranks hold the same and padding is nil."""
+    """`fullshard plan --hf-model`'s per-rank model state equals memory_stats on the wrapped model (see
+    :func:`check_plan_equals_memory_stats`). Every dimension of the tiny Llama is even, so both ranks hold
+    the same and padding is nil."""
+    check_plan_equals_memory_stats(model, opt, _peft_llama(), lambda: _loss(model, _batch(rank, 0)).backward(), door)
+
+
+def check_plan_equals_memory_stats(model, opt, plain, backward, what: str, nf4: bool = False) -> dict:
+    """`fullshard plan --hf-model`'s per-rank model state (train/plan_hf.py), planned on ``plain`` (the
+    same PEFT model unwrapped; ``nf4``: as `--quantize-base nf4` stores it), equals what memory_stats
+    counts on the wrapped ``model`` (2 ranks, FULL_SHARD): frozen and trainable shard bytes by dtype
+    (an NF4 base under ``"NF4Tensor"``), gradient shards after ``backward()``, AdamW state (plus its
+    0-dim fp32 step per trained parameter). Returns the plan."""
     from fullshard import ShardingStrategy, memory_stats
     from fullshard.train import plan_hf
 
-    plain = _peft_llama()
-    est = plan_hf.plan_hf(plan_hf.hf_units(plain, plain.base_model.model.model.layers),
+    est = plan_hf.plan_hf(plan_hf.hf_units(plain, plain.base_model.model.model.layers, nf4),
                           ShardingStrategy.FULL_SHARD, 2, "adam")
-    _loss(model, _batch(rank, 0)).backward()
+    backward()
     units = [e for k, e in memory_stats(model, opt).items() if k != "pool"]
     opt.zero_grad(set_to_none=True)
     for kind in ("frozen", "trainable"):
@@ -100,11 +107,13 @@ def _check_plan(model, opt, rank: int, door: str) -> None:
         for e in units:
             for dtype, d in e["by_dtype"].items():
                 got[dtype] = got.get(dtype, 0) + d[f"{kind}_bytes"]
-        assert {k: v for k, v in got.items() if v} == {k: v for k, v in est[kind].items() if v}, (door, kind, got)
+        assert {k: v for k, v in got.items() if v} == {k: v for k, v in est[kind].items() if v}, (what, kind, got)
     assert est["frozen"]["bfloat16"] > 0 and est["trainable"]["float32"] > 0, est
-    assert sum(e["grad_bytes"] for e in units) == est["grads"] == est["trainable"]["float32"], (door, est)
+    assert ("NF4Tensor" in est["frozen"]) == nf4, est
+    assert sum(e["grad_bytes"] for e in units) == est["grads"] == est["trainable"]["float32"], (what, est)
     trained = sum(p.requires_grad for p in plain.parameters())
-    assert sum(e["optim_state_bytes"] for e in units) == est["optimizer"] + 4 * trained, (door, est)
+    assert sum(e["optim_state_bytes"] for e in units) == est["optimizer"] + 4 * trained, (what, est)
+    return est
 
 
 def _group(rank: int, world: int) -> dict:

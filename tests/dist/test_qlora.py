@@ -5,7 +5,8 @@ Checked against single-process data-parallel training of the same NF4 model (eac
 gradient, averaged): losses
 and adapters; the NF4 shards are each rank's bytes of the full NF4 tensor, unchanged by training;
 the decoder layers' all-gathers carry packed bytes (<= 0.3x those of the same model with its base in
-bf16, measured in the same group by counting every all-gather's output bytes)."""
+bf16, measured in the same group by counting every all-gather's output bytes); `fullshard plan --hf-model
+--quantize-base nf4`'s model state equals memory_stats on the wrapped NF4 model."""
 from __future__ import annotations
 
 import os
@@ -54,22 +55,26 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tok[:, :-1], tok[:, 1:]
 
 
-def _train(model: nn.Module, batches, world: int = 1) -> list[float]:
+def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(inputs).logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def _train(model: nn.Module, batches, world: int = 1) -> tuple[list[float], torch.optim.Optimizer]:
     """AdamW steps, each on ``world`` micro-batches whose mean-loss gradients are averaged (DDP's
     gradient; one pass over the concatenated batch sums in another order, and a flipped bf16 rounding
-    can grow through Adam's sign into 1e-2); returns each step's mean loss."""
+    can grow through Adam's sign into 1e-2); returns each step's mean loss, and the optimizer."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for step in range(len(batches) // world):
         total = 0.0
         for inputs, targets in batches[step * world:(step + 1) * world]:
-            loss = nn.functional.cross_entropy(model(inputs).logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+            loss = _loss(model, inputs, targets)
             (loss / world).backward()
             total += loss.item() / world
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses
+    return losses, opt
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -94,9 +99,14 @@ def _sharded(rank: int, world: int, nf4: bool) -> dict:
 
     collectives.all_gather = counting
     try:
-        losses = _train(model, [_batch(rank, s) for s in range(STEPS)])
+        losses, opt = _train(model, [_batch(rank, s) for s in range(STEPS)])
     finally:
         collectives.all_gather = plain
+    if nf4:  # `fullshard plan` of the same model (PEFT over the bf16 base, NF4 as --quantize-base nf4 stores it)
+        from tests.dist.test_mixed_dtype import check_plan_equals_memory_stats
+
+        check_plan_equals_memory_stats(model, opt, _model(False), lambda: _loss(model, *_batch(rank, 0)).backward(),
+                                       "qlora", nf4=True)
     stats = fullshard.memory_stats(model)
     out = {"losses": losses, "layer_bytes_per_step": sent["layers"] // STEPS,
            "sharded_bytes": sum(v["sharded_bytes"] for k, v in stats.items() if "layers." in k),
@@ -124,7 +134,7 @@ def test_qlora_matches_single_process_and_gathers_packed_bytes():
     ref = _model(True)
     base = _base(ref)
     assert len(base) == 2 * 7  # q, k, v, o, gate, up, down per layer
-    want = _train(ref, [_batch(rank, s) for s in range(STEPS) for rank in range(2)], world=2)
+    want, _ = _train(ref, [_batch(rank, s) for s in range(STEPS) for rank in range(2)], world=2)
     adapters = {n: p.detach() for n, p in ref.named_parameters() if "lora_" in n}
     # Each rank's loss is its half-batch mean; their mean is the global batch's.
     losses = torch.tensor([res["nf4"]["losses"] for res in got]).mean(0)

@@ -227,3 +227,53 @@ def test_cli_plans_hf_lora_frozen_and_trainable_apart(tmp_path):
         assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and msg in bad.stderr, bad.stderr
     bad = _plan_cli("--world-size", "2")
     assert bad.returncode == 2 and "--arch NAME" in bad.stderr
+    for args, msg in ((("--lora-rank", "4", "--quantize-base", "nf4"), "does not split into whole NF4 scaler blocks"),
+                      (("--quantize-base", "nf4"), "--quantize-base nf4 needs --lora-rank")):
+        bad = _plan_cli(*base, *args)
+        assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and msg in bad.stderr, bad.stderr
+    bad = _plan_cli("--arch", "transformer_lm_gpt_tiny", "--world-size", "2", "--quantize-base", "nf4")
+    assert bad.returncode == 2 and "--quantize-base needs --hf-model" in bad.stderr, bad.stderr
+
+
+def test_cli_plans_hf_qlora_nf4_shards_as_torchao_holds_them(tmp_path):
+    """`plan --hf-model DIR --lora-rank R --quantize-base nf4`: the decoder layers' Linear weights are
+    planned as each rank's chunk of torchao's NF4Tensor (every inner tensor, as memory_stats counts it;
+    tests/dist/test_qlora.py checks the plan against memory_stats on the wrapped model); the rest of the
+    bf16 base, the adapters, their gradients and optimizer state are those of the bf16 LoRA plan."""
+    pytest.importorskip("peft")
+    pytest.importorskip("torchao")
+    transformers = pytest.importorskip("transformers")
+    from torchao.quantization import to_nf4
+
+    from fullshard.train import qlora
+
+    # hidden 256: every Linear weight is whole NF4 scaler blocks on each of 2 ranks.
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=1)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    base = ("--hf-model", str(tmp_path), "--world-size", "2", "--lora-rank", "4", "--base-dtype", "bf16")
+
+    def lines(*args):
+        r = _plan_cli(*base, *args)
+        assert r.returncode == 0, r.stderr
+        return {ln[:46].strip(): int(ln.split()[-2].replace(",", "")) for ln in r.stdout.splitlines()[2:]}
+
+    bf16, nf4 = lines(), lines("--quantize-base", "nf4")
+    linears = [m.weight.detach() for layer in model.model.layers for m in layer.modules()
+               if type(m) is torch.nn.Linear]
+    assert len(linears) == 2 * 7
+
+    def inner_bytes(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(getattr(t, n).numel() * getattr(t, n).element_size() for n in names)
+
+    want = sum(inner_bytes(torch.chunk(to_nf4(w, qlora.BLOCK, qlora.SCALER_BLOCK), 2)[0]) for w in linears)
+    assert nf4["frozen parameter shards (NF4Tensor)"] == want
+    linear_bf16 = sum(w.numel() for w in linears) // 2 * 2
+    assert nf4["frozen parameter shards (bfloat16)"] == bf16["frozen parameter shards (bfloat16)"] - linear_bf16
+    assert want < 0.3 * linear_bf16  # 4-bit codes plus scales
+    for key in ("trainable parameter shards (float32)", "gradient shards (trainable only)",
+                "Adam moments (fp32), trainable only", "largest unit's full gradient + reduce input"):
+        assert nf4[key] == bf16[key], key
+    assert nf4["full parameters in flight"] < bf16["full parameters in flight"]

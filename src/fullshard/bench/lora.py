@@ -1,5 +1,5 @@
-"""LoRA benchmark: full fine-tuning against LoRA (fp32 base, bf16 base) on a small Hugging Face Llama,
-under fullshard's ``fully_shard`` and torch FSDP2 + PEFT.
+"""LoRA benchmark: full fine-tuning against LoRA (fp32 base, bf16 base) and QLoRA (NF4 base) on a small
+Hugging Face Llama, under fullshard's ``fully_shard`` and torch FSDP2 + PEFT.
 
 Run::
 
@@ -10,9 +10,12 @@ torch's elastic launcher starts N gloo ranks on the CPU (one launch; the rows ru
 in the same processes). Every row builds the same ``transformers`` ``LlamaForCausalLM`` from a
 config (random weights from ``--seed``, nothing downloaded) and, for a LoRA row, casts the base to
 the row's dtype and applies PEFT (``LoraConfig(r, alpha = 2r, target_modules)``; PEFT keeps the
-adapters fp32); then it shards each decoder layer and the root (``fully_shard`` per layer, then the
-model) and steps AdamW over ``model.parameters()`` (frozen ones get no state). The batches of random
-tokens are the same for every row.
+adapters fp32); a QLoRA row then makes each decoder layer's frozen Linear weight a torchao ``NF4Tensor``
+of its whole bf16 value (``to_nf4``, block 64, scaler block 256, as train/qlora.py), so every rank
+holds the same NF4 base and both libraries shard it with the tensor-subclass all-gather extension
+(``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``; ours: core/packed.py). Then each row shards each
+decoder layer and the root (``fully_shard`` per layer, then the model) and steps AdamW over
+``model.parameters()`` (frozen ones get no state). The batches of random tokens are the same for every row.
 
 Measured over the timed steps (after ``--warmup-steps``), per rank:
 
@@ -27,7 +30,10 @@ Measured over the timed steps (after ``--warmup-steps``), per rank:
   one more step (:func:`fullshard.bench.measure.peak_allocated_bytes`; fullshard's buffer pool is
   emptied first, so its buffers count). Allocator-independent, unlike RSS, which glibc's reuse of
   freed memory makes depend on the rows run before in the same process;
-* model state after that step: parameter shards, gradients and optimizer state.
+* model state after that step: parameter shards (an NF4 shard: its packed codes, scales and
+  factors), gradients and optimizer state;
+* the loss of each step: a fullshard row's must equal its torch row's (same model, same batches)
+  within :data:`LOSS_TOL`, else the run fails.
 
 Before the rows, each library in the rows trains a one-layer model of the same kind for one step
 (one-time imports and set-up stay out of the first row).
@@ -49,30 +55,37 @@ from fullshard import fully_shard as ours_fully_shard
 from fullshard.bench import measure
 from fullshard.bench.rank import PatchedCollectives
 from fullshard.core import collectives
+from fullshard.train import qlora
 from fullshard.train.launcher import launch_local
 
 MiB = float(2 ** 20)
+LOSS_TOL = 1e-4
+"""Largest |loss difference| allowed between a fullshard row and its torch row at any step (the table's
+last printed digit; both dequantize and compute identically, so they differ by summation order only)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class LoraMode:
     """One row: ``family`` ``fullshard`` or ``fsdp2`` (torch); ``lora`` off for a full fine-tune;
-    ``base`` the frozen base's dtype under LoRA."""
+    ``base`` the frozen base's dtype under LoRA; ``nf4``: its decoder-layer Linear weights NF4 (QLoRA)."""
 
     key: str
     label: str
     family: str
     lora: bool
     base: torch.dtype = torch.float32
+    nf4: bool = False
 
 
 LORA_MODES = {m.key: m for m in (
     LoraMode("full_ft", "fullshard full fine-tune", "fullshard", False),
     LoraMode("lora_fp32", "fullshard LoRA, fp32 base", "fullshard", True),
     LoraMode("lora_bf16", "fullshard LoRA, bf16 base", "fullshard", True, torch.bfloat16),
+    LoraMode("qlora", "fullshard QLoRA, NF4 base", "fullshard", True, torch.bfloat16, nf4=True),
     LoraMode("fsdp2_full_ft", "torch FSDP2 full fine-tune", "fsdp2", False),
     LoraMode("fsdp2_lora_fp32", "torch FSDP2 + PEFT, fp32 base", "fsdp2", True),
     LoraMode("fsdp2_lora_bf16", "torch FSDP2 + PEFT, bf16 base", "fsdp2", True, torch.bfloat16),
+    LoraMode("fsdp2_qlora", "torch FSDP2 + PEFT, NF4 base", "fsdp2", True, torch.bfloat16, nf4=True),
 )}
 """Every row, in the order they run."""
 
@@ -84,7 +97,7 @@ class LoraJob:
     modes: tuple = tuple(LORA_MODES)
     world_size: int = 2
     hidden_size: int = 256
-    intermediate_size: int = 688
+    intermediate_size: int = 768  # Llama's 8h/3 rounded up to 256: whole NF4 scaler blocks per rank at N = 1, 2
     num_layers: int = 4
     num_heads: int = 8
     num_kv_heads: int = 4
@@ -98,6 +111,7 @@ class LoraJob:
     lr: float = 1e-4
     seed: int = 1
     timeout_s: float = 300.0
+    note: str = ""  # printed before the table (QLoRA rows left out of the default rows)
 
 
 def build(job: LoraJob, mode: LoraMode) -> torch.nn.Module:
@@ -115,8 +129,23 @@ def build(job: LoraJob, mode: LoraMode) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
     model.to(mode.base)
-    return get_peft_model(model, LoraConfig(r=job.lora_rank, lora_alpha=2 * job.lora_rank, lora_dropout=0.0,
-                                            target_modules=list(job.target_modules), task_type="CAUSAL_LM"))
+    model = get_peft_model(model, LoraConfig(r=job.lora_rank, lora_alpha=2 * job.lora_rank, lora_dropout=0.0,
+                                             target_modules=list(job.target_modules), task_type="CAUSAL_LM"))
+    if mode.nf4:
+        from torchao.quantization import to_nf4
+
+        for layer in model.get_base_model().model.layers:
+            qlora.check_world(layer, dist.get_world_size() if dist.is_initialized() else 1)
+            for _, linear in qlora.base_linears(layer):
+                linear.weight = torch.nn.Parameter(to_nf4(linear.weight.detach(), qlora.BLOCK, qlora.SCALER_BLOCK),
+                                                   requires_grad=False)
+    return model
+
+
+def nf4_shapes(job: LoraJob) -> list[tuple[int, int]]:
+    """The shapes of a decoder layer's Linear weights (q, k and v, o, gate and up, down)."""
+    h, kv = job.hidden_size, job.hidden_size // job.num_heads * job.num_kv_heads
+    return [(h, h), (kv, h), (job.intermediate_size, h), (h, job.intermediate_size)]
 
 
 def shard(mode: LoraMode, model: torch.nn.Module) -> torch.nn.Module:
@@ -188,8 +217,11 @@ def _warm_up(job: LoraJob, patched: PatchedCollectives) -> None:
                                num_kv_heads=2, vocab_size=64, batch_size=1, seq_len=8, warmup_steps=0,
                                timed_steps=1)
     for family in dict.fromkeys(LORA_MODES[k].family for k in job.modes):
-        mode = next(m for m in LORA_MODES.values() if m.family == family and m.lora and m.base != torch.float32)
+        mode = next(m for m in LORA_MODES.values() if m.family == family and m.lora and m.base != torch.float32
+                    and not m.nf4)
         _measure(tiny, mode, _batches(tiny, dist.get_rank()), patched)
+    if any(LORA_MODES[k].nf4 for k in job.modes):
+        import torchao.quantization  # noqa: F401  (its import, seconds, stays out of the first QLoRA row)
 
 
 def rank_main(job: LoraJob) -> dict:
@@ -226,10 +258,29 @@ def format_report(results: list[dict], job: LoraJob) -> list[str]:
         lines.append(f"{label:<32}{sum(r['trainable_numel'] for r in rows):>11,}{mx('step_s'):>8.3f}"
                      f"{mx('all_gather_bytes_per_step') / MiB:>16.3f}{mx('reduce_scatter_bytes_per_step') / MiB:>20.3f}"
                      f"{mx('peak_bytes') / MiB:>10.2f}{state / MiB:>11.2f}{rows[0]['losses'][-1]:>11.4f}")
+    diffs = loss_diffs(results, job)
+    if diffs:
+        lines.append(f"loss vs torch, max |diff| over steps and ranks (tolerance {LOSS_TOL:g}): "
+                     + ", ".join(f"{k} {d:.2g}" + (" MISMATCH" if d > LOSS_TOL else "") for k, d in diffs.items()))
     tb = next((r["traceback"] for res in results for r in res["rows"] if "traceback" in r), None)
     if tb:
         lines += ["", "first traceback:", tb]
     return lines
+
+
+def loss_diffs(results: list[dict], job: LoraJob) -> dict[str, float]:
+    """``{fullshard row key: max |loss - torch row's loss| over every step and rank}`` for each fullshard row
+    whose torch row (``fsdp2_`` + key) also ran in ``job`` on every rank."""
+    out = {}
+    for key in job.modes:
+        other = f"fsdp2_{key}"
+        if LORA_MODES[key].family != "fullshard" or other not in job.modes:
+            continue
+        i, j = job.modes.index(key), job.modes.index(other)
+        pairs = [(res["rows"][i], res["rows"][j]) for res in results]
+        if all("losses" in a and "losses" in b for a, b in pairs):
+            out[key] = max(abs(x - y) for a, b in pairs for x, y in zip(a["losses"], b["losses"]))
+    return out
 
 
 def job_from_args(args: argparse.Namespace, fail) -> LoraJob:
@@ -260,16 +311,28 @@ def job_from_args(args: argparse.Namespace, fail) -> LoraJob:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(job, name)}")
     if job.warmup_steps < 0:
         fail(f"--warmup-steps must be >= 0, got {job.warmup_steps}")
+    bad = [s for s in nf4_shapes(job) if not qlora.fits(s, job.world_size)]
+    nf4 = [m for m in job.modes if LORA_MODES[m].nf4]
+    if bad and nf4:
+        why = (f"a {bad[0][0]} x {bad[0][1]} weight does not split into whole NF4 scaler blocks "
+               f"({qlora.BLOCK} x {qlora.SCALER_BLOCK} elements) on each of {job.world_size} ranks")
+        if args.modes:
+            fail(f"--lora: --modes {','.join(nf4)}: {why}; use --world-size 1 or 2, or drop them")
+        job = dataclasses.replace(job, modes=tuple(m for m in job.modes if m not in nf4),
+                                  note=f"QLoRA rows left out: {why} (they run at --world-size 1 or 2)")
     return job
 
 
 def run(job: LoraJob) -> int:
-    """Launch, print the table; 0 when every fullshard row ran (a torch row may fail: its row says why)."""
+    """Launch, print the table; 0 when every fullshard row ran and its losses equal its torch row's within
+    :data:`LOSS_TOL` (a torch row may fail: its row says why)."""
     print(f"fullshard bench --lora: torch {torch.__version__}, N={job.world_size} gloo ranks; Llama "
           f"h={job.hidden_size}, F={job.intermediate_size}, L={job.num_layers}, heads {job.num_heads}/"
           f"{job.num_kv_heads} kv, V={job.vocab_size}; batch {job.batch_size} x {job.seq_len} tokens per rank; "
-          f"LoRA r={job.lora_rank} on {','.join(job.target_modules)}; AdamW; {job.warmup_steps} warm-up + "
-          f"{job.timed_steps} timed steps", flush=True)
+          f"LoRA r={job.lora_rank} on {','.join(job.target_modules)}"
+          + ("; QLoRA: decoder-layer Linear weights NF4 (block 64, scaler block 256)"
+             if any(LORA_MODES[k].nf4 for k in job.modes) else "")
+          + f"; AdamW; {job.warmup_steps} warm-up + {job.timed_steps} timed steps", flush=True)
     t0 = time.perf_counter()
     try:
         results = launch_local(rank_main, job, job.world_size)
@@ -277,9 +340,12 @@ def run(job: LoraJob) -> int:
         print(f"LAUNCH FAILED: {e}", flush=True)
         return 1
     print(f"threads per rank: {results[0]['threads']}")
+    if job.note:
+        print(job.note)
     print("\n".join(format_report(results, job)))
     failed = [k for i, k in enumerate(job.modes) if LORA_MODES[k].family == "fullshard"
               and any("error" in res["rows"][i] for res in results)]
+    failed += [f"{k} loss" for k, d in loss_diffs(results, job).items() if d > LOSS_TOL]
     print(f"total wall time: {time.perf_counter() - t0:.1f} s" + (f"; FAILED: {failed}" if failed else ""),
           flush=True)
     return 1 if failed else 0

@@ -34,17 +34,29 @@ def storage_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (None and empty storages skipped).
 
     Views of one flat buffer (a unit's shard, a DDP bucket) are counted once,
-    with the whole storage, padding included. A ``DTensor`` counts its local shard.
+    with the whole storage, padding included. A ``DTensor`` counts its local shard;
+    a traceable tensor subclass (torchao's ``NF4Tensor``) the storages of its inner tensors.
     """
     seen: dict[int, int] = {}
-    for t in tensors:
-        if t is None:
-            continue
-        st = local_tensor(t).untyped_storage()
+    for t in _plain(tensors):
+        st = t.untyped_storage()
         if st.nbytes() == 0:
             continue
         seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
     return sum(seen.values())
+
+
+def _plain(tensors: Iterable[Optional[torch.Tensor]]):
+    """The plain tensors holding ``tensors``' memory: DTensors' local shards, subclasses' inner tensors."""
+    for t in tensors:
+        if t is None:
+            continue
+        t = local_tensor(t)
+        if hasattr(t, "__tensor_flatten__"):  # a traceable subclass (plain tensors have none)
+            names, _ = t.__tensor_flatten__()
+            yield from _plain(getattr(t, n) for n in names)
+        else:
+            yield t
 
 
 def param_bytes(model: nn.Module) -> int:

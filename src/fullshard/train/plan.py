@@ -298,7 +298,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_options(p, PrecisionOptions, ("fp16", "bf16"))
     add_options(p, DatasetOptions, ("tokens_per_sample", "batch_size"))
     add_options(p, OptimizationOptions, ("optimizer",))
-    add_options(p, FinetuneOptions, ("hf_model", "lora_rank", "lora_alpha", "lora_target_modules", "base_dtype"))
+    add_options(p, FinetuneOptions, ("hf_model", "lora_rank", "lora_alpha", "lora_target_modules", "base_dtype",
+                                           "quantize_base"))
 
 
 def check_args(p: OneLineArgumentParser, args: argparse.Namespace) -> tuple:
@@ -333,8 +334,9 @@ def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
     for name in ("lora_rank", "lora_target_modules"):
         if getattr(args, name):
             p.fail(f"--{name.replace('_', '-')} needs --hf-model DIR")
-    if args.base_dtype != "fp32":
-        p.fail("--base-dtype needs --hf-model DIR and --lora-rank R")
+    if args.base_dtype != "fp32" or args.quantize_base != "none":
+        p.fail(f"--{'base-dtype' if args.base_dtype != 'fp32' else 'quantize-base'} needs --hf-model DIR and "
+               "--lora-rank R")
     shape, positions, dtype = check_args(p, args)
     work = gpt_workload(shape, args.batch_size, args.tokens_per_sample, args.vocab_size, max_positions=positions)
     cfg = Config(ShardingStrategy[args.sharding_strategy], args.world_size, dtype, args.cpu_offload,

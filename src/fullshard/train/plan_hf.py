@@ -1,8 +1,9 @@
 """``fullshard plan --hf-model DIR``: per-rank model-state bytes of fine-tuning a local Hugging Face
-checkpoint, fully or with LoRA (``--lora-rank R``, ``--base-dtype bf16``), counted apart for the frozen
-base, the trainable parameters, their gradient shards and their optimizer state.
+checkpoint, fully or with LoRA (``--lora-rank R``, ``--base-dtype bf16``) or QLoRA (``--quantize-base
+nf4``), counted apart for the frozen base, the trainable parameters, their gradient shards and their
+optimizer state.
 
-    fullshard plan --hf-model DIR --world-size 8 --lora-rank 16 --base-dtype bf16
+    fullshard plan --hf-model DIR --world-size 8 --lora-rank 16 --base-dtype bf16 [--quantize-base nf4]
 
 The model is built on the meta device exactly as `fullshard train --hf-model` builds it
 (:func:`fullshard.train.hf_model.load_meta`: PEFT applied, the base cast to ``--base-dtype``; no
@@ -12,10 +13,15 @@ that mix dtypes]) laid out by the engine's own layout math (:func:`fullshard.cor
 so the counts are the engine's, padding included:
 
 * parameter shards, per dtype, split into frozen and trainable slots (``ceil(R / N)`` rows each);
+  with ``--quantize-base nf4`` the decoder layers' frozen Linear weights are a part of their own,
+  ``NF4Tensor`` (train/qlora.py): each rank's packed codes, block scales and factors, plus the scaler
+  mean and code table every shard keeps (:func:`fullshard.train.qlora.nf4_bytes`; no padding: every
+  such weight must split into whole scaler blocks per rank);
 * gradient shards: the trainable slots only (frozen parameters get no gradient, no reduce-scatter);
 * optimizer state: ``--optimizer``'s on the trainable parameters of the rank holding the most
   (:func:`fullshard.train.optim_state.state_elements`); frozen parameters get none;
-* full parameters in flight, each part in its compute dtype (its own, or ``--bf16``/``--fp16``'s):
+* full parameters in flight, each part in its compute dtype (its own, or ``--bf16``/``--fp16``'s; an
+  NF4 part: its gathered codes, scales and factors):
   FULL_SHARD the root, the running unit and one prefetched unit; SHARD_GRAD_OP every unit;
 * the largest trainable unit's full gradient (``N·S`` elements of its trainable dtype's flat, frozen
   slots of that dtype included, as the engine's pooled gradient is) and its reduce-scatter input
@@ -37,16 +43,18 @@ import torch.nn as nn
 
 from fullshard.api import ShardingStrategy
 from fullshard.core.flat import make_layout
-from fullshard.train import hf_model
+from fullshard.train import hf_model, qlora
 from fullshard.train.optim_state import OPTIMIZER_STATE, ParamRecord, UnitRecord, state_elements
 
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """The parameters of one dtype in one unit: ``(fqn, shape, trainable)`` in order."""
+    """The parameters of one dtype in one unit: ``(fqn, shape, trainable)`` in order; ``nf4``: frozen
+    weights stored as torchao ``NF4Tensor`` of ``dtype`` (a packed part, core/packed.py)."""
 
     dtype: torch.dtype
     params: tuple
+    nf4: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,22 +65,24 @@ class HFUnit:
     parts: tuple
 
 
-def hf_units(model: nn.Module, layers: nn.ModuleList) -> tuple[HFUnit, ...]:
+def hf_units(model: nn.Module, layers: nn.ModuleList, nf4: bool = False) -> tuple[HFUnit, ...]:
     """The units `fullshard train --hf-model` makes of ``model`` (meta is fine): each item of ``layers``
     named by its module path, then the root (``""``) with the parameters left, a tied parameter once,
-    where it is first met."""
+    where it is first met. ``nf4``: each layer's frozen Linear weights (:func:`qlora.base_linears`) form
+    an NF4 part of their own, as `--quantize-base nf4` stores them."""
     paths = {id(m): n for n, m in model.named_modules()}
+    packed = {id(lin.weight) for layer in layers for _, lin in qlora.base_linears(layer)} if nf4 else set()
     seen: set[int] = set()
     out = []
     for name, module in [(paths[id(m)], m) for m in layers] + [("", model)]:
-        groups: dict[torch.dtype, list] = {}
+        groups: dict[tuple, list] = {}  # (dtype, nf4) -> params
         for fqn, p in module.named_parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                groups.setdefault(p.dtype, []).append((fqn, tuple(p.shape), p.requires_grad))
-        main = next((d for d, ps in groups.items() if any(t for _, _, t in ps)), None)
-        order = sorted(groups, key=lambda d: d != main)  # stable: the trainable dtype first
-        out.append(HFUnit(name, tuple(Part(d, tuple(groups[d])) for d in order)))
+                groups.setdefault((p.dtype, id(p) in packed), []).append((fqn, tuple(p.shape), p.requires_grad))
+        main = next((k for k, ps in groups.items() if any(t for _, _, t in ps)), None)
+        order = sorted(groups, key=lambda k: k != main)  # stable: the trainable dtype first
+        out.append(HFUnit(name, tuple(Part(k[0], tuple(groups[k]), k[1]) for k in order)))
     return tuple(out)
 
 
@@ -92,7 +102,8 @@ def plan_hf(units: tuple[HFUnit, ...], strategy: ShardingStrategy, world: int, o
         param_dtype: the compute dtype every part is cast to (``--bf16``/``--fp16``); None: each
             part computes in its own dtype.
     Returns:
-        ``frozen`` and ``trainable`` (``{dtype name: bytes}`` of parameter shards), ``grads``
+        ``frozen`` and ``trainable`` (``{dtype name: bytes}`` of parameter shards; NF4 parts under
+        ``"NF4Tensor"``, as ``memory_stats``' ``by_dtype``), ``grads``
         (gradient shards), ``optimizer``, ``full_params``, ``full_grads`` (ints, bytes),
         ``device_total`` (their sum), ``frozen_numel``, ``trainable_numel`` (Ψ of each).
     Raises:
@@ -111,6 +122,12 @@ def plan_hf(units: tuple[HFUnit, ...], strategy: ShardingStrategy, world: int, o
     for unit in units:
         unit_full = 0
         for i, part in enumerate(unit.parts):
+            if part.nf4:  # frozen packed bytes: no gradient, no optimizer state, no padding
+                sizes = [qlora.nf4_bytes(shape, n, _size(part.dtype)) for _, shape, _ in part.params]
+                frozen["NF4Tensor"] = frozen.get("NF4Tensor", 0) + sum(sh for sh, _ in sizes)
+                unit_full += sum(g for _, g in sizes)
+                numel[False] += sum(math.prod(shape) for _, shape, _ in part.params)
+                continue
             layout = make_layout([(f, torch.Size(s), t) for f, s, t in part.params], n)
             size, name = _size(part.dtype), str(part.dtype).removeprefix("torch.")
             train = sum(lay.shard_numel for lay in layout.params if lay.requires_grad) * size
@@ -168,6 +185,9 @@ def run(p, args: argparse.Namespace, dtype: torch.dtype) -> int:
         p.fail("--lora-target-modules needs --lora-rank R (> 0)")
     if args.optimizer == "muon":
         p.fail("--hf-model with --optimizer muon is not supported yet; use adam, adafactor or lamb")
+    nf4 = args.quantize_base == "nf4"
+    if nf4 and not args.lora_rank:
+        p.fail("--quantize-base nf4 needs --lora-rank R (> 0): only a frozen base is quantized (QLoRA)")
     cfg = types.SimpleNamespace(lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                                 lora_target_modules=args.lora_target_modules, base_dtype=args.base_dtype, seed=1)
     try:
@@ -175,9 +195,16 @@ def run(p, args: argparse.Namespace, dtype: torch.dtype) -> int:
     except hf_model.HFModelError as e:
         p.fail(str(e))
     strategy = ShardingStrategy[args.sharding_strategy]
-    est = plan_hf(hf_units(model, layers), strategy, args.world_size, args.optimizer,
+    if nf4:
+        try:  # the rule `fullshard train` applies to each layer (whole scaler blocks per rank)
+            for layer in layers:
+                qlora.check_world(layer, 1 if strategy is ShardingStrategy.NO_SHARD else args.world_size)
+        except qlora.QuantizeError as e:
+            p.fail(str(e))
+    est = plan_hf(hf_units(model, layers, nf4), strategy, args.world_size, args.optimizer,
                   None if dtype == torch.float32 else dtype)
     what = f"LoRA r={args.lora_rank}, {args.base_dtype} base" if args.lora_rank else "full fine-tune"
+    what += ", NF4 decoder-layer Linear weights" if nf4 else ""
     compute = {torch.float32: "", torch.bfloat16: ", --bf16", torch.float16: ", --fp16"}[dtype]
     print(format_plan_hf(f"{args.hf_model}: {what}{compute}, {strategy.value}, N={args.world_size}", est,
                          args.optimizer))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import sys
 
 import torch
@@ -106,11 +107,33 @@ class Quantizer:
             trim_heap()
 
 
+def fits(shape: tuple, world: int) -> bool:
+    """Whether a 2-D weight of ``shape`` splits into ``world`` dim-0 shards of whole NF4 scaler blocks."""
+    rows, numel = shape[0], math.prod(shape)
+    return rows % world == 0 and (numel // world) % (BLOCK * SCALER_BLOCK) == 0
+
+
+def nf4_bytes(shape: tuple, world: int, elem_size: int) -> tuple[int, int]:
+    """Bytes of one rank's shard of a weight of ``shape`` stored NF4, and of its all-gather's outputs.
+
+    torchao's ``NF4Tensor`` of E elements holds 4-bit codes (uint8, E/2), one int8 scale per block
+    (E/64), one factor per scaler block (E/16384, ``elem_size`` bytes: the source weight's dtype), and
+    two tensors every shard keeps whole: the scaler mean (one element) and the 16-entry code table.
+    Its all-gather extension gathers the first three only. ``fits(shape, world)`` must hold.
+
+    Returns:
+        ``(shard, gathered)``: what ``memory_stats`` counts for this rank's shard (``by_dtype``
+        ``"NF4Tensor"``), and the ``world`` ranks' gathered codes, scales and factors.
+    """
+    e = math.prod(shape) // world
+    gathered = e // 2 + e // BLOCK + e // (BLOCK * SCALER_BLOCK) * elem_size
+    return gathered + (1 + 16) * elem_size, world * gathered
+
+
 def check_world(block: nn.Module, world: int) -> None:
     """Raise :class:`QuantizeError` when a frozen Linear of ``block`` cannot be sharded as NF4 at ``world`` ranks."""
     for name, linear in base_linears(block):
-        rows, numel = linear.weight.shape[0], linear.weight.numel()
-        if rows % world or (numel // world) % (BLOCK * SCALER_BLOCK):
+        if not fits(tuple(linear.weight.shape), world):
             raise QuantizeError(
                 f"--quantize-base nf4: weight '{name}' {tuple(linear.weight.shape)} does not split into whole NF4 "
                 f"scaler blocks ({BLOCK} x {SCALER_BLOCK} elements) on each of {world} ranks; use fewer ranks or "
