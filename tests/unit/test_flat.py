@@ -127,20 +127,51 @@ def test_unit_without_parameters():
 
 
 def test_row_deferred_init():
-    """``shard_into`` with ``fn(row_start, row_end)`` creates only the rank's rows."""
+    """``shard_into`` with ``fn(row_start, row_end, out)`` creates only the rank's rows, in ``out``, a
+    view of the shard (no transient copy); a ``fn`` that returns new rows is copied in."""
     p = torch.arange(20.0).reshape(5, 4)
     layout = flat.make_layout([("w", p.shape, True)], 3)
     calls = []
 
-    def rows(lo, hi):
-        calls.append((lo, hi))
-        return p[lo:hi]
+    def into(lo, hi, out):
+        calls.append((lo, hi, out.untyped_storage().data_ptr()))
+        return out.copy_(p[lo:hi])
 
     for r in range(3):
-        s = torch.empty(layout.shard_numel)
-        flat.shard_into(s, layout, [rows], r)
-        assert torch.equal(flat.shard_views(s, layout, r)[0], p[[0, 2, 4][r]:[2, 4, 5][r]])
-    assert calls == [(0, 2), (2, 4), (4, 5)]
+        for fn in (into, lambda lo, hi, out: p[lo:hi].clone()):
+            s = torch.full((layout.shard_numel,), float("nan"))
+            flat.shard_into(s, layout, [fn], r)
+            assert torch.equal(flat.shard_views(s, layout, r)[0], p[[0, 2, 4][r]:[2, 4, 5][r]])
+            assert not torch.isnan(s).any()  # the padding is zeroed
+            if fn is into:
+                assert calls[-1][2] == s.untyped_storage().data_ptr()
+    assert [c[:2] for c in calls] == [(0, 2), (2, 4), (4, 5)]
+
+
+def test_rows_fn_passes_out_only_to_initializers_that_take_it():
+    """``deferred_init.rows_fn``: ``out=`` reaches an ``init_rows`` that declares it (with the parameter's
+    dtype); an older ``init_rows(param, lo, hi, device)`` gets no ``out`` and its rows are returned."""
+    from fullshard.core import deferred_init
+
+    param = torch.empty(4, 3, device="meta")
+    seen = []
+
+    class Into:
+        def init_rows(self, param, lo, hi, device, out=None):
+            seen.append(out)
+            return out.fill_(lo) if out is not None else torch.full((hi - lo, 3), float(lo))
+
+    class Old:
+        def init_rows(self, param, lo, hi, device):
+            return torch.full((hi - lo, 3), float(lo))
+
+    out = torch.empty(2, 3)
+    assert deferred_init.rows_fn(Into(), param, torch.device("cpu"))(2, 4, out) is out and seen == [out]
+    assert torch.equal(out, torch.full((2, 3), 2.0))
+    wrong_dtype = torch.empty(2, 3, dtype=torch.float64)  # not the parameter's: a new tensor instead
+    got = deferred_init.rows_fn(Into(), param, torch.device("cpu"))(2, 4, wrong_dtype)
+    assert got is not wrong_dtype and seen[-1] is None
+    assert torch.equal(deferred_init.rows_fn(Old(), param, torch.device("cpu"))(1, 3, out), torch.full((2, 3), 1.0))
 
 
 def test_bad_world_size():
@@ -214,12 +245,12 @@ def test_shard_dim_out_of_range():
 
 
 def test_dim_shard_row_initializer():
-    """``shard_into`` with ``fn(row_start, row_end)`` (dim-0 rows) for a DimShard slot keeps the chunk of dim d."""
+    """``shard_into`` with ``fn(row_start, row_end, out)`` (dim-0 rows) for a DimShard slot keeps the chunk of dim d."""
     p = torch.arange(15.0).reshape(3, 5)
     layout = flat.make_layout([("w", p.shape, True)], 2, [placement.DimShard(1)])
     for r, want in enumerate(torch.chunk(p, 2, dim=1)):
         s = torch.full((layout.shard_numel,), float("nan"))
-        flat.shard_into(s, layout, [lambda lo, hi: p[lo:hi]], r)
+        flat.shard_into(s, layout, [lambda lo, hi, out: p[lo:hi]], r)
         assert torch.equal(flat.shard_views(s, layout, r)[0], want) and not torch.isnan(s).any()
     with pytest.raises(ValueError, match=r"needs 0 < dim < 2"):
         flat.make_layout([("w", p.shape, True)], 2, [placement.DimShard(2)])

@@ -30,6 +30,23 @@ def test_read_rows_equal_the_stored_rows(tmp_path, dtype):
             assert rows.dtype == dtype and torch.equal(rows, full[lo:hi]), (name, lo, hi)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_rows_into_fills_the_given_shard(tmp_path, dtype, monkeypatch):
+    """``read_rows_into`` reads a rank's rows into its shard: the stored dtype straight into its bytes,
+    another dtype converted a few rows at a time (``CHUNK_BYTES`` made small here)."""
+    monkeypatch.setattr(hf_model, "CHUNK_BYTES", 40)
+    tensors = {"a": torch.randn(7, 5).to(dtype), "b": torch.randn(9).to(dtype)}
+    file = str(tmp_path / "model.safetensors")
+    save_file(tensors, file)
+    header, start = hf_model.read_header(file)
+    for name, full in tensors.items():
+        for out_dtype in (dtype, torch.float64):
+            for lo, hi in ((0, full.shape[0]), (1, 6), (3, 3)):
+                out = torch.full((hi - lo, *full.shape[1:]), float("nan"), dtype=out_dtype)
+                assert hf_model.read_rows_into(out, file, header[name], start, lo) is out
+                assert torch.equal(out, full[lo:hi].to(out_dtype)), (name, out_dtype, lo, hi)
+
+
 def test_no_decoder_layer_list_is_refused():
     model = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(hf_model.HFModelError, match="found no list of decoder layers"):
