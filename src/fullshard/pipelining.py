@@ -26,23 +26,53 @@ the choice explicit for a stage whose module is a fullshard unit (a
 Both give the gradient of the whole batch (no weight staleness: synchronous
 schedules step once after every micro-batch's backward). Every backward
 finishes its reduce-scatters before it returns, so the schedule's gradient
-scaling and the optimizer see whole gradients. The zero-bubble schedules split
-backward into an input pass and a weight pass that take gradients with
-``torch.autograd.grad`` on ``submodule.parameters()``: a unit's sharded
-parameters are not in the autograd graph (its unsharded flat parameter is),
-so no weight gradient would reach the unit and its reduce-scatter would never
-run; they are refused (`fullshard.train.pipeline_checks.ZERO_BUBBLE_REASON`).
+scaling and the optimizer see whole gradients.
+
+[Note: split backward of fullshard units]
+The zero-bubble schedules (ZBVZeroBubble, InterleavedZeroBubble, DualPipeV)
+split a micro-batch's backward into an input pass (the stage inputs'
+gradients, sent upstream at once) and a weight pass run later; torch takes
+both with ``torch.autograd.grad`` (``stage_backward_input`` /
+``stage_backward_weight``) on the weights it is given. A unit's registered
+parameters are not in the autograd graph: the leaf every use of them
+differentiates through is the unit's unsharded flat parameter
+(``unit.flat_full``, through ``grads.UnflattenFull``), whose
+post-accumulate-grad hook drives the unit's reduce-scatter. So this stage
+hands torch those leaves (and any parameter no unit holds) as the weights:
+
+input pass
+    runs with every unit kept gathered (``reshard_after_backward`` off for
+    the pass): the weight pass's saved tensors are views of the unsharded
+    flat parameters. ``torch.autograd.grad`` runs no ``AccumulateGrad``,
+    so no unit reduces here.
+weight pass
+    regathers any unit a forward in between resharded (a
+    ``reshard_after_forward`` unit), lets ``stage_backward_weight`` write
+    each leaf's ``.grad``, and then feeds those gradients through the
+    leaves' ``AccumulateGrad`` in one ``torch.autograd.backward``: the
+    unit's post-accumulate-grad hook and end-of-backward callback run as in
+    a full backward (reduce-scatter, or the unsharded sum under
+    ``grad_accumulation="unsharded"`` until the ``last_backward`` weight
+    pass). Units stay gathered while another micro-batch's weight pass is
+    still due.
+
+The first stage's input pass does nothing and its weight pass is a full
+backward (torch's choice when the stage inputs need no gradient).
+World-size-invariant units (``world_size_invariant``) count one micro-batch
+per backward and are refused here.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Iterator
 
+import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from fullshard.core import collectives
-from fullshard.core.module import UnitModule
+from fullshard.core import collectives, registry
+from fullshard.core.module import UnitModule, unit_modules
 from fullshard.fsdp import FullyShardedDataParallel
 from fullshard.fsdp2 import FSDPModule
 
@@ -80,6 +110,7 @@ class PipelineStage(_TorchPipelineStage):
                              "the stage module itself, after its blocks")
         super().__init__(submodule, stage_index, num_stages, device, *args, **kwargs)
         self.grad_accumulation = grad_accumulation
+        self._weight_passes_due = 0  # input passes whose weight pass has not run yet
 
     @contextlib.contextmanager
     def _gradient_sync(self, sync: bool) -> Iterator[None]:
@@ -98,24 +129,56 @@ class PipelineStage(_TorchPipelineStage):
             yield
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        """One micro-batch's backward with gradient sync as ``grad_accumulation`` says.
+        """One micro-batch's backward (``"full"``, or a zero-bubble schedule's ``"input"`` /
+        ``"weight"`` pass: see [Note: split backward of fullshard units]) with gradient sync as
+        ``grad_accumulation`` says.
 
+        Returns:
+            torch's ``(input gradients, param_groups)``.
         Raises:
-            RuntimeError: a split (input / weight) backward of a zero-bubble schedule on a stage
-                holding fullshard units.
+            RuntimeError: a split backward on world-size-invariant units, or an unknown
+                ``backward_type``.
         """
         if not isinstance(self.submod, UnitModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        if backward_type != "full":
-            raise RuntimeError(f"[rank {collectives.rank()}] pipeline stage {self.stage_index}: a schedule "
-                               f"that splits backward ({backward_type!r} pass) cannot drive fullshard units: "
-                               "torch takes its weight gradients with torch.autograd.grad on the stage's "
-                               "parameters, which are not in the autograd graph (a unit's unsharded flat parameter "
-                               "is), so no gradient would be reduce-scattered; use GPipe, 1F1B, Interleaved1F1B "
-                               "or LoopedBFS")
         sync = self.grad_accumulation == "reduce_scatter" or last_backward
-        with self._gradient_sync(sync):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if backward_type == "full":
+            with self._gradient_sync(sync):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if backward_type not in ("input", "weight"):
+            raise RuntimeError(f"[rank {collectives.rank()}] pipeline stage {self.stage_index}: unknown backward "
+                               f"type {backward_type!r}")
+        runtimes = [m._runtime for m in unit_modules(self.submod)]
+        if any(rt.unit.cfg.invariant_layout is not None for rt in runtimes):
+            raise RuntimeError(f"[rank {collectives.rank()}] pipeline stage {self.stage_index}: a schedule that "
+                               "splits backward cannot drive world_size_invariant units (their fold counts one "
+                               "micro-batch per backward); use GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
+        leaves = self._graph_leaves(runtimes)
+        if backward_type == "input":
+            # Never the last pass: no gradient reaches a unit, and none must reduce a stash.
+            with self._gradient_sync(self.grad_accumulation == "reduce_scatter"), _kept_gathered(runtimes, True):
+                out = stage_backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                           bwd_kwargs["input_values"], iter(leaves))
+            self._weight_passes_due += 1
+            return out
+        self._weight_passes_due -= 1
+        for rt in runtimes:  # a forward in between may have resharded it (reshard_after_forward)
+            if rt.unit.needs_grad:
+                rt.unit.ensure_unsharded()
+        keep = self._weight_passes_due > 0
+        # Sync off while torch takes the weight gradients: its autograd.grad may end in our
+        # end-of-backward callback (a unit output's hook fired), which must not reduce a stash yet.
+        with self._gradient_sync(False), _kept_gathered(runtimes, True):
+            grads = stage_backward_weight(iter(leaves), bwd_kwargs["param_groups"])
+        with self._gradient_sync(sync), _kept_gathered(runtimes, keep):
+            _accumulate([rt.unit.flat_full for rt in runtimes if rt.unit.needs_grad])
+        return grads, None
+
+    def _graph_leaves(self, runtimes: list) -> list[torch.Tensor]:
+        """The leaves the stage's forward differentiates through: each trainable unit's unsharded
+        flat parameter, and every trainable parameter no unit holds."""
+        leaves = [rt.unit.flat_full for rt in runtimes if rt.unit.needs_grad]
+        return leaves + [p for p in self.submod.parameters() if p.requires_grad and registry.find(p) is None]
 
     def _post_metadata_inference_cleanup(self) -> None:
         # Dynamic metadata inference ran a real forward and backward: drop what it left in our
@@ -126,3 +189,29 @@ class PipelineStage(_TorchPipelineStage):
                 module.reshard()
         for param in self.submod.parameters():
             param.grad = None
+
+
+@contextlib.contextmanager
+def _kept_gathered(runtimes: list, keep: bool) -> Iterator[None]:
+    """With ``keep``, no unit reshards at the end of the backwards inside (their settings restored after)."""
+    saved = [rt.settings.reshard_after_backward for rt in runtimes]
+    if keep:
+        for rt in runtimes:
+            rt.settings.reshard_after_backward = False
+    try:
+        yield
+    finally:
+        for rt, value in zip(runtimes, saved):
+            rt.settings.reshard_after_backward = value
+
+
+def _accumulate(flats: list[torch.Tensor]) -> None:
+    """Feed the gradients ``stage_backward_weight`` wrote into ``.grad`` of units' flat parameters
+    through their ``AccumulateGrad``, so each unit's post-accumulate-grad hook and end-of-backward
+    callback run as in a full backward (see [Note: split backward of fullshard units])."""
+    roots = [f for f in flats if f.grad is not None]
+    grads = [f.grad for f in roots]
+    for f in roots:
+        f.grad = None
+    if roots:
+        torch.autograd.backward(roots, grads)

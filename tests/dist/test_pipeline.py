@@ -1,9 +1,13 @@
 """`fullshard train --pipeline-parallel-size`: the pipelined trainer equals the same training without
 pipelining (no weight staleness).
 
-- pp=2 x dp=2, for GPipe, 1F1B and Interleaved1F1B (2 stages per rank) and both gradient
-  accumulation modes, equals one process training the plain tied GPT on the same global batch
-  (per-update losses, gradient norms, every parameter);
+- pp=2 x dp=2, for GPipe, 1F1B, Interleaved1F1B (2 stages per rank) and the split-backward
+  ZBVZeroBubble (V-shaped: the first rank holds the first and last stages) and InterleavedZeroBubble,
+  in both gradient accumulation modes, and DualPipeV, equals one process training the plain tied GPT
+  on the same global batch (per-update losses, gradient norms, every parameter);
+- fullshard.pipelining.PipelineStage under torch's split-backward schedules (ZBVZeroBubble,
+  DualPipeV; fully_shard and the FSDP1 wrapper, both modes): every unit's sharded gradient equals
+  plain autograd's on the whole batch, none zero, reduce-scattered once per micro-batch or once;
 - pp=2 x dp=1 equals dp=2 without pipelining;
 - a checkpoint saved at pp=2 x dp=2 resumes at pp=1 x dp=4 (no pipelining) and at pp=2 x dp=1 (the
   2-rank group loads what the 4-rank group saved) and gives the uninterrupted run's parameters;
@@ -37,7 +41,8 @@ ARCH = "transformer_lm_gpt_mini"
 VOCAB, T, LAYERS = 97, 8, 4
 GLOBAL = 8  # sequences per update over all data-parallel ranks
 UPDATES = 3
-SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2))
+# ZBVZeroBubble, InterleavedZeroBubble: split backward (fullshard.pipelining [Note: split backward of fullshard units]).
+SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2), ("InterleavedZeroBubble", 2))
 MODES = ("reduce_scatter", "unsharded")
 HYBRID_CASES = (("1F1B", "reduce_scatter"), ("GPipe", "unsharded"))
 FSDP1_CASES = (("1F1B", 1, "unsharded"), ("GPipe", 1, "reduce_scatter"))  # --fsdp-version 1
@@ -170,6 +175,9 @@ FLAG_CASES = {
     "checkpoint_activations Interleaved1F1B unsharded": (dict(
         checkpoint_activations=True, pipeline_schedule="Interleaved1F1B", pipeline_stages_per_rank=2,
         pipeline_grad_accumulation="unsharded", **_PIPE), None),
+    # Checkpointed blocks under a split backward (an input and a weight pass over one graph).
+    "checkpoint_activations ZBVZeroBubble reduce_scatter": (dict(
+        checkpoint_activations=True, pipeline_schedule="ZBVZeroBubble", pipeline_stages_per_rank=2, **_PIPE), None),
     "cpu_offload GPipe unsharded": (dict(cpu_offload=True, pipeline_schedule="GPipe",
                                          pipeline_grad_accumulation="unsharded", **_PIPE), None),
     "--fsdp-version 1 cpu_offload checkpoint_activations 1F1B": (dict(
@@ -243,6 +251,12 @@ def _pipelined_cases(rank, world, tmp):
             trainer, history = _train(cfg, rank, world, UPDATES)
             out[(schedule, mode)] = dict(history=history, params=_full_params(trainer.model),
                                          reduce_scatters=trainer.reduce_scatters)
+    # DualPipeV needs a micro-batch per stage (M = 4 of one sequence).
+    cfg = _cfg(2, pipeline_parallel_size=2, pipeline_schedule="DualPipeV", pipeline_stages_per_rank=2,
+               pipeline_microbatches=4, pipeline_grad_accumulation="unsharded")
+    trainer, history = _train(cfg, rank, world, UPDATES)
+    out["DualPipeV"] = dict(history=history, params=_full_params(trainer.model))
+    out["split_backward"] = _split_backward_cases()
     out["reference"] = _reference(UPDATES) if rank == 0 else None
     for schedule, v, mode in FSDP1_CASES:
         cfg = _cfg(2, pipeline_parallel_size=2, pipeline_schedule=schedule, pipeline_stages_per_rank=v,
@@ -372,6 +386,8 @@ def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
                   "saved at pp=2 x dp=2, resumed at pp=1 x dp=4")
     _assert_close(per_rank[0]["resumed_fsdp1"]["history"], _merge(per_rank, "resumed_fsdp1"), want,
                   "saved at pp=2 x dp=2 --fsdp-version 1, resumed at pp=2 x dp=2 --fsdp-version 2")
+    _assert_close(per_rank[0]["DualPipeV"]["history"], _merge(per_rank, "DualPipeV"), want,
+                  "pp=2 x dp=2 DualPipeV unsharded")
     for schedule, _, mode in FSDP1_CASES:
         key = ("fsdp1", schedule, mode)
         _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want,
@@ -380,6 +396,93 @@ def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
         key = ("hybrid", schedule, mode)
         _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want,
                       f"pp=2 x replicate 2 x shard 1 (--hybrid-shard) {schedule} {mode}")
+
+
+# fullshard.pipelining.PipelineStage driven by torch's split-backward schedules directly:
+# (schedule, grad_accumulation, FSDP1 wrapper instead of fully_shard).
+SPLIT_CASES = (("ZBVZeroBubble", "reduce_scatter", False), ("ZBVZeroBubble", "unsharded", False),
+               ("ZBVZeroBubble", "unsharded", True), ("DualPipeV", "reduce_scatter", True))
+SPLIT_WIDTH, SPLIT_STAGES, SPLIT_MICROBATCHES = 8, 4, 4
+
+
+def _split_block() -> torch.nn.Module:
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(SPLIT_WIDTH, SPLIT_WIDTH), nn.LayerNorm(SPLIT_WIDTH), nn.Tanh())
+
+
+def _split_backward_cases() -> dict:
+    """pp=2 x dp=2, 4 stages of Linear-LayerNorm-Tanh placed in a V (rank p: stages p, 3 - p), each
+    sharded over its data-parallel group (fully_shard: the Linear a unit, then the stage; or one
+    FullyShardedDataParallel wrapper), one schedule step of 4 micro-batches on this data-parallel
+    rank's half of 16 rows (summed squared error). Returns, per SPLIT_CASES entry, the largest
+    |gradient x 2 - plain autograd's gradient of the whole batch| (reduce-scatter averages over 2
+    ranks), the smallest per-parameter gradient sum of |.|, and the step's reduce-scatters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import schedules
+
+    from fullshard import FullyShardedDataParallel, fully_shard
+    from fullshard.core import collectives
+    from fullshard.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(16, SPLIT_WIDTH, generator=g), torch.randn(16, SPLIT_WIDTH, generator=g)
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(*[_split_block() for _ in range(SPLIT_STAGES)])
+    ((reference(x) - y) ** 2).sum().backward()
+    out = {}
+    for schedule, mode, fsdp1 in SPLIT_CASES:
+        ids, stages, modules = [pp, SPLIT_STAGES - 1 - pp], [], []
+        for s in ids:
+            module = _split_block()
+            module.load_state_dict(reference[s].state_dict())
+            if fsdp1:
+                module = FullyShardedDataParallel(module, process_group=mesh.get_group("dp"))
+            else:
+                fully_shard(module[0], mesh=mesh["dp"])
+                fully_shard(module, mesh=mesh["dp"])
+            example = torch.zeros(16 // 2 // SPLIT_MICROBATCHES, SPLIT_WIDTH, requires_grad=True)
+            stages.append(PipelineStage(module, s, SPLIT_STAGES, torch.device("cpu"), input_args=example,
+                                        output_args=example, group=mesh.get_group("pp"), grad_accumulation=mode))
+            modules.append((s, module))
+        step = schedules.get_schedule_class(schedule)(stages, SPLIT_MICROBATCHES, scale_grads=False,
+                                                       loss_fn=lambda out_, target: ((out_ - target) ** 2).sum())
+        collectives.reset_counts()
+        step.step(*((x.chunk(2)[dp],) if 0 in ids else ()),
+                  **(dict(target=y.chunk(2)[dp], losses=[]) if SPLIT_STAGES - 1 in ids else {}))
+        worst, least = 0.0, float("inf")
+        for s, module in modules:
+            if fsdp1:
+                with FullyShardedDataParallel.summon_full_params(module, with_grads=True):
+                    grads = {clean_name(n): p.grad.clone() for n, p in module.named_parameters()}
+            else:
+                grads = {n: p.grad.full_tensor() for n, p in module.named_parameters()}
+            for name, p in reference[s].named_parameters():
+                worst = max(worst, float((grads[name] * 2 - p.grad).abs().max()))
+                least = min(least, float(grads[name].abs().sum()))
+        out[(schedule, mode, fsdp1)] = dict(worst=worst, least=least,
+                                            reduce_scatters=collectives.COUNTS["reduce_scatter"])
+    return out
+
+
+def test_split_backward_schedules_reduce_every_units_weight_gradients():
+    """torch's zero-bubble schedules take weight gradients with torch.autograd.grad on the leaves
+    the stage hands them; fullshard hands each unit's unsharded flat parameter and routes the
+    gradient through its post-accumulate-grad hook: every unit's gradient equals plain autograd's,
+    none is left zero, and each unit reduce-scatters once per micro-batch (reduce_scatter) or once
+    per step (unsharded). Before, the split passes were refused."""
+    per_rank = _spawned(4)
+    for schedule, mode, fsdp1 in SPLIT_CASES:
+        # Units per rank: fully_shard 2 per stage (the Linear, the stage), the wrapper 1; 2 stages.
+        units = 2 if fsdp1 else 4
+        for rank, out in enumerate(per_rank):
+            got = out["split_backward"][(schedule, mode, fsdp1)]
+            where = f"{schedule} {mode} {'FSDP1' if fsdp1 else 'fully_shard'} rank {rank}"
+            assert got["worst"] <= 1e-5, (where, got)
+            assert got["least"] > 0, (where, got)
+            want = units * (SPLIT_MICROBATCHES if mode == "reduce_scatter" else 1)
+            assert got["reduce_scatters"] == want, (where, got["reduce_scatters"], want)
 
 
 def test_precision_checkpointing_and_offload_under_pipelining_equal_the_run_without_it():

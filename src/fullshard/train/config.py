@@ -242,10 +242,8 @@ class DistributedOptions:
                                      "--checkpoint-activations)")
 
 
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble")
-"""``--pipeline-schedule`` choices: torch.distributed.pipelining's synchronous schedules that
-``fullshard.pipelining.PipelineStage`` drives, and ZBVZeroBubble, refused with its reason
-(`pipeline_checks.ZERO_BUBBLE_REASON`)."""
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                      "DualPipeV")  # torch.distributed.pipelining's synchronous schedules (zero-bubble included)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,13 +253,14 @@ class PipelineOptions:
     TITLE: ClassVar[str] = "pipeline"
     pipeline_parallel_size: int = flag(1, "pipeline ranks P: the world is a (P, world / P) mesh of pipeline x "
                                        "data-parallel ranks (default: %(default)s, no pipelining)")
-    pipeline_schedule: str = flag("1F1B", "torch.distributed.pipelining schedule (default: %(default)s)",
-                                  choices=PIPELINE_SCHEDULES)
+    pipeline_schedule: str = flag("1F1B", "torch.distributed.pipelining schedule; the zero-bubble ones split "
+                                  "backward (docs/pipeline.md) (default: %(default)s)", choices=PIPELINE_SCHEDULES)
     # None: P (one micro-batch in flight per pipeline rank).
     pipeline_microbatches: Optional[int] = flag(
         None, "pipeline micro-batches each --batch-size batch is split into (default: P)", type=int, metavar="M")
-    pipeline_stages_per_rank: int = flag(1, "stages per pipeline rank V for the looped schedules "
-                                         "(Interleaved1F1B, LoopedBFS need V >= 2) (default: %(default)s)")
+    pipeline_stages_per_rank: int = flag(1, "stages per pipeline rank V (Interleaved1F1B, LoopedBFS, "
+                                         "InterleavedZeroBubble need V >= 2; ZBVZeroBubble, DualPipeV V = 2) "
+                                         "(default: %(default)s)")
     pipeline_split: str = flag("even", "layers per stage: even (the remainder to the middle stages), auto (the "
                                "planner's balanced split) or N,N,... (P x V counts adding up to the layers)")
     pipeline_grad_accumulation: str = flag(

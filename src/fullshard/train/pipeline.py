@@ -4,7 +4,9 @@ by torch.distributed.pipelining's schedules (docs/pipeline.md).
 Rank ``r`` is pipeline rank ``r // D`` and data-parallel rank ``r % D`` (D = world / P): ranks of
 one data-parallel group are consecutive, and each pipeline group (one per data-parallel rank) feeds
 the same batches through its stages. A pipeline rank holds stages ``p, p + P, ..., p + (V-1) P``
-(torch's loop placement), each cut by `fullshard.models.stages.cut_gpt` and sharded with
+(torch's loop placement; the V-shaped ZBVZeroBubble / DualPipeV: ``p`` and ``2P - 1 - p``, so
+the first pipeline rank holds the first and last stages and sums the tied weight's copies locally),
+each cut by `fullshard.models.stages.cut_gpt` and sharded with
 ``fully_shard`` (one unit per block, then the stage; --fsdp-version 1: a FullyShardedDataParallel
 wrapper auto-wrapping the blocks, one stage per rank) over the data-parallel group (--hybrid-shard:
 a 2-D (replicate, shard) sub-mesh, `pipeline_mesh`), in a `fullshard.pipelining.PipelineStage` with
@@ -52,12 +54,15 @@ from fullshard.models import TransformerBlock, build_model, make_param_init_fn
 from fullshard.models.stages import check_split, cut_gpt, even_split, join_stages
 from fullshard.pipelining import PipelineStage
 from fullshard.train import invariance, pipeline_plan, sharding
-from fullshard.train.pipeline_checks import LOOPED, check, microbatches, parse_split
+from fullshard.train.pipeline_checks import LOOPED, V_SHAPED, check, microbatches, parse_split
 
 
-def _schedule_class(name: str):
-    return {"GPipe": schedules.ScheduleGPipe, "1F1B": schedules.Schedule1F1B,
-            "Interleaved1F1B": schedules.ScheduleInterleaved1F1B, "LoopedBFS": schedules.ScheduleLoopedBFS}[name]
+def stage_ids(schedule: str, p: int, v: int, pp_rank: int) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` holds: ``p, p + P, ...`` (torch's loop placement), or
+    ``p, 2P - 1 - p`` for the V-shaped schedules (ZBVZeroBubble, DualPipeV)."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * p - 1 - pp_rank]
+    return [pp_rank + p * i for i in range(v)]
 
 
 def data_parallel(cfg) -> tuple[int, int]:
@@ -117,7 +122,7 @@ class Pipeline:
         # --hybrid-shard: replicas hold the same shards; only replica 0 counts them in the norm.
         self.counts_norm = not cfg.hybrid_shard or self.mesh.get_local_rank("replicate") == 0
         num_stages = p * v
-        self.stage_ids = [self.pp_rank + p * i for i in range(v)]
+        self.stage_ids = stage_ids(cfg.pipeline_schedule, p, v, self.pp_rank)
         shape = cfg.arch_spec()
         kwargs = dict(vocab_size=cfg.vocab_size, max_positions=cfg.max_positions, dropout=cfg.dropout)
         split = split_of(cfg, shape.num_layers)
@@ -138,9 +143,9 @@ class Pipeline:
         self.model = join_stages(self.modules)
         self.optim_model = join_stages(self.modules, with_tied_copy=False)
         self.is_first, self.is_last = 0 in self.stage_ids, num_stages - 1 in self.stage_ids
-        cls = _schedule_class(cfg.pipeline_schedule)
-        self.schedule = cls(stages if cfg.pipeline_schedule in LOOPED else stages[0], m, loss_fn=self._loss_fn,
-                            scale_grads=False)
+        cls = schedules.get_schedule_class(cfg.pipeline_schedule)
+        several = cfg.pipeline_schedule in LOOPED or cfg.pipeline_schedule in V_SHAPED
+        self.schedule = cls(stages if several else stages[0], m, loss_fn=self._loss_fn, scale_grads=False)
         self.group = collectives.world_group()
         self._tie_group = self._make_tie_group(p, d)
         self._denominator, self._sums, self._seq_sums = 1.0, [], []
@@ -165,8 +170,11 @@ class Pipeline:
 
     def _make_tie_group(self, p: int, d: int):
         """The group of the first and last pipeline ranks of this rank's data-parallel column (every
-        rank creates every pair, in the same order); None on the ranks in between."""
+        rank creates every pair, in the same order); None on the ranks in between, and for the
+        V-shaped schedules (the first pipeline rank holds both stages: no pair)."""
         mine = None
+        if self.cfg.pipeline_schedule in V_SHAPED:
+            return None
         for col in range(d):
             pair = [col, (p - 1) * d + col]
             group = collectives.new_group(pair)
@@ -265,7 +273,13 @@ class Pipeline:
     def tie_gradients(self) -> None:
         """Sum the tied weight's two gradient shards (first stage's ``embed_tokens``, last stage's
         ``output_projection``) on both ranks of the pair; a no-op on the ranks in between."""
-        grad = self._tied_grad()
+        if self.is_first and self.is_last:  # V-shaped: both copies here, sharded alike (a + b = b + a)
+            first = self._tied_grad(self.model.embed_tokens.weight)
+            last = self._tied_grad(self.model.output_projection.weight)
+            first.add_(last)
+            last.copy_(first)
+            return
+        grad = self._tied_grad(self._tied_param())
         if grad is not None:
             collectives.all_reduce(grad, self._tie_group, "sum", tag="tied embedding gradient")
 
@@ -276,8 +290,8 @@ class Pipeline:
             return self.model.output_projection.weight
         return None
 
-    def _tied_grad(self) -> Optional[torch.Tensor]:
-        param = self._tied_param()
+    @staticmethod
+    def _tied_grad(param: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
         if param is None:
             return None
         if param.grad is None:  # every stage's backward reaches its weights; be safe anyway
@@ -288,6 +302,9 @@ class Pipeline:
     def sync_tied_weight(self) -> None:
         """Copy the first stage's ``embed_tokens.weight`` shard over the last stage's copy (after an
         optimizer step or a load)."""
+        if self.is_first and self.is_last:  # V-shaped: both copies on this rank
+            _local(self.model.output_projection.weight).copy_(_local(self.model.embed_tokens.weight))
+            return
         param = self._tied_param()
         if param is not None:  # group rank 0 holds the first stage
             collectives.broadcast(_local(param), 0, self._tie_group, tag="tied embedding weight")

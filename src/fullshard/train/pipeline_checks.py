@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from fullshard.models.stages import check_split
 
-LOOPED = ("Interleaved1F1B", "LoopedBFS")
-"""Schedules with several stages per pipeline rank (``--pipeline-stages-per-rank`` >= 2)."""
-ZERO_BUBBLE_REASON = (
-    "its split backward (torch 2.13's stage_backward_input / stage_backward_weight) takes weight gradients "
-    "with torch.autograd.grad on the stage's parameters, and fullshard's sharded parameters are not in the "
-    "autograd graph (each unit's unsharded flat parameter is), so no weight gradient would reach the units and "
-    "nothing would be reduce-scattered; use GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
-"""Why the zero-bubble schedules cannot drive fullshard's units (`fullshard.pipelining` refuses them too)."""
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+"""Schedules with several stages per pipeline rank (``--pipeline-stages-per-rank`` >= 2), placed in a loop:
+pipeline rank ``p`` holds stages ``p, p + P, ...``."""
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+"""Schedules with exactly 2 stages per pipeline rank, placed in a V: pipeline rank ``p`` holds stages ``p``
+and ``2P - 1 - p`` (so the first rank holds the first and the last stage)."""
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""The zero-bubble schedules: backward split into an input and a weight pass (fullshard.pipelining's
+[Note: split backward of fullshard units])."""
 HF_MODEL_REASON = (
     "stages are cut from fullshard's GPT (models/stages.py: embeddings, blocks, final norm, tied head), and a "
     "Hugging Face model has no such cut (its embed_tokens, decoder layers, norm and lm_head live in the HF "
@@ -53,9 +54,14 @@ def check(cfg, world_size: int, num_layers: int) -> None:
     for bad, what in unsupported:
         if bad:
             raise ValueError(f"--pipeline-parallel-size {p} does not support {what}")
-    if cfg.pipeline_schedule == "ZBVZeroBubble":
-        raise ValueError(f"--pipeline-schedule ZBVZeroBubble is not supported: {ZERO_BUBBLE_REASON}")
-    looped = cfg.pipeline_schedule in LOOPED
+    schedule = cfg.pipeline_schedule
+    if schedule in SPLIT_BACKWARD and cfg.world_size_invariant:
+        raise ValueError(f"--pipeline-schedule {schedule} with --world-size-invariant: the invariant fold counts one "
+                         "micro-batch per backward and a split backward runs two; use GPipe, 1F1B or Interleaved1F1B")
+    if schedule in V_SHAPED and v != 2:
+        raise ValueError(f"--pipeline-schedule {schedule} needs --pipeline-stages-per-rank 2 (V-shaped: rank p holds "
+                         f"stages p and 2P-1-p), not {v}")
+    looped = schedule in LOOPED or schedule in V_SHAPED
     if looped and cfg.fsdp_version == 1:
         raise ValueError(f"--pipeline-schedule {cfg.pipeline_schedule} with --fsdp-version 1: a rank's several "
                          "stage wrappers have no one module under the plain names for checkpoints; use "
@@ -64,7 +70,7 @@ def check(cfg, world_size: int, num_layers: int) -> None:
         raise ValueError(f"--pipeline-schedule {cfg.pipeline_schedule} needs --pipeline-stages-per-rank >= 2")
     if not looped and v != 1:
         raise ValueError(f"--pipeline-schedule {cfg.pipeline_schedule} runs one stage per rank; drop "
-                         f"--pipeline-stages-per-rank {v} or use Interleaved1F1B / LoopedBFS")
+                         f"--pipeline-stages-per-rank {v} or use Interleaved1F1B / LoopedBFS / ZBVZeroBubble")
     stages = p * v
     if stages > num_layers:
         raise ValueError(f"{stages} pipeline stages (--pipeline-parallel-size {p} x --pipeline-stages-per-rank "
@@ -75,6 +81,8 @@ def check(cfg, world_size: int, num_layers: int) -> None:
     if cfg.pipeline_schedule != "GPipe" and m < p:
         raise ValueError(f"--pipeline-microbatches {m} is smaller than --pipeline-parallel-size {p}: "
                          f"{cfg.pipeline_schedule} needs at least one micro-batch per pipeline rank")
+    if schedule == "DualPipeV" and m < stages:
+        raise ValueError(f"--pipeline-microbatches {m}: DualPipeV needs at least one per stage ({stages})")
     if cfg.pipeline_schedule in LOOPED and m % p:
         raise ValueError(f"--pipeline-microbatches {m}: {cfg.pipeline_schedule} needs a multiple of "
                          f"--pipeline-parallel-size {p}")
