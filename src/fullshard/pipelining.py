@@ -69,10 +69,10 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from fullshard.core import collectives, registry
 from fullshard.core.module import UnitModule, unit_modules
+from fullshard.core.torch_private import stage_backward_input, stage_backward_weight
 from fullshard.fsdp import FullyShardedDataParallel
 from fullshard.fsdp2 import FSDPModule
 

@@ -233,3 +233,22 @@ def symm_mem_rendezvous(t: torch.Tensor, group) -> None:
     import torch.distributed._symmetric_memory as symm_mem
 
     symm_mem.rendezvous(t, group=group.group_name)
+
+
+def stage_backward_input(stage_outputs, output_grads, input_values, weights):
+    """The input pass of a pipeline stage's split backward, with ``weights`` the stage's graph
+    leaves (``torch.distributed.pipelining._backward.stage_backward_input``). torch 2.13 has no
+    public form: ``PipelineStage.backward_maybe_with_nosync`` calls it on
+    ``submod.parameters()``, which are not the leaves of fullshard's units (fullshard/pipelining.py
+    [Note: split backward of fullshard units]). Imported here, on first use, so that importing
+    fullshard does not import ``torch.distributed.pipelining``."""
+    from torch.distributed.pipelining._backward import stage_backward_input as backward_input
+
+    return backward_input(stage_outputs, output_grads, input_values, weights)
+
+
+def stage_backward_weight(weights, param_groups):
+    """The weight pass matching :func:`stage_backward_input` (same module, same reason)."""
+    from torch.distributed.pipelining._backward import stage_backward_weight as backward_weight
+
+    return backward_weight(weights, param_groups)
