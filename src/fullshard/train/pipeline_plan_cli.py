@@ -186,9 +186,9 @@ def format_pipeline(args, costs: ModelCosts, splits: dict, measured: dict, mem, 
     if bubble is not None:
         lines.append(f"bubble: {formula} = {bubble:.1%} of a step idle (Narayanan et al. 2021, §2.2)")
     elif schedule in SPLIT_BACKWARD:
-        lines.append(f"bubble: not modelled for {schedule} (Qi et al. 2024, \"Zero Bubble Pipeline "
-                     "Parallelism\", §2-3, §6 for ZB-V, derive it from the separate times of the forward, the input "
-                     "backward and the weight backward, which this profile does not split)")
+        lines += [f"bubble: not modelled for {schedule} (Qi et al. 2024, \"Zero Bubble Pipeline Parallelism\", "
+                  "§2-3, §6 for ZB-V,", "  derive it from the forward's, input backward's and weight backward's own "
+                  "times; the profile does not split them)"]
     else:
         lines.append(f"bubble: not modelled for {schedule}")
     lines.append(f"GB/rank: Adam's fp32 model state (16 bytes per parameter) / {args.world_size} data-parallel "
