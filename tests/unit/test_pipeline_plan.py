@@ -3,6 +3,7 @@ planner's split against measured stage times, `auto_split` on a TrainConfig, and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import itertools
 import random
@@ -13,8 +14,10 @@ import pytest
 import torch
 
 from fullshard.models import ARCHS
-from fullshard.train import pipeline_plan as PP
-from fullshard.train.config import TrainConfig
+from fullshard.train import pipeline_checks, pipeline_plan as PP
+from fullshard.train.config import PipelineOptions, TrainConfig
+from fullshard.train.flags import flag_of
+from fullshard.train.pipeline_plan_cli import PipelinePlanOptions
 
 
 def _compositions(n: int, k: int):
@@ -70,6 +73,27 @@ def test_even_split_and_bubble():
     assert [PP.stage_rank(k, 2) for k in range(4)] == [0, 1, 0, 1]
     assert [PP.in_flight("1F1B", r, 4, 8) for r in range(4)] == [4, 3, 2, 1]
     assert PP.in_flight("GPipe", 3, 4, 8) == 8
+    # the zero-bubble schedules: no bubble figure (not modelled), the upper bound M in flight
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        assert PP.bubble_fraction(schedule, 2, 4, 2) is None and PP.in_flight(schedule, 1, 2, 4) == 4
+
+
+def test_stage_rank_places_stages_as_the_trainer_does():
+    """V-shaped schedules: rank p holds stages p and 2P-1-p (the first and last on rank 0); the
+    looped ones stage k on rank k mod P; the planner's rank of a stage inverts the trainer's `stage_ids`."""
+    assert [PP.stage_rank(k, 3, "ZBVZeroBubble") for k in range(6)] == [0, 1, 2, 2, 1, 0]
+    assert [PP.stage_rank(k, 2, "DualPipeV") for k in range(4)] == [0, 1, 1, 0]
+    assert [PP.stage_rank(k, 2, "InterleavedZeroBubble") for k in range(6)] == [0, 1, 0, 1, 0, 1]
+    for schedule in pipeline_checks.SCHEDULES:
+        for P in (1, 2, 3, 4):
+            V = 2 if schedule in pipeline_checks.LOOPED + pipeline_checks.V_SHAPED else 1
+            held = [pipeline_checks.stage_ids(schedule, P, V, r) for r in range(P)]
+            assert sorted(k for ks in held for k in ks) == list(range(P * V))
+            assert all(PP.stage_rank(k, P, schedule) == r for r, ks in enumerate(held) for k in ks)
+    # one list of names: the planner's --pipeline-schedule choices are the trainer's
+    choices = [flag_of(f).choices for cls in (PipelinePlanOptions, PipelineOptions)
+               for f in dataclasses.fields(cls) if f.name == "pipeline_schedule"]
+    assert choices == [pipeline_checks.SCHEDULES] * 2
 
 
 @pytest.mark.heavy
@@ -141,9 +165,11 @@ def test_cli_prints_both_splits_and_rejects_bad_input():
     assert "(P-1)/(V*M+P-1) = 20.0%" in looped.stdout
     for args, message in [
         (("--pipeline-parallel-size", "0"), "--pipeline-parallel-size must be >= 1, got 0"),
-        (("--pipeline-parallel-size", "5"), "5 stages, more than the model's 4 layers"),
-        (("--pipeline-parallel-size", "2", "--pipeline-stages-per-rank", "3"), "6 stages, more than the model's 4"),
-        (("--pipeline-parallel-size", "2", "--pipeline-microbatches", "1"), "1F1B needs --pipeline-microbatches >="),
+        (("--pipeline-parallel-size", "5"), "5 pipeline stages (--pipeline-parallel-size 5 x "
+         "--pipeline-stages-per-rank 1) for 4 layers"),
+        (("--pipeline-parallel-size", "2", "--pipeline-stages-per-rank", "3"), "6 pipeline stages"),
+        (("--pipeline-parallel-size", "2", "--pipeline-microbatches", "1"),
+         "1F1B needs at least one micro-batch per pipeline rank"),
         (("--pipeline-parallel-size", "2", "--pipeline-schedule", "1F1B", "--pipeline-stages-per-rank", "2"),
          "1F1B runs one stage per rank"),
         (("--pipeline-parallel-size", "2", "--pipeline-schedule", "GPipe", "--pipeline-stages-per-rank", "2"),
@@ -152,9 +178,50 @@ def test_cli_prints_both_splits_and_rejects_bad_input():
          "LoopedBFS needs --pipeline-stages-per-rank >= 2"),
         (("--pipeline-parallel-size", "2", "--pipeline-microbatches", "4"), "--batch-size 2 is not divisible by"),
         (("--pipeline-parallel-size", "2", "--pipeline-schedule", "Interleaved1F1B", "--pipeline-microbatches", "3",
-          "--batch-size", "3"), "Interleaved1F1B needs --pipeline-microbatches a multiple of"),
+          "--batch-size", "3"), "Interleaved1F1B needs a multiple of --pipeline-parallel-size 2"),
         (("--pipeline-parallel-size", "2", "--pipeline-microbatches", "0"), "--pipeline-microbatches must be >= 1"),
         (("--pipeline-parallel-size", "2", "--budget-gb", "1e-9"), "no split of 4 layers into 2 stages fits"),
+        # the zero-bubble schedules, with `fullshard train`'s messages
+        (("--pipeline-parallel-size", "2", "--pipeline-schedule", "ZBVZeroBubble", "--pipeline-stages-per-rank", "3"),
+         "--pipeline-schedule ZBVZeroBubble needs --pipeline-stages-per-rank 2 (V-shaped"),
+        (("--pipeline-parallel-size", "2", "--pipeline-schedule", "DualPipeV", "--pipeline-stages-per-rank", "1"),
+         "DualPipeV needs --pipeline-stages-per-rank 2"),
+        (("--pipeline-parallel-size", "2", "--pipeline-schedule", "DualPipeV", "--pipeline-microbatches", "2"),
+         "--pipeline-microbatches 2: DualPipeV needs at least one per stage (4)"),
+        (("--pipeline-parallel-size", "2", "--pipeline-schedule", "InterleavedZeroBubble",
+          "--pipeline-stages-per-rank", "1"), "InterleavedZeroBubble needs --pipeline-stages-per-rank >= 2"),
+        (("--pipeline-parallel-size", "2", "--pipeline-schedule", "InterleavedZeroBubble", "--pipeline-microbatches",
+          "3", "--batch-size", "3"), "InterleavedZeroBubble needs a multiple of --pipeline-parallel-size 2"),
+        (("--pipeline-parallel-size", "3", "--pipeline-schedule", "ZBVZeroBubble"), "6 pipeline stages"),
     ]:
         bad = _plan(*args)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and message in bad.stderr, (args, bad.stderr)
+
+
+def test_cli_zero_bubble_schedules():
+    """ZBVZeroBubble: V = 2 by default, rank 0 holds stages 0 and 3 (the first and the last) and its
+    time and memory are theirs summed; no bubble figure; the activations' bound stated."""
+    zbv = _plan("--pipeline-parallel-size", "2", "--pipeline-schedule", "ZBVZeroBubble", "--pipeline-microbatches",
+                "4", "--batch-size", "4", "--pipeline-profile-reps", "1")
+    assert zbv.returncode == 0, zbv.stderr
+    assert "P=2 ranks x V=2 = 4 stages, ZBVZeroBubble," in zbv.stdout
+    rows = zbv.stdout.splitlines()
+    stage_rows = [r.split() for r in rows[rows.index(next(r for r in rows if r.startswith("auto ["))):][:4]]
+    assert [int(r[-6]) for r in stage_rows] == [0, 1, 1, 0]  # stage -> rank: 0, 1, 1, 0
+    per_rank = rows.index(next(r for r in rows if r.startswith("per rank")))
+    rank0, rank1 = rows[per_rank + 1].split(), rows[per_rank + 2].split()
+    assert rank0[:4] == ["auto", "0", "0,", "3"] and rank1[:3] == ["1", "1,", "2"]
+    # the rank's memory is the sum of its stages' (GB with 3 decimals: compare within rounding)
+    stage_gb = [float(r[-1]) for r in stage_rows]
+    assert abs(float(rank0[-1]) - stage_gb[0] - stage_gb[3]) <= 1.5e-3
+    assert "bubble: not modelled for ZBVZeroBubble (Qi et al. 2024" in zbv.stdout
+    assert "activations of M micro-batches per stage: an upper bound" in zbv.stdout
+    dual = _plan("--pipeline-parallel-size", "2", "--pipeline-schedule", "DualPipeV", "--pipeline-microbatches",
+                 "4", "--batch-size", "4", "--pipeline-profile-reps", "1")
+    assert dual.returncode == 0 and "V=2 = 4 stages, DualPipeV" in dual.stdout, dual.stderr
+    izb = _plan("--pipeline-parallel-size", "2", "--pipeline-schedule", "InterleavedZeroBubble",
+                "--pipeline-profile-reps", "1")
+    assert izb.returncode == 0 and "not modelled for InterleavedZeroBubble" in izb.stdout, izb.stderr
+    rows = izb.stdout.splitlines()
+    per_rank = rows.index(next(r for r in rows if r.startswith("per rank")))
+    assert rows[per_rank + 1].split()[:4] == ["auto", "0", "0,", "2"]  # looped: rank 0 holds stages 0 and 2

@@ -21,6 +21,7 @@ from typing import ClassVar, Mapping, Optional, Tuple
 from fullshard.models import ARCHS, ArchSpec, arch_spec
 from fullshard.train.flags import flag
 from fullshard.train.lr_scheduler import SCHEDULERS
+from fullshard.train.pipeline_checks import SCHEDULES
 
 
 def node_range(nnodes) -> Tuple[int, int]:
@@ -242,8 +243,7 @@ class DistributedOptions:
                                      "--checkpoint-activations)")
 
 
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-                      "DualPipeV")  # torch.distributed.pipelining's synchronous schedules (zero-bubble included)
+PIPELINE_SCHEDULES = SCHEDULES  # torch.distributed.pipelining's synchronous schedules (zero-bubble included)
 
 
 @dataclass(frozen=True, kw_only=True)

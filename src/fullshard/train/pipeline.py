@@ -54,15 +54,7 @@ from fullshard.models import TransformerBlock, build_model, make_param_init_fn
 from fullshard.models.stages import check_split, cut_gpt, even_split, join_stages
 from fullshard.pipelining import PipelineStage
 from fullshard.train import invariance, pipeline_plan, sharding
-from fullshard.train.pipeline_checks import LOOPED, V_SHAPED, check, microbatches, parse_split
-
-
-def stage_ids(schedule: str, p: int, v: int, pp_rank: int) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` holds: ``p, p + P, ...`` (torch's loop placement), or
-    ``p, 2P - 1 - p`` for the V-shaped schedules (ZBVZeroBubble, DualPipeV)."""
-    if schedule in V_SHAPED:
-        return [pp_rank, 2 * p - 1 - pp_rank]
-    return [pp_rank + p * i for i in range(v)]
+from fullshard.train.pipeline_checks import LOOPED, V_SHAPED, check, microbatches, parse_split, stage_ids
 
 
 def data_parallel(cfg) -> tuple[int, int]:

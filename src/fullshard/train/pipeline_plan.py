@@ -42,13 +42,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as checkpoint_fn
 
 from fullshard.models import GPT, build_model
+from fullshard.train import pipeline_checks
 from fullshard.train.launcher import threads_per_rank
+from fullshard.train.pipeline_checks import SPLIT_BACKWARD
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
-"""``--pipeline-schedule`` choices, as `fullshard train`'s: torch.distributed.pipelining's ``Schedule<name>``."""
-
-LOOPED = ("Interleaved1F1B", "LoopedBFS")
-"""Schedules with V >= 2 stages per rank, stage k on rank k mod P."""
 
 class SplitError(ValueError):
     """No split satisfies the request (too many stages, or none fits the memory budget)."""
@@ -326,22 +323,28 @@ def bubble_fraction(schedule: str, num_ranks: int, microbatches: int, stages_per
     GPipe (Huang et al. 2019, §2.2) and 1F1B: (P-1)/(M+P-1); interleaved 1F1B with V stages per
     rank: (P-1)/(V·M+P-1). These are Narayanan et al. 2021, "Efficient Large-Scale Language Model
     Training on GPU Clusters Using Megatron-LM", §2.2.1-2.2.2, whose bubble-to-ideal ratios
-    (P-1)/M and (P-1)/(V·M) are written as shares of the whole step. LoopedBFS: None.
+    (P-1)/M and (P-1)/(V·M) are written as shares of the whole step. None for LoopedBFS and the
+    zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV): Qi et al. 2024, "Zero
+    Bubble Pipeline Parallelism" (ICLR 2024; §2 under equal times, §3 in general, §6 of arXiv
+    2401.10241 for ZB-V), derive their bubbles from the separate times of the forward, the input
+    backward and the weight backward, which the profile does not split.
     """
-    if schedule == "LoopedBFS":
+    if schedule == "LoopedBFS" or schedule in SPLIT_BACKWARD:
         return None
     v = stages_per_rank if schedule == "Interleaved1F1B" else 1
     return (num_ranks - 1) / (v * microbatches + num_ranks - 1)
 
 
-def stage_rank(stage: int, num_ranks: int) -> int:
-    """The rank that runs ``stage``: stage mod P (one stage per rank, or the looped schedules)."""
-    return stage % num_ranks
+def stage_rank(stage: int, num_ranks: int, schedule: str = "1F1B") -> int:
+    """The pipeline rank that runs ``stage``, as `fullshard train` places it: stage mod P (one stage
+    per rank, or the looped schedules); 2P-1-stage for the second stage of a V-shaped schedule."""
+    return pipeline_checks.stage_rank(schedule, num_ranks, stage)
 
 
 def in_flight(schedule: str, rank: int, num_ranks: int, microbatches: int) -> int:
     """Micro-batches whose activations a stage holds at most: GPipe all M; 1F1B min(M, P - rank)
-    (Narayanan et al. 2021, §2.2.1); the looped schedules at most M per stage (an upper bound)."""
+    (Narayanan et al. 2021, §2.2.1); the looped and the zero-bubble schedules at most M per stage
+    (an upper bound: no stage holds more micro-batches than the step has)."""
     return min(microbatches, num_ranks - rank) if schedule == "1F1B" else microbatches
 
 

@@ -17,9 +17,8 @@ from fullshard.train import plan as memory_plan
 from fullshard.train.flags import add_options, flag
 from fullshard.train.launcher import threads_per_rank
 from fullshard.train.options import OneLineArgumentParser
+from fullshard.train.pipeline_checks import LOOPED, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, check_schedule
 from fullshard.train.pipeline_plan import (
-    LOOPED,
-    SCHEDULES,
     ModelCosts,
     SplitError,
     balanced_split,
@@ -47,9 +46,10 @@ class PipelinePlanOptions:
         "the split must fit)", type=int, metavar="P")
     pipeline_microbatches: Optional[int] = flag(None, "M micro-batches per step (default: P)", type=int,
                                                 metavar="M")
-    pipeline_stages_per_rank: Optional[int] = flag(None, "V stages per rank of the looped schedules (default: 2 "
-                                                   "for Interleaved1F1B and LoopedBFS, else 1)", type=int,
-                                                   metavar="V")
+    pipeline_stages_per_rank: Optional[int] = flag(None, "V stages per rank of the looped and V-shaped schedules "
+                                                   "(default: 2 for Interleaved1F1B, LoopedBFS, "
+                                                   "InterleavedZeroBubble, ZBVZeroBubble and DualPipeV, else 1)",
+                                                   type=int, metavar="V")
     pipeline_schedule: Optional[str] = flag(None, "torch.distributed.pipelining schedule (default: 1F1B, or "
                                             "Interleaved1F1B with V > 1)", choices=SCHEDULES)
     pipeline_profile_reps: int = flag(5, "timed repetitions per layer and per stage after one warm-up; the "
@@ -68,23 +68,15 @@ def _check(p: OneLineArgumentParser, args, num_layers: int) -> tuple[str, int, i
         p.fail(f"--pipeline-parallel-size must be >= 1, got {P}")
     V = args.pipeline_stages_per_rank
     schedule = args.pipeline_schedule or ("Interleaved1F1B" if V is not None and V > 1 else "1F1B")
-    V = V if V is not None else (2 if schedule in LOOPED else 1)
+    V = V if V is not None else (2 if schedule in LOOPED or schedule in V_SHAPED else 1)
     M = args.pipeline_microbatches if args.pipeline_microbatches is not None else P
     for name, value in (("microbatches", M), ("stages_per_rank", V), ("profile_reps", args.pipeline_profile_reps)):
         if value < 1:
             p.fail(f"--pipeline-{name.replace('_', '-')} must be >= 1, got {value}")
-    if schedule in LOOPED and V < 2:
-        p.fail(f"--pipeline-schedule {schedule} needs --pipeline-stages-per-rank >= 2, got {V}")
-    if schedule not in LOOPED and V != 1:
-        p.fail(f"--pipeline-schedule {schedule} runs one stage per rank, got --pipeline-stages-per-rank {V}; "
-               "use Interleaved1F1B or LoopedBFS for more")
-    if P * V > num_layers:
-        p.fail(f"{P} pipeline ranks x {V} stages per rank = {P * V} stages, more than the model's {num_layers} "
-               "layers; lower --pipeline-parallel-size or --pipeline-stages-per-rank")
-    if schedule != "GPipe" and M < P:
-        p.fail(f"{schedule} needs --pipeline-microbatches >= --pipeline-parallel-size, got {M} < {P}")
-    if schedule in LOOPED and M % P:
-        p.fail(f"{schedule} needs --pipeline-microbatches a multiple of --pipeline-parallel-size {P}, got {M}")
+    try:
+        check_schedule(schedule, P, V, M, num_layers)  # `fullshard train`'s rules and messages
+    except ValueError as e:
+        p.fail(str(e))
     if args.batch_size % M:
         p.fail(f"--batch-size {args.batch_size} is not divisible by --pipeline-microbatches {M}: each batch is split "
                "into that many pipeline micro-batches")
@@ -109,7 +101,7 @@ def _stage_bytes(work, costs: ModelCosts, schedule: str, P: int, M: int, dp: int
         numel += (costs.embed.param_numel if k == 0 else 0) + (costs.head.param_numel if k == S - 1 else 0)
         numel -= costs.tied_numel if S == 1 else 0
         per_mb = (j - i) * layer_act + (memory_plan.logits_bytes(work, p) if k == S - 1 else 0)
-        flight = in_flight(schedule, stage_rank(k, P), P, M)
+        flight = in_flight(schedule, stage_rank(k, P, schedule), P, M)
         return 16 * numel / dp, per_mb * flight + recompute
     return f
 
@@ -144,7 +136,7 @@ def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
                           V=V, dtype=dtype, device=device, threads=threads))
     per_rank = [0.0] * P
     for k, (a, b) in enumerate(stage_bounds(auto)):
-        per_rank[stage_rank(k, P)] += sum(mem(k, a, b, S))
+        per_rank[stage_rank(k, P, schedule)] += sum(mem(k, a, b, S))
     if budget is not None and max(per_rank) > budget:
         p.fail(f"the balanced split needs {max(per_rank) / 1e9:.3f} GB on rank {per_rank.index(max(per_rank))}, "
                f"over --budget-gb {args.budget_gb:g}; add ranks or checkpoint activations")
@@ -175,13 +167,15 @@ def format_pipeline(args, costs: ModelCosts, splits: dict, measured: dict, mem, 
         params = costs.stage_params(split)
         for k, (a, b) in enumerate(stage_bounds(split)):
             head = f"{label} {list(split)}" if k == 0 else ""
-            lines.append(f"{head:<20}{k:>5}{stage_rank(k, P):>5}{f'{a}-{b - 1}':>8}"
+            lines.append(f"{head:<20}{k:>5}{stage_rank(k, P, schedule):>5}{f'{a}-{b - 1}':>8}"
                          f"{ms(predicted[k]):>14}{ms(measured[label][k]):>13}{params[k]:>13,}"
                          f"{sum(mem(k, a, b, S)) / 1e9:>9.3f}")
     worst = {label: max(t) for label, t in measured.items()}
     for label, w in worst.items():
         lines.append(f"slowest {label} stage, measured: {ms(w)} ms = {w / statistics.mean(measured[label]):.2f} x "
                      "the mean of its stages")
+    if V > 1:
+        lines += _per_rank(splits, costs, measured, mem, schedule, P)
     if splits["auto"] == splits["even"]:
         lines.append("auto: the even split is the balanced one")
     else:
@@ -189,9 +183,38 @@ def format_pipeline(args, costs: ModelCosts, splits: dict, measured: dict, mem, 
                      "measured)")
     bubble = bubble_fraction(schedule, P, M, V)
     formula = "(P-1)/(V*M+P-1)" if schedule == "Interleaved1F1B" else "(P-1)/(M+P-1)"
-    lines.append("bubble: not modelled for LoopedBFS" if bubble is None else
-                 f"bubble: {formula} = {bubble:.1%} of a step idle (Narayanan et al. 2021, §2.2)")
+    if bubble is not None:
+        lines.append(f"bubble: {formula} = {bubble:.1%} of a step idle (Narayanan et al. 2021, §2.2)")
+    elif schedule in SPLIT_BACKWARD:
+        lines += [f"bubble: not modelled for {schedule} (Qi et al. 2024, \"Zero Bubble Pipeline Parallelism\", "
+                  "§2-3, §6 for ZB-V,", "  derive it from the forward's, input backward's and weight backward's own "
+                  "times; the profile does not split them)"]
+    else:
+        lines.append(f"bubble: not modelled for {schedule}")
     lines.append(f"GB/rank: Adam's fp32 model state (16 bytes per parameter) / {args.world_size} data-parallel "
                  "rank(s)")
-    lines.append("  + activations of the micro-batches in flight (1F1B: min(M, P - rank); else M)")
+    if schedule in SPLIT_BACKWARD:
+        lines.append(f"  + activations of M micro-batches per stage: an upper bound ({schedule}'s in-flight count is "
+                     "not modelled)")
+    else:
+        lines.append("  + activations of the micro-batches in flight (1F1B: min(M, P - rank); else M)")
     return "\n".join(lines)
+
+
+def _per_rank(splits: dict, costs: ModelCosts, measured: dict, mem, schedule: str, P: int) -> list[str]:
+    """Each split's ranks (V > 1): the stages a rank holds as `fullshard train` places them (the
+    V-shaped schedules: p and 2P-1-p), and the sums of their time and memory."""
+    ms = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
+    lines = [f"{'per rank':<20}{'rank':>5}{'stages':>8}{'predicted ms':>14}{'measured ms':>13}{'GB/rank':>9}"]
+    for label, split in splits.items():
+        S, predicted, bounds = len(split), costs.stage_seconds(split), stage_bounds(split)
+        slowest = 0.0
+        for r in range(P):
+            ks = [k for k in range(S) if stage_rank(k, P, schedule) == r]
+            took = sum(measured[label][k] for k in ks)
+            slowest = max(slowest, took)
+            lines.append(f"{label if r == 0 else '':<20}{r:>5}{', '.join(map(str, ks)):>8}"
+                         f"{ms(sum(predicted[k] for k in ks)):>14}{ms(took):>13}"
+                         f"{sum(sum(mem(k, *bounds[k], S)) for k in ks) / 1e9:>9.3f}")
+        lines.append(f"slowest {label} rank, measured: {ms(slowest)} ms (the sum of its stages)")
+    return lines
