@@ -325,8 +325,8 @@ def bubble_fraction(schedule: str, num_ranks: int, microbatches: int, stages_per
     Training on GPU Clusters Using Megatron-LM", §2.2.1-2.2.2, whose bubble-to-ideal ratios
     (P-1)/M and (P-1)/(V·M) are written as shares of the whole step. None for LoopedBFS and the
     zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV): Qi et al. 2024, "Zero
-    Bubble Pipeline Parallelism" (ICLR 2024; §2 under equal times, §3 in general, §6 of arXiv
-    2401.10241 for ZB-V), derive their bubbles from the separate times of the forward, the input
+    Bubble Pipeline Parallelism" (ICLR 2024; §2 under equal times, §3 in general; arXiv 2401.10241
+    also gives ZB-V), derive their bubbles from the separate times of the forward, the input
     backward and the weight backward, which the profile does not split.
     """
     if schedule == "LoopedBFS" or schedule in SPLIT_BACKWARD:

@@ -187,7 +187,7 @@ def format_pipeline(args, costs: ModelCosts, splits: dict, measured: dict, mem, 
         lines.append(f"bubble: {formula} = {bubble:.1%} of a step idle (Narayanan et al. 2021, §2.2)")
     elif schedule in SPLIT_BACKWARD:
         lines += [f"bubble: not modelled for {schedule} (Qi et al. 2024, \"Zero Bubble Pipeline Parallelism\", "
-                  "§2-3, §6 for ZB-V,", "  derive it from the forward's, input backward's and weight backward's own "
+                  "§2-3,", "  derive it from the forward's, input backward's and weight backward's own "
                   "times; the profile does not split them)"]
     else:
         lines.append(f"bubble: not modelled for {schedule}")
