@@ -60,6 +60,50 @@ def test_balanced_split_is_the_exact_min_max_partition():
     assert PP.balanced_split([1.0] * 12, 2, first_s=0.0, last_s=4.0) == [8, 4]
 
 
+def test_balanced_split_minimizes_the_slowest_rank_of_a_v_placement():
+    """ZBVZeroBubble / DualPipeV: rank p holds stages p and 2P-1-p, so the split minimizes the slowest
+    rank's summed cost (against brute force), ties by the least slowest stage, with and without a
+    memory budget (a monotone one, and one that is not: stage 1 must hold an even layer count); one
+    stage per rank gives the per-stage split unchanged."""
+    rng = random.Random(1)
+    for trial in range(150):
+        P = rng.randint(1, 3)
+        S = 2 * P
+        L = rng.randint(S, 9)
+        t = [rng.choice((0.5, 1.0, 1.0, 2.0, 3.5)) for _ in range(L)]
+        first, last = rng.choice((0.0, 0.3, 4.0)), rng.choice((0.0, 2.0, 7.5))
+        fits = [None, lambda k, i, j: j - i <= 3, lambda k, i, j: k != 1 or (j - i) % 2 == 0][trial % 3]
+        ranks = [PP.stage_rank(k, P, "ZBVZeroBubble") for k in range(S)]
+
+        def slowest(split):  # (slowest rank, slowest stage)
+            stages = [sum(t[a:b]) + (first if k == 0 else 0) + (last if k == S - 1 else 0)
+                      for k, (a, b) in enumerate(PP.stage_bounds(split))]
+            return max(sum(x for k, x in enumerate(stages) if ranks[k] == r) for r in range(P)), max(stages)
+
+        allowed = [c for c in _compositions(L, S)
+                   if fits is None or all(fits(k, a, b) for k, (a, b) in enumerate(PP.stage_bounds(c)))]
+        if not allowed:
+            with pytest.raises(PP.SplitError, match="fits the memory budget"):
+                PP.balanced_split(t, S, first, last, fits, ranks=ranks)
+            continue
+        got = PP.balanced_split(t, S, first, last, fits, ranks=ranks)
+        assert got in allowed
+        best = min(slowest(c)[0] for c in allowed)
+        assert slowest(got)[0] == pytest.approx(best)
+        assert slowest(got)[1] == pytest.approx(min(slowest(c)[1] for c in allowed if slowest(c)[0] <= best + 1e-9))
+    # the head's cost: rank 0 holds it and the embedding, so its stages hold fewer layers than per-stage balancing
+    # gives them ([2, 2, 3, 1]: rank 0 at 2 + 1 + 4 = 7 layers' time, rank 1 at 5), and the ranks are even (6, 6)
+    ranks = [0, 1, 1, 0]
+    assert PP.balanced_split([1.0] * 8, 4, 0.0, 4.0) == [2, 2, 3, 1]
+    assert PP.balanced_split([1.0] * 8, 4, 0.0, 4.0, ranks=ranks) == [1, 3, 3, 1]
+    # one stage per rank, and the looped placement (documented: per stage), give the per-stage split
+    t = [1.0, 2.0, 0.5, 3.0, 1.0, 1.0, 2.5, 0.5]
+    for ranks in ([0, 1, 2, 3], [0, 1, 0, 1]):
+        assert PP.balanced_split(t, 4, 0.3, 6.0, ranks=ranks) == PP.balanced_split(t, 4, 0.3, 6.0)
+    with pytest.raises(ValueError, match="ranks gives 3 stages' ranks for 4 stages"):
+        PP.balanced_split(t, 4, ranks=[0, 1, 0])
+
+
 def test_even_split_and_bubble():
     assert PP.even_split(12, 4) == [3, 3, 3, 3]
     assert PP.even_split(10, 4) == [2, 3, 3, 2]  # the remainder to the middle stages

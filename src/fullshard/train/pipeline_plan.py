@@ -45,6 +45,7 @@ from fullshard.models import GPT, build_model
 from fullshard.train import pipeline_checks
 from fullshard.train.launcher import threads_per_rank
 from fullshard.train.pipeline_checks import SPLIT_BACKWARD
+from fullshard.train.pipeline_vsplit import v_shaped_split
 
 
 class SplitError(ValueError):
@@ -248,10 +249,16 @@ def measure_stages(model: GPT, splits: Sequence[Sequence[int]], micro_batch: int
 
 # ---------------------------------------------------------------- choosing the split
 def balanced_split(layer_s: Sequence[float], num_stages: int, first_s: float = 0.0, last_s: float = 0.0,
-                   fits: Optional[Callable[[int, int, int], bool]] = None) -> list[int]:
+                   fits: Optional[Callable[[int, int, int], bool]] = None,
+                   ranks: Optional[Sequence[int]] = None) -> list[int]:
     """The contiguous split of the layers into ``num_stages`` stages whose slowest stage is the
     fastest possible (exact; see the module docstring), ties broken by the least sum of squared
-    stage times.
+    stage times. With ``ranks`` in the V placement (stages k and S-1-k on one rank: ZBVZeroBubble,
+    DualPipeV), the objective is the slowest RANK, the sum of its two stages
+    (`pipeline_vsplit.py`, exact; ties by the least slowest stage). Other placements with several
+    stages per rank (the looped schedules, stage k on rank k mod P) keep the per-stage objective:
+    their ranks' sums are not minimized exactly (no exact method fast enough was found), though
+    even stages make even sums.
 
     Args:
         layer_s: each layer's cost (seconds), in order.
@@ -259,14 +266,21 @@ def balanced_split(layer_s: Sequence[float], num_stages: int, first_s: float = 0
         first_s, last_s: costs the first and the last stage carry besides their layers (the
             embedding, the head).
         fits: ``fits(stage, first_layer, end_layer)``: whether that stage fits memory (None: all do).
+        ranks: ``ranks[k]``: the pipeline rank of stage k (:func:`stage_rank`); None: one stage per rank.
     Returns:
         The layer count of each stage, each >= 1.
     Raises:
         SplitError: S outside 1..L, or no split fits.
+        ValueError: ``ranks`` not of length S.
     """
     L, S = len(layer_s), num_stages
     if not 1 <= S <= L:
         raise SplitError(f"cannot split {L} layers into {S} stages of at least one layer each")
+    if ranks is not None and len(ranks) != S:
+        raise ValueError(f"ranks gives {len(ranks)} stages' ranks for {S} stages")
+    if ranks is not None and S % 2 == 0 and len(set(ranks)) == S // 2 and \
+            all(ranks[k] == ranks[S - 1 - k] for k in range(S // 2)):
+        return v_shaped_split(layer_s, S // 2, first_s, last_s, fits, SplitError)
     prefix = [0.0]
     for t in layer_s:
         prefix.append(prefix[-1] + t)
@@ -383,7 +397,8 @@ def auto_split(cfg, num_stages: int) -> list[int]:
     (``--bf16``/``--fp16``), with ``--checkpoint-activations`` and ``--dropout`` as configured (on a
     CPU with the intra-op threads a rank gets: ``--threads-per-rank``, or the cores divided among
     ``--nproc-per-node`` ranks), then :func:`balanced_split`. Timings differ between calls: call it
-    once and give every rank the result.
+    once and give every rank the result. The stages go to ranks as ``--pipeline-schedule`` places
+    them: for ZBVZeroBubble and DualPipeV the split minimizes the slowest rank's two stages.
 
     Args:
         cfg: a :class:`fullshard.train.config.TrainConfig`.
@@ -398,9 +413,13 @@ def auto_split(cfg, num_stages: int) -> list[int]:
     dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
     cpu = not torch.cuda.is_available()
     threads = (cfg.threads_per_rank or threads_per_rank(cfg.nproc_per_node)) if cpu else None
-    with intra_op_threads(threads):
-        m = getattr(cfg, "pipeline_microbatches", None) or getattr(cfg, "pipeline_parallel_size", 1)
+    m = getattr(cfg, "pipeline_microbatches", None) or getattr(cfg, "pipeline_parallel_size", 1)
     micro_batch = max(1, cfg.batch_size // m)
-    _, costs = profile_for(shape, cfg.vocab_size, cfg.max_positions, micro_batch, cfg.tokens_per_sample,
+    with intra_op_threads(threads):
+        _, costs = profile_for(shape, cfg.vocab_size, cfg.max_positions, micro_batch, cfg.tokens_per_sample,
                                dtype=dtype, dropout=cfg.dropout, checkpoint=cfg.checkpoint_activations)
-    return balanced_split([it.seconds for it in costs.layers], num_stages, costs.embed.seconds, costs.head.seconds)
+    P = getattr(cfg, "pipeline_parallel_size", 1) or 1
+    schedule = getattr(cfg, "pipeline_schedule", "1F1B")
+    ranks = [stage_rank(k, P, schedule) for k in range(num_stages)] if num_stages % P == 0 else None
+    return balanced_split([it.seconds for it in costs.layers], num_stages, costs.embed.seconds, costs.head.seconds,
+                          ranks=ranks)

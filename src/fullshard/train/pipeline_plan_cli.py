@@ -41,7 +41,8 @@ class PipelinePlanOptions:
     TITLE: ClassVar[str] = "pipeline"
     pipeline_parallel_size: Optional[int] = flag(
         None, "P pipeline ranks: time every layer's forward and backward on this machine and print the split "
-        "that minimizes the slowest stage beside the even split (--batch-size is split into the M micro-batches, as "
+        "that minimizes the slowest stage (ZBVZeroBubble, DualPipeV: the slowest rank's two stages) beside the "
+        "even split (--batch-size is split into the M micro-batches, as "
         "`fullshard train` does; --world-size: the data-parallel ranks per stage; --budget-gb a per-rank limit "
         "the split must fit)", type=int, metavar="P")
     pipeline_microbatches: Optional[int] = flag(None, "M micro-batches per step (default: P)", type=int,
@@ -125,7 +126,8 @@ def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
     budget = None if args.budget_gb is None else args.budget_gb * 1e9
     fits = None if budget is None else (lambda k, i, j: sum(mem(k, i, j, S)) <= budget)
     try:
-        auto = balanced_split([it.seconds for it in costs.layers], S, costs.embed.seconds, costs.head.seconds, fits)
+        auto = balanced_split([it.seconds for it in costs.layers], S, costs.embed.seconds, costs.head.seconds, fits,
+                              ranks=[stage_rank(k, P, schedule) for k in range(S)])
     except SplitError as e:
         p.fail(f"{e} of {args.budget_gb:g} GB per rank")
     splits = {"auto": auto, "even": even_split(L, S)}
@@ -178,6 +180,11 @@ def format_pipeline(args, costs: ModelCosts, splits: dict, measured: dict, mem, 
         lines += _per_rank(splits, costs, measured, mem, schedule, P)
     if splits["auto"] == splits["even"]:
         lines.append("auto: the even split is the balanced one")
+    elif V > 1:  # a rank runs its stages one after another: the slowest rank bounds the step
+        rank_s = {label: max(sum(t[k] for k in range(S) if stage_rank(k, P, schedule) == r) for r in range(P))
+                  for label, t in measured.items()}
+        lines.append(f"auto: {rank_s['even'] / rank_s['auto']:.2f} x the even split's throughput (slowest rank, "
+                     "measured)")
     else:
         lines.append(f"auto: {worst['even'] / worst['auto']:.2f} x the even split's throughput (slowest stage, "
                      "measured)")
