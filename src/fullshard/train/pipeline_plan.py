@@ -24,6 +24,7 @@ costs and chooses the split:
    dynamic program over (stage, last layer), O(S·L²), optionally refusing stages over a memory
    budget; among the splits with the least bottleneck it takes the one with the least sum of
    squared stage times (a second exact pass), so the stages that are not the slowest are even.
+   For the V-shaped schedules it minimizes the slowest rank's two stages instead (`pipeline_vsplit.py`).
 3. :func:`bubble_fraction` is the share of a step the schedule leaves idle.
 
 Timings differ between calls: call :func:`auto_split` once (e.g. in the launching process) and
