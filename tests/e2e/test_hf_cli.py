@@ -140,8 +140,9 @@ def test_preprocess_with_model_tokenizer_then_lora_finetune(capsys, cli, llama_d
 def test_eval_generate_full_finetune(capsys, cli, llama_data, llama_dir, tmp_path):
     """A full fine-tune (FSDP1 wrapper, 2 ranks): eval-lm at 1 rank (the checkpoint resharded) gives the
     trainer's last valid loss; generate's greedy text is transformers' own on the exported model and not the
-    untrained model's; with --arch, without DIR's tokenizer.json or without DIR: one line, exit 2."""
-    from transformers import AutoModelForCausalLM
+    untrained model's; with --arch, without DIR's tokenizer.json, with another model in DIR or without DIR:
+    one line, exit 2."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     base = tmp_path / "base"  # a copy: the test takes it away afterwards
     shutil.copytree(llama_dir, base)
@@ -174,6 +175,12 @@ def test_eval_generate_full_finetune(capsys, cli, llama_data, llama_dir, tmp_pat
                                             "transformer_lm_gpt_mini")
     (base / "tokenizer.json").unlink()
     assert "has no tokenizer.json" in fails("generate", "--path", ckpt, "--prompt", PROMPT)
+    other = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=2, num_attention_heads=2,
+                                                         max_position_embeddings=64, tie_word_embeddings=True))
+    other.save_pretrained(base)  # DIR now holds another model
+    capsys.readouterr()
+    assert "does not fit the model" in fails("eval-lm", str(llama_data), "--path", ckpt)
     base.rename(tmp_path / "moved")
     for argv in (("eval-lm", str(llama_data), "--path", ckpt), ("generate", "--path", ckpt, "--prompt", PROMPT)):
         assert f"is a fine-tune of the Hugging Face model {str(base)!r}, which is not a directory" in fails(*argv)

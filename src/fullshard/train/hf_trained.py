@@ -90,8 +90,8 @@ def load_plain_model(path: str, saved: Mapping, load_weights) -> nn.Module:
     cfg = run_config(saved)
     if cfg.quantize_base != "none":
         raise hf_model.HFModelError(f"checkpoint {path!r} has a --quantize-base {cfg.quantize_base} base, which "
-                                    "generate cannot load yet; run train with --merge-lora and load the exported "
-                                    "model with transformers (docs/finetuning.md)")
+                                    "generate cannot load yet; load the run's Hugging Face export with transformers "
+                                    "(docs/finetuning.md, Export), or evaluate with eval-lm")
     model = hf_model.load_meta(cfg)[0]
     buffers = hf_model.buffers_of(model)  # real already (rotary inv_freq); to_empty would lose their values
     model.to_empty(device="cpu")
