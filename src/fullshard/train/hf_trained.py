@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from fullshard.data.errors import DataError
 from fullshard.data.tokenizer import HFTokenizer
-from fullshard.train import hf_model
+from fullshard.train import hf_model, options
 from fullshard.train.config import TrainConfig
 
 
@@ -26,8 +26,15 @@ def base_dir(saved: Optional[Mapping]) -> Optional[str]:
 
 
 def run_config(saved: Mapping) -> TrainConfig:
-    """The `TrainConfig` a --hf-model run recorded (its flags as `fullshard train` resolved them)."""
-    return TrainConfig.from_saved(saved)
+    """The `TrainConfig` a --hf-model run recorded (its flags as `fullshard train` resolved them).
+
+    Raises:
+        HFModelError: the record lacks a field that has no default (a damaged record).
+    """
+    try:
+        return TrainConfig.from_saved(saved)
+    except TypeError as e:
+        raise hf_model.HFModelError(f"the checkpoint's recorded arguments are incomplete ({e})") from None
 
 
 def describe(path: str, saved: Mapping, shapes: Mapping[str, tuple], arch: Optional[str],
@@ -46,8 +53,8 @@ def describe(path: str, saved: Mapping, shapes: Mapping[str, tuple], arch: Optio
             a model whose tensor names or shapes differ from the checkpoint's (DIR replaced).
     """
     hf_dir = base_dir(saved)
-    given = ["--arch"] * (arch is not None) + [f"--{k.replace('_', '-')}" for k, v in (overrides or {}).items()
-                                               if k.startswith("decoder_") and v is not None]
+    given = ["--arch"] * (arch is not None) + [f"--{k.replace('_', '-')}" for k in options.ARCH_OVERRIDES
+                                               if (overrides or {}).get(k) is not None]
     if given:
         raise hf_model.HFModelError(f"{given[0]} does not apply to checkpoint {path!r}: it is a fine-tune of the "
                                     f"Hugging Face model {hf_dir!r}, rebuilt from its config.json; drop {given[0]}")
