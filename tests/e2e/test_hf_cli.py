@@ -1,10 +1,12 @@
 """`fullshard preprocess --tokenizer DIR` and `fullshard train --hf-model DIR` as a user runs them: a tiny
 Llama with its own tokenizer (trained here on the corpus, no network) fine-tuned with LoRA at 2 ranks, its
-adapter written for PEFT; and the bad inputs of the Hugging Face flags, each one line and exit 2."""
+adapter written for PEFT; `eval-lm` and `generate` on such runs' checkpoints (LoRA and full fine-tuning);
+and the bad inputs of the Hugging Face flags, each one line and exit 2."""
 from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 
@@ -14,6 +16,25 @@ pytest.importorskip("peft")
 from tests.e2e.common import main_in_process  # noqa: E402
 
 T = 16
+PROMPT = "The river"
+
+
+def _valid(out: str) -> tuple[str, str]:
+    """(loss, ppl) of the last `valid on 'valid' subset` line of a --log-format simple log."""
+    line = [x for x in out.splitlines() if "valid on 'valid' subset" in x][-1]
+    return re.search(r"\| loss ([\d.]+) \| ppl ([\d.]+)", line).groups()
+
+
+def _transformers_greedy(model, tokenizer_dir, n: int) -> str:
+    """PROMPT and transformers' own greedy continuation of it (``generate``, KV cache on), decoded."""
+    import torch
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    ids = tok.encode(PROMPT, add_special_tokens=False).ids
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    return tok.decode(out[0].tolist(), skip_special_tokens=False)
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +71,14 @@ def llama_data(tmp_path_factory, cli, corpus_dir, llama_dir):
     return data
 
 
-def test_preprocess_with_model_tokenizer_then_lora_finetune(cli, llama_data, llama_dir, tmp_path):
+def test_preprocess_with_model_tokenizer_then_lora_finetune(capsys, cli, llama_data, llama_dir, tmp_path):
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
     from transformers import AutoModelForCausalLM
+
+    from fullshard.train.trained_model import load_plain_model, read_spec
 
     data = llama_data
     meta = json.loads((data / "meta.json").read_text())
@@ -85,6 +108,10 @@ def test_preprocess_with_model_tokenizer_then_lora_finetune(cli, llama_data, lla
     assert {d for k, d in dtypes.items() if "lora_" not in k} == {torch.bfloat16}, dtypes
     out = train(3)  # resumes the adapters and their optimizer state from checkpoint_last
     assert "@ 2 updates" in out and "num_updates 3" in out, out[-3000:]
+    # eval-lm rebuilds the LoRA model (bf16 base) from the recorded flags: the trainer's last valid loss
+    proc = cli("eval-lm", str(data), "--path", str(save / "checkpoint_last"), "--nproc-per-node", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _valid(proc.stdout) == _valid(out), (_valid(proc.stdout), _valid(out))
     adapter = save / "hf"
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in adapter.iterdir()}
     train(3, tmp_path / "straight")  # the same 3 updates without a resume: the same adapter bit for bit
@@ -97,6 +124,66 @@ def test_preprocess_with_model_tokenizer_then_lora_finetune(cli, llama_data, lla
         before = base(ids).logits
         after = PeftModel.from_pretrained(base, str(adapter))(ids).logits
     assert (after - before).abs().max() > 1e-4  # the trained adapter changes the model
+    # generate's model: the trained one (this tiny model's greedy text repeats the last token before and
+    # after 3 updates, so its logits are compared), and the same greedy text as transformers' generate
+    # over PEFT's model of the exported adapter
+    with torch.no_grad():
+        got = load_plain_model(read_spec(str(save / "checkpoint_last")))(ids).logits
+    assert (got - after).abs().max() <= 1e-6, (got - after).abs().max()
+    capsys.readouterr()  # transformers' loading bars above
+    code, text, err = main_in_process(capsys, "generate", "--path", str(save / "checkpoint_last"), "--prompt", PROMPT,
+                                      "--max-tokens", "6", "--greedy")
+    want = _transformers_greedy(PeftModel.from_pretrained(base, str(adapter)), llama_dir, 6)
+    assert (code, text, err) == (0, want + "\n", ""), (code, text, err[-2000:], want)
+
+
+def test_eval_generate_full_finetune(capsys, cli, llama_data, llama_dir, tmp_path):
+    """A full fine-tune (FSDP1 wrapper, 2 ranks): eval-lm at 1 rank (the checkpoint resharded) gives the
+    trainer's last valid loss; generate's greedy text is transformers' own on the exported model and not the
+    untrained model's; with --arch, without DIR's tokenizer.json, with another model in DIR or without DIR:
+    one line, exit 2."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    base = tmp_path / "base"  # a copy: the test takes it away afterwards
+    shutil.copytree(llama_dir, base)
+    save = tmp_path / "run"
+    proc = cli("train", str(llama_data), "--hf-model", str(base), "--nproc-per-node", "2", "--fsdp-version", "1",
+               "--tokens-per-sample", str(T), "--batch-size", "2", "--max-update", "3", "--lr", "1e-2",
+               "--log-format", "simple", "--save-dir", str(save))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ckpt = str(save / "checkpoint_last")
+    evaluated = cli("eval-lm", str(llama_data), "--path", ckpt, "--nproc-per-node", "1")
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    assert _valid(evaluated.stdout) == _valid(proc.stdout), (_valid(evaluated.stdout), _valid(proc.stdout))
+    assert "Hugging Face" in evaluated.stdout and "on 1 rank" in evaluated.stdout
+
+    code, text, err = main_in_process(capsys, "generate", "--path", ckpt, "--prompt", PROMPT, "--max-tokens", "6",
+                                      "--greedy")
+    want = _transformers_greedy(AutoModelForCausalLM.from_pretrained(save / "hf"), base, 6)
+    untrained = _transformers_greedy(AutoModelForCausalLM.from_pretrained(base), base, 6)
+    assert (code, text, err) == (0, want + "\n", ""), (code, text, err[-2000:], want)
+    assert want != untrained, want
+
+    capsys.readouterr()  # transformers' loading bars above
+
+    def fails(*argv) -> str:
+        code, out, err = main_in_process(capsys, *argv)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (argv, code, err)
+        return err
+
+    assert "--arch does not apply" in fails("eval-lm", str(llama_data), "--path", ckpt, "--arch",
+                                            "transformer_lm_gpt_mini")
+    (base / "tokenizer.json").unlink()
+    assert "has no tokenizer.json" in fails("generate", "--path", ckpt, "--prompt", PROMPT)
+    other = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=2, num_attention_heads=2,
+                                                         max_position_embeddings=64, tie_word_embeddings=True))
+    other.save_pretrained(base)  # DIR now holds another model
+    capsys.readouterr()
+    assert "does not fit the model" in fails("eval-lm", str(llama_data), "--path", ckpt)
+    base.rename(tmp_path / "moved")
+    for argv in (("eval-lm", str(llama_data), "--path", ckpt), ("generate", "--path", ckpt, "--prompt", PROMPT)):
+        assert f"is a fine-tune of the Hugging Face model {str(base)!r}, which is not a directory" in fails(*argv)
 
 
 def test_tokenizer_of_more_than_65536_ids_trains(cli, tmp_path):

@@ -10,7 +10,10 @@ into ``--tokens-per-sample`` blocks and shared over the ranks by
 :meth:`~fullshard.train.trainer.Trainer.valid_step` sums the token losses.
 So on the valid split with the run's block size, the loss equals the
 trainer's last logged valid loss. A checkpoint directory loads resharded to
-the launched world size; a consolidated file loads as a full state dict.
+the launched world size; a consolidated file loads as a full state dict. The
+checkpoint of a ``fullshard train --hf-model DIR`` run rebuilds the same way:
+the recorded flags name DIR and the LoRA settings, and the trainer builds that
+model (DIR must still be there, see ``hf_trained.py``).
 """
 from __future__ import annotations
 
@@ -117,10 +120,12 @@ def prepare(p: OneLineArgumentParser, args) -> EvalJob:
     # window only matters to training.
     cfg = TrainConfig.from_saved(saved, data_dir=args.data_dir, max_positions=spec.max_positions,
                                  vocab_size=spec.vocab_size, fp16_scale_window=1)
+    # A --hf-model run's model is DIR's with the recorded flags; a GPT's the checkpoint's shape.
+    model = {} if spec.hf_model else dict(arch=spec.arch, **arch_fields(spec.shape), vocab_size=spec.vocab_size,
+                                          max_positions=spec.max_positions)
     cfg = dataclasses.replace(
-        cfg, data_dir=args.data_dir, arch=spec.arch, **arch_fields(spec.shape), vocab_size=spec.vocab_size,
-        max_positions=spec.max_positions,
-        tokens_per_sample=tps, batch_size=args.batch_size or saved.get("batch_size") or 8,
+        cfg, data_dir=args.data_dir, **model, tokens_per_sample=tps,
+        batch_size=args.batch_size or saved.get("batch_size") or 8,
         nproc_per_node=world, log_format=args.log_format, log_file=None, no_save=True,
         finetune_from_model=None, checkpoint_activations=False, offload_activations=False,
         # launched here, on this machine, whatever the training run used
@@ -145,7 +150,9 @@ def eval_main(job: EvalJob) -> dict:
         load_weights(job.path, trainer.model)
         world = dist.get_world_size()
         trained = f", {job.num_updates} updates" if job.num_updates else ""
-        logger.info(f"loaded {job.path} ({cfg.arch}, {trainer.num_params:,} parameters{trained}) on {world} "
+        model = f"Hugging Face {cfg.hf_model}" + (f" + LoRA rank {cfg.lora_rank}" if cfg.lora_rank else "") \
+            if cfg.hf_model else cfg.arch
+        logger.info(f"loaded {job.path} ({model}, {trainer.num_params:,} parameters{trained}) on {world} "
                     f"rank{'s' if world > 1 else ''} ({time.perf_counter() - start:.2f} seconds)")
         dataset = TokenBlockDataset(cfg.data_dir, job.subset, cfg.tokens_per_sample)
         start = time.perf_counter()

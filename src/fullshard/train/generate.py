@@ -4,7 +4,9 @@ continuation from a trained GPT, in one process with no process group.
 The checkpoint is read offline (a checkpoint directory through
 ``torch.distributed.checkpoint``'s reader, which assembles every rank's
 shards, or a consolidated file) into the plain model; text goes through the
-project's GPT-2 tokenizer. Sampling is ancestral, one token at a time, over
+project's GPT-2 tokenizer. The checkpoint of a ``fullshard train --hf-model DIR``
+run loads into the run's ``transformers`` / PEFT model, and text goes through
+DIR's ``tokenizer.json`` (``hf_trained.py``). Sampling is ancestral, one token at a time, over
 the logits of the last position divided by ``--temperature`` and restricted
 to the ``--top-k`` most likely tokens and then to the smallest set whose
 probability reaches ``--top-p`` (nucleus sampling, Holtzman et al. 2020,
@@ -21,6 +23,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from fullshard.data import DataError, load_gpt2_tokenizer
+from fullshard.train import hf_model, hf_trained
 from fullshard.train.options import OneLineArgumentParser
 from fullshard.train.trained_model import ModelSpecError, add_model_args, load_plain_model, read_spec
 
@@ -65,12 +68,14 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 @torch.no_grad()
 def sample(model: torch.nn.Module, prompt: Sequence[int], max_tokens: int, temperature: float = 1.0,
            top_k: int = 0, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
-           eos_id: Optional[int] = None, vocab_limit: Optional[int] = None) -> List[int]:
+           eos_id: Optional[int] = None, vocab_limit: Optional[int] = None,
+           positions: Optional[int] = None) -> List[int]:
     """New token ids continuing ``prompt`` (without the prompt).
 
     Args:
-        model: a GPT mapping (1, T) int64 tokens to (1, T, V) logits; the
-            context is cut to its last ``model.config.max_positions`` tokens.
+        model: a GPT mapping (1, T) int64 tokens to (1, T, V) logits, or a
+            ``transformers`` causal LM (its output's ``.logits``); the context is
+            cut to its last ``positions`` tokens.
         prompt: at least one token id.
         max_tokens: new tokens at most.
         temperature: > 0 samples from softmax(logits / temperature); 0 is greedy.
@@ -78,14 +83,16 @@ def sample(model: torch.nn.Module, prompt: Sequence[int], max_tokens: int, tempe
         generator: the sampling RNG (a fixed seed gives the same ids).
         eos_id: stop after emitting this id (it is included).
         vocab_limit: only ids below it are emitted (a tokenizer smaller than V).
+        positions: the longest context, tokens (default: ``model.config.max_positions``).
     Returns:
         The generated ids, at most ``max_tokens``.
     """
-    positions = model.config.max_positions
+    positions = positions or model.config.max_positions
     ids = torch.tensor([list(prompt)], dtype=torch.long)
     out: List[int] = []
     for _ in range(max_tokens):
-        logits = model(ids[:, -positions:])[0, -1].float()
+        output = model(ids[:, -positions:])
+        logits = getattr(output, "logits", output)[0, -1].float()  # --hf-model: a transformers ModelOutput
         if vocab_limit is not None:
             logits = logits[:vocab_limit]
         if temperature == 0:
@@ -118,14 +125,15 @@ def run(p: OneLineArgumentParser, args) -> int:
     _check(p, args)
     try:
         spec = read_spec(args.path, args.arch, vars(args))
-        tokenizer = load_gpt2_tokenizer()
+        tokenizer = hf_trained.load_tokenizer(spec.hf_model) if spec.hf_model else load_gpt2_tokenizer()
         model = load_plain_model(spec)
-    except (ModelSpecError, DataError) as e:
+    except (ModelSpecError, DataError, hf_model.HFModelError) as e:
         p.fail(str(e))
     prompt = tokenizer.encode(args.prompt)
     temperature = 0.0 if args.greedy else args.temperature
     generator = torch.Generator().manual_seed(args.seed)
     new = sample(model, prompt, args.max_tokens, temperature, args.top_k, args.top_p, generator,
-                 eos_id=tokenizer.eos_id, vocab_limit=min(tokenizer.vocab_size, spec.vocab_size))
+                 eos_id=tokenizer.eos_id, vocab_limit=min(tokenizer.vocab_size, spec.vocab_size),
+                 positions=spec.max_positions)
     print(tokenizer.decode(prompt + new))
     return 0

@@ -10,6 +10,9 @@ run's saved arguments (a checkpoint directory's ``extra``, or the
 does the shape: the arch's, with the run's recorded ``--decoder-*`` overrides
 (explicit ``--decoder-*`` flags win; an explicit ``--arch`` other than the
 recorded one drops the recorded overrides).
+
+A `fullshard train --hf-model DIR` run's checkpoint is read through ``hf_trained.py``: the model is the
+one DIR and the run's recorded LoRA flags build, and --arch / --decoder-* do not apply.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from fullshard.models import ARCHS, ArchSpec, build_model
-from fullshard.train import options
+from fullshard.train import hf_model, hf_trained, options
 from fullshard.train.checkpoint_utils import load_weights
 
 
@@ -45,7 +48,7 @@ class ModelSpec:
     path: str
     """The checkpoint directory or consolidated file."""
     arch: str
-    """A key of ``fullshard.models.ARCHS``."""
+    """A key of ``fullshard.models.ARCHS`` (a --hf-model run: its config's ``model_type``)."""
     vocab_size: int
     """Token ids V (rows of ``embed_tokens.weight``)."""
     max_positions: int
@@ -56,6 +59,8 @@ class ModelSpec:
     """Updates the checkpoint was trained for, or None when unknown."""
     shape: Optional[ArchSpec] = None
     """The model's shape: ``arch`` with the --decoder-* overrides; None means ``ARCHS[arch]``."""
+    hf_model: Optional[str] = None
+    """The Hugging Face directory a `fullshard train --hf-model` run fine-tuned (None: a fullshard GPT)."""
 
 
 def _shapes(path: str) -> dict:
@@ -113,6 +118,13 @@ def read_spec(path: str, arch: Optional[str] = None,
         args, num_updates = _saved(path)
     except (CheckpointError, OSError, RuntimeError, ValueError) as e:
         raise ModelSpecError(f"cannot read checkpoint {path!r}: {str(e).splitlines()[0]}") from None
+    if hf_trained.base_dir(args):
+        try:
+            model_type, vocab, positions = hf_trained.describe(path, args, shapes, arch, overrides)
+        except hf_model.HFModelError as e:
+            raise ModelSpecError(str(e)) from None
+        return ModelSpec(path, model_type, vocab, positions or int(args["tokens_per_sample"]), args, num_updates,
+                         hf_model=hf_trained.base_dir(args))
     if "embed_tokens.weight" not in shapes or "embed_positions.weight" not in shapes:
         raise ModelSpecError(f"checkpoint {path!r} holds no fullshard GPT (no embed_tokens.weight / "
                              "embed_positions.weight)")
@@ -139,18 +151,24 @@ def read_spec(path: str, arch: Optional[str] = None,
 
 
 def load_plain_model(spec: ModelSpec, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """The checkpoint's GPT as a plain module in eval mode, offline (no process group).
+    """The checkpoint's GPT as a plain module in eval mode, offline (no process group); for a --hf-model
+    run, its ``transformers`` / ``peft`` model on the CPU (`hf_trained.load_plain_model`).
 
     Raises:
-        ModelSpecError: the weights cannot be loaded (damaged checkpoint).
+        ModelSpecError: the weights cannot be loaded (damaged checkpoint), or a --hf-model model that
+            cannot be built offline (a --quantize-base nf4 run).
     """
     from fullshard.checkpoint import CheckpointError  # lazy for start-up speed, as above
 
-    model = build_model(spec.shape or spec.arch, spec.vocab_size, spec.max_positions, device="meta")
-    model.to_empty(device=device)
-    model.tie_weights()  # to_empty gives each slot its own Parameter
     try:
+        if spec.hf_model:
+            return hf_trained.load_plain_model(spec.path, spec.args, load_weights)
+        model = build_model(spec.shape or spec.arch, spec.vocab_size, spec.max_positions, device="meta")
+        model.to_empty(device=device)
+        model.tie_weights()  # to_empty gives each slot its own Parameter
         load_weights(spec.path, model)
+    except hf_model.HFModelError as e:
+        raise ModelSpecError(str(e)) from None
     except (CheckpointError, RuntimeError) as e:
         raise ModelSpecError(f"cannot load checkpoint {spec.path!r}: {str(e).splitlines()[0]}") from None
     return model.eval()
