@@ -174,6 +174,13 @@ class BufferPool:
             self.in_use_bytes -= _rounded(nbytes)
             self._home.pop(ptr, None)
 
+    def adopt(self, nbytes: int) -> None:
+        """Count ``nbytes`` allocated outside the pool, which :meth:`reclaim`
+        will take in, as in use (so reclaiming it does not drive the count negative)."""
+        with self._lock:
+            self.in_use_bytes += nbytes
+            self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+
     def lend(self, target: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty storage ``target`` at least ``nbytes`` of pooled memory."""
         if not _CAN_SWAP:
