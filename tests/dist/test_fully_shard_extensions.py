@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
+from fullshard.core.buffers import POOL
 from tests.dist.harness import run_ranks
 
 CALLS: dict = {}
@@ -148,6 +149,7 @@ def _plain(t: torch.Tensor) -> list:
 
 def _train(rank, fully_shard, mp, kind: str, mesh=None):
     _reset()
+    in_use = POOL.stats()["in_use_bytes"]
     model = _model({"bf16": BF16Gather, "two": RowScaled, "patched": None}[kind])
     kw = {"mesh": mesh} if mesh is not None else {}
     if mp is not None:
@@ -169,6 +171,8 @@ def _train(rank, fully_shard, mp, kind: str, mesh=None):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    # Every buffer came back: the gathers' outputs and the post-hooks' tensors counted once each.
+    assert POOL.stats()["in_use_bytes"] == in_use, (kind, POOL.stats(), in_use)
     params = {n: _plain(p) for n, p in model.named_parameters()}
     sd = {k: (type(v).__name__, type(v._local_tensor).__name__, _plain(v)) for k, v in model.state_dict().items()}
     return losses, params, dict(CALLS), sd, freed

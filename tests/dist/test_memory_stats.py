@@ -99,6 +99,8 @@ def _gpt_cases(rank, world):
             kept = n == "" or keep
             assert stats[n]["unsharded_bytes"] == (compute * world * numels[n][0] if kept else 0), (where, n)
         assert stats["pool"]["in_use_bytes"] >= sum(stats[n]["unsharded_bytes"] for n in names), where
+        # Activations peak now: the pool caches nothing beside them (core/buffers.py [Note: buffer reuse]).
+        assert stats["pool"]["cached_bytes"] == 0, (where, stats["pool"])
         assert _all_zero(stats, "full_grad_bytes", "stashed_grad_bytes", "pending_reduce_scatters"), where
 
         # In backward, once the first block's input gradient exists: the last
@@ -129,6 +131,9 @@ def _gpt_cases(rank, world):
         M.loss_fn("gpt", model, x, y).backward()  # the synchronizing backward reduces the stash
         stats = memory_stats(model)
         assert _all_zero(stats, *UNIT_KEYS[1:]), (where, stats)
+        with torch.no_grad():  # no backward follows: the buffers stay cached for the next forward
+            M.loss_fn("gpt", model, x, y)
+        assert memory_stats(model)["pool"]["cached_bytes"] > 0, where
         # A nested unit reports under the same names, relative to itself.
         assert list(memory_stats(unwrap(model).layers[1])) == ["", "pool"], where
         if not ckpt:

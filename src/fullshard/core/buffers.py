@@ -20,15 +20,26 @@ the two storages' data pointers and sizes) and :func:`reclaim` moves it back.
 Where torch lacks that method the storage is resized instead (the memory then
 comes from the allocator each time, as before).
 
-What the pool keeps is bounded twice; beyond either bound the least recently
-returned buffers are freed:
+What the pool keeps is bounded; beyond a bound the least recently returned
+buffers are freed:
 * buffers in use plus cached never exceed the most ever in use at once
-  (``peak_in_use_bytes``), so the pool adds nothing to the footprint a
+  (``peak_in_use_bytes``; checked where a buffer is returned and before a
+  new one is allocated), so the pool adds nothing to the footprint a
   schedule that allocated and freed each buffer would have at its peak. Each
   size keeps as many buffers as were in use together, and sizes whose uses
   never overlap (a GPT's root unit, used at both ends of the step, and its
   blocks) do not each keep their own set;
-* at most :data:`CACHE_FACTOR` times the largest buffer is cached.
+* at most :data:`CACHE_FACTOR` times the largest buffer is cached;
+* nothing is cached once a root unit's forward under grad has ended
+  (core/state.py ``post_forward`` empties the cache): activations, and the
+  loss's (``B·T·V`` logits), peak between forward and backward, while the
+  pool's use is at its lowest, and buffers cached there would sit beside
+  them (torch's allocator would give that memory to the activations; torch
+  FSDP2 frees its all-gather outputs). Backward takes its first units'
+  buffers from the allocator again; they then cycle through the pool. On
+  ``fullshard bench --lora`` this was the whole step-peak difference to
+  torch FSDP2 but the rounding below: the root's all-gather output and the
+  last layer's two buffers, cached at the peak.
 
 On a CUDA device with side streams (core/streams.py [Note: streams and
 events]) a returned buffer carries an event recorded on the stream that
@@ -98,6 +109,8 @@ class BufferPool:
             else:
                 self.misses += 1
                 s = event = None
+                # In use + cached stays within the peak here too (freed before the new one is allocated).
+                self._trim(min(CACHE_FACTOR * self.largest_bytes, self.peak_in_use_bytes - self.in_use_bytes))
         if s is None:
             s = torch.UntypedStorage(nbytes, device=device)
             taker = streams.current(device)
@@ -134,13 +147,16 @@ class BufferPool:
             self._free.setdefault(key, []).append(entry)
             self._free.move_to_end(key)
             self.cached_bytes += nbytes
-            limit = min(CACHE_FACTOR * self.largest_bytes, self.peak_in_use_bytes - self.in_use_bytes)
-            while self.cached_bytes > limit and self._free:
-                old_key, stack = next(iter(self._free.items()))
-                self._drop(stack.pop(0))
-                self.cached_bytes -= old_key[1]
-                if not stack:
-                    del self._free[old_key]
+            self._trim(min(CACHE_FACTOR * self.largest_bytes, self.peak_in_use_bytes - self.in_use_bytes))
+
+    def _trim(self, limit: int) -> None:
+        """Free the least recently returned cached buffers until at most ``limit`` bytes are cached (lock held)."""
+        while self.cached_bytes > limit and self._free:
+            old_key, stack = next(iter(self._free.items()))
+            self._drop(stack.pop(0))
+            self.cached_bytes -= old_key[1]
+            if not stack:
+                del self._free[old_key]
 
     def _drop(self, entry: tuple) -> None:
         """Free a cached buffer: the stream that allocated it (whose later
@@ -157,6 +173,13 @@ class BufferPool:
         with self._lock:
             self.in_use_bytes -= _rounded(nbytes)
             self._home.pop(ptr, None)
+
+    def adopt(self, nbytes: int) -> None:
+        """Count ``nbytes`` allocated outside the pool, which :meth:`reclaim`
+        will take in, as in use (so reclaiming it does not drive the count negative)."""
+        with self._lock:
+            self.in_use_bytes += nbytes
+            self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
 
     def lend(self, target: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty storage ``target`` at least ``nbytes`` of pooled memory."""

@@ -163,6 +163,8 @@ def start(unit) -> None:
             state.outputs = [torch.empty(unit.world * t.numel(), dtype=t.dtype, device=t.device)
                              for t in state.inputs]
             state.storages = [(o.untyped_storage(), o.untyped_storage().nbytes()) for o in state.outputs]
+            for storage, _ in state.storages:  # realloc() lends them pooled memory, counted as in use
+                storage.resize_(0)
         state.realloc()
         state.works = [collectives.all_gather(o, t.view(-1), unit.cfg.shard_group, async_op=True,
                                               tag=f"unit '{unit.name}' extension '{unit.slots[i].fqn}'")
@@ -199,6 +201,7 @@ def finish(unit) -> None:
                 storage = t.untyped_storage()
                 if storage.nbytes() and not any(s._cdata == storage._cdata for s, _ in state.storages):
                     state.storages.append((storage, storage.nbytes()))
+                    POOL.adopt(storage.nbytes())  # the hook's memory: the pool takes it in at free()
         state.metadata = None
 
 

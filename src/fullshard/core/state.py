@@ -38,6 +38,7 @@ import torch
 
 from ..api import BackwardPrefetch
 from . import collectives, offload, torch_private, used_flags
+from .buffers import POOL
 from .reduce import PendingReduce
 from .settings import UnitSettings
 from .torch_private import in_backward_pass
@@ -323,6 +324,8 @@ def post_forward(rt: UnitRuntime, output: Any, extra: tuple = ()) -> Any:
     elif rt.settings.reshard_after_forward and not rt.is_root:
         rt.unit.reshard_partial()
     rt.transition(TrainingState.IDLE)
+    if grad_on and rt.is_root:  # activations peak next: cache nothing beside them (buffers.py [Note: buffer reuse])
+        POOL.clear()
     if grad_on:
         hook = PreBackwardHook(weakref.ref(rt))
         for t in tensors_in((output, extra)):
