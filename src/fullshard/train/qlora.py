@@ -38,7 +38,8 @@ def trim_heap() -> None:
     Quantizing one weight after another frees temporaries whose pages glibc keeps (its mmap
     threshold rises after the first large free, so later ones come from the heap). Those pages,
     not the NF4 shards, set a rank's load peak: 220 / 267 MiB per rank on the 109.5M Llama at 2
-    ranks without the trim, 118 / 115 MiB with it (examples/hf_load_rss.py --quantize-base nf4).
+    ranks without the trim, 120 / 118 MiB with it (another run: 127 / 146; examples/hf_load_rss.py
+    --quantize-base nf4).
     """
     trim = getattr(_LIBC, "malloc_trim", None)
     if trim is not None:
