@@ -54,7 +54,7 @@ from fullshard.models import TransformerBlock, build_model, make_param_init_fn
 from fullshard.models.stages import check_split, cut_gpt, even_split, join_stages
 from fullshard.pipelining import PipelineStage
 from fullshard.train import invariance, pipeline_plan, sharding
-from fullshard.train.pipeline_checks import LOOPED, V_SHAPED, check, microbatches, parse_split, stage_ids
+from fullshard.train.pipeline_checks import MULTI_STAGE, V_SHAPED, check, microbatches, parse_split, stage_ids
 
 
 def data_parallel(cfg) -> tuple[int, int]:
@@ -136,8 +136,8 @@ class Pipeline:
         self.optim_model = join_stages(self.modules, with_tied_copy=False)
         self.is_first, self.is_last = 0 in self.stage_ids, num_stages - 1 in self.stage_ids
         cls = schedules.get_schedule_class(cfg.pipeline_schedule)
-        several = cfg.pipeline_schedule in LOOPED or cfg.pipeline_schedule in V_SHAPED
-        self.schedule = cls(stages if several else stages[0], m, loss_fn=self._loss_fn, scale_grads=False)
+        self.schedule = cls(stages if cfg.pipeline_schedule in MULTI_STAGE else stages[0], m, loss_fn=self._loss_fn,
+                            scale_grads=False)
         self.group = collectives.world_group()
         self._tie_group = self._make_tie_group(p, d)
         self._denominator, self._sums, self._seq_sums = 1.0, [], []

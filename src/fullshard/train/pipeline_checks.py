@@ -13,6 +13,8 @@ pipeline rank ``p`` holds stages ``p, p + P, ...``."""
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 """Schedules with exactly 2 stages per pipeline rank, placed in a V: pipeline rank ``p`` holds stages ``p``
 and ``2P - 1 - p`` (so the first rank holds the first and the last stage)."""
+MULTI_STAGE = LOOPED + V_SHAPED
+"""Schedules that take a list of stages (several per pipeline rank)."""
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """The zero-bubble schedules: backward split into an input and a weight pass (fullshard.pipelining's
 [Note: split backward of fullshard units])."""
@@ -97,7 +99,7 @@ def check_schedule(schedule: str, p: int, v: int, m: int, num_layers: int, *, fs
     if schedule in V_SHAPED and v != 2:
         raise ValueError(f"--pipeline-schedule {schedule} needs --pipeline-stages-per-rank 2 (V-shaped: rank p holds "
                          f"stages p and 2P-1-p), not {v}")
-    looped = schedule in LOOPED or schedule in V_SHAPED
+    looped = schedule in MULTI_STAGE
     if looped and fsdp_version == 1:
         raise ValueError(f"--pipeline-schedule {schedule} with --fsdp-version 1: a rank's several "
                          "stage wrappers have no one module under the plain names for checkpoints; use "

@@ -17,7 +17,7 @@ from fullshard.train import plan as memory_plan
 from fullshard.train.flags import add_options, flag
 from fullshard.train.launcher import threads_per_rank
 from fullshard.train.options import OneLineArgumentParser
-from fullshard.train.pipeline_checks import LOOPED, SCHEDULES, SPLIT_BACKWARD, V_SHAPED, check_schedule
+from fullshard.train.pipeline_checks import MULTI_STAGE, SCHEDULES, SPLIT_BACKWARD, check_schedule
 from fullshard.train.pipeline_plan import (
     ModelCosts,
     SplitError,
@@ -69,7 +69,7 @@ def _check(p: OneLineArgumentParser, args, num_layers: int) -> tuple[str, int, i
         p.fail(f"--pipeline-parallel-size must be >= 1, got {P}")
     V = args.pipeline_stages_per_rank
     schedule = args.pipeline_schedule or ("Interleaved1F1B" if V is not None and V > 1 else "1F1B")
-    V = V if V is not None else (2 if schedule in LOOPED or schedule in V_SHAPED else 1)
+    V = V if V is not None else (2 if schedule in MULTI_STAGE else 1)
     M = args.pipeline_microbatches if args.pipeline_microbatches is not None else P
     for name, value in (("microbatches", M), ("stages_per_rank", V), ("profile_reps", args.pipeline_profile_reps)):
         if value < 1:
