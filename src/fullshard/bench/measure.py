@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fullshard.core import torch_private
+from fullshard.core import packed, torch_private
 from fullshard.core.buffers import POOL
 from fullshard.train.launcher import threads_per_rank
 
@@ -51,12 +51,7 @@ def _plain(tensors: Iterable[Optional[torch.Tensor]]):
     for t in tensors:
         if t is None:
             continue
-        t = local_tensor(t)
-        if hasattr(t, "__tensor_flatten__"):  # a traceable subclass (plain tensors have none)
-            names, _ = t.__tensor_flatten__()
-            yield from _plain(getattr(t, n) for n in names)
-        else:
-            yield t
+        yield from packed.inner_tensors(local_tensor(t))
 
 
 def param_bytes(model: nn.Module) -> int:

@@ -26,7 +26,7 @@ present its local subclass shards as ``DTensor(Shard(0))``.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -135,9 +135,17 @@ class PackedPart(Unit):
             "or dequantize the parameter before sharding")
 
 
+def inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors inside a traceable subclass (``__tensor_flatten__``, recursively); a plain
+    tensor itself."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        yield t
+        return
+    names, _ = t.__tensor_flatten__()
+    for n in names:
+        yield from inner_tensors(getattr(t, n))
+
+
 def _inner_bytes(t: torch.Tensor) -> int:
     """Bytes of the plain tensors inside a traceable subclass (its own for a plain tensor)."""
-    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
-        return t.numel() * t.element_size()
-    names, _ = t.__tensor_flatten__()
-    return sum(_inner_bytes(getattr(t, n)) for n in names)
+    return sum(x.numel() * x.element_size() for x in inner_tensors(t))
