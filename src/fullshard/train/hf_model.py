@@ -267,11 +267,15 @@ def read_rows(file: str, entry: dict, start: int, row_start: int, row_end: int) 
     Returns:
         A new tensor ``(row_end - row_start, *shape[1:])`` of the stored dtype.
     """
-    shape = entry["shape"]
-    dtype = _DTYPES[entry["dtype"]]
-    row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    out = torch.empty((row_end - row_start, *shape[1:]), dtype=dtype)
+    out = torch.empty((row_end - row_start, *entry["shape"][1:]), dtype=_DTYPES[entry["dtype"]])
+    return _read_bytes_into(out, file, entry, start, row_start)
+
+
+def _read_bytes_into(out: torch.Tensor, file: str, entry: dict, start: int, row_start: int) -> torch.Tensor:
+    """The file's bytes of rows ``row_start, ...`` into ``out`` (a contiguous CPU tensor of the stored
+    dtype, as many rows as it has), with one positioned read. Returns ``out``."""
     if out.numel():
+        row_bytes = math.prod(entry["shape"][1:]) * _DTYPES[entry["dtype"]].itemsize
         with open(file, "rb") as f:
             f.seek(start + entry["data_offsets"][0] + row_start * row_bytes)
             f.readinto(memoryview(out.view(torch.uint8).numpy()).cast("B"))
@@ -294,10 +298,7 @@ def read_rows_into(out: torch.Tensor, file: str, entry: dict, start: int, row_st
     if out.device.type != "cpu" or not out.is_contiguous():
         return out.copy_(read_rows(file, entry, start, row_start, row_start + rows).view(out.shape))
     if out.dtype == stored:
-        with open(file, "rb") as f:
-            f.seek(start + entry["data_offsets"][0] + row_start * (out.numel() // rows) * stored.itemsize)
-            f.readinto(memoryview(out.view(torch.uint8).numpy()).cast("B"))
-        return out
+        return _read_bytes_into(out, file, entry, start, row_start)
     flat = out.view(rows, -1)
     step = max(1, CHUNK_BYTES // (flat.shape[1] * stored.itemsize))
     for lo in range(0, rows, step):
