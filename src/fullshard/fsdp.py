@@ -20,7 +20,7 @@ from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .checkpoint import module_hooks
 from .checkpoint.fsdp1_methods import StateDictMethods
 from .construct import _PREFIX
-from .core import casting, collectives, convert, deferred_init, extensions, gather, norms, state
+from .core import casting, collectives, convert, deferred_init, extensions, gather, norms, state, stored
 from .core.module import UnitModule, unit_modules
 from .core.settings import UnitSettings
 from .forward_methods import _hook_direct_calls, register_fsdp_forward_method  # noqa: F401 (public here too)
@@ -245,7 +245,7 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
         rt = self._runtime
         args, kwargs = state.pre_forward(rt, args, kwargs)
         # Without grad no backward follows: nothing stored needs a hook.
-        before = self._stored_tensor_ids() if torch.is_grad_enabled() else None
+        before = stored.snapshot(self._own_modules) if torch.is_grad_enabled() else None
         settings = rt.settings
         settings.forward_depth += 1  # calls of the wrapped module inside are this forward's (forward_methods.py)
         try:
@@ -255,19 +255,7 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
             raise
         finally:
             settings.forward_depth = max(0, settings.forward_depth - 1)
-        return state.post_forward(rt, out, self._stored_tensors(before))
-
-    def _stored_tensor_ids(self) -> set[int]:
-        return {id(v) for m in self._own_modules for v in m.__dict__.values() if torch.is_tensor(v)}
-
-    def _stored_tensors(self, before: Optional[set[int]]) -> tuple:
-        """Tensors this unit's forward stored on its modules instead of
-        returning them (a loss kept as ``self.loss``): they get the same
-        pre-backward hook as outputs, so a backward from them is correct."""
-        if before is None:
-            return ()
-        return tuple(v for m in self._own_modules for v in m.__dict__.values()
-                     if torch.is_tensor(v) and v.grad_fn is not None and id(v) not in before)
+        return state.post_forward(rt, out, () if before is None else stored.stored_since(before))
 
     def _require_root_idle(self, what: str, root_only: bool = True) -> state.RootRuntime:
         self._lazy_init()

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import construct, dtensor_specs, fsdp2_state, wrap
 from .api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
-from .core import backward_guard, collectives, consistency, deferred_init, extensions, state
+from .core import backward_guard, collectives, consistency, deferred_init, extensions, state, stored
 from .core.convert import adopt
 from .core.module import UnitModule, unit_modules
 from .core.settings import UnitSettings
@@ -367,7 +367,7 @@ def _pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> tuple[tuple, 
         consistency.verify([r.unit for r in rt.root.runtimes])
     out = state.pre_forward(rt, args, kwargs)
     if rt.state is state.TrainingState.FORWARD:
-        shared.before = _stored_ids(shared.own) if torch.is_grad_enabled() else None
+        shared.before = stored.snapshot(shared.own) if torch.is_grad_enabled() else None
         if torch.is_grad_enabled() and not settings.unshard_in_backward:
             backward_guard.enter(rt.unit)
     settings.forward_depth = 1
@@ -385,21 +385,16 @@ def _post_forward(module: FSDPModule, args: tuple, kwargs: dict, output: Any) ->
     settings.forward_depth -= 1
     if settings.forward_depth:
         return output
-    stored = ()
+    kept = ()
     if rt.state is state.TrainingState.FORWARD and shared.before is not None:
-        stored = tuple(v for m in shared.own for v in m.__dict__.values()
-                       if torch.is_tensor(v) and v.grad_fn is not None and id(v) not in shared.before)
+        kept = stored.stored_since(shared.before)  # [Note: stored outputs]
     shared.before = None
     backward_guard.leave(rt.unit)
-    output = state.post_forward(rt, output, stored)
+    output = state.post_forward(rt, output, kept)
     dtype = shared.output_dtype
     if dtype is not None:
         output = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
     return output
-
-
-def _stored_ids(own: list[nn.Module]) -> set[int]:
-    return {id(v) for m in own for v in m.__dict__.values() if torch.is_tensor(v)}
 
 
 def _before_load(module: FSDPModule, *args) -> None:

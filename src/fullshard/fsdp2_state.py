@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .api import MixedPrecisionPolicy
-from .core import collectives, registry, state
+from .core import collectives, registry, state, stored
 from .core.unit import ShardedState, Unit
 
 
@@ -33,7 +33,7 @@ class FSDPState:
         self.runtime = runtime
         self.own = own  # modules whose stored tensors count as outputs
         self.output_dtype = mp_policy.output_dtype
-        self.before: Optional[set[int]] = None  # ids of tensors stored on ``own`` before this forward
+        self.before: Optional[stored.Snapshot] = None  # ``own``'s attributes before this forward
         self._modules = tuple(modules)
         self._mp_policy = mp_policy
         self._mesh = mesh

@@ -32,8 +32,8 @@ def test_helpers_are_no_ops_without_side_streams():
 
 def test_switch_reads_the_environment_unless_forced(monkeypatch):
     monkeypatch.delenv(streams.ENV, raising=False)
-    assert not streams.enabled()  # default off until the CUDA tests have passed on a GPU
-    for off in ("0", "off", "false"):
+    assert streams.enabled()  # on by default (the CUDA tests passed on a GPU)
+    for off in ("0", "off", "false", "OFF"):
         monkeypatch.setenv(streams.ENV, off)
         assert not streams.enabled()
         # Disabled: no CUDA call is made, so this holds on a machine without a GPU too.

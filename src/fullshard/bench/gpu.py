@@ -16,7 +16,11 @@ from ``--seed``), the same token batches and AdamW. Modes (:data:`MODES`):
   ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``: the same engine behind the FSDP1-style door;
 - ``fully_shard_offload``, ``fsdp2_offload``: ``fully_shard`` and torch FSDP2 with
   ``CPUOffloadPolicy(pin_memory=True)`` (shards, gradients and the AdamW step in pinned host memory), and
-  ``wrapper_offload``: the wrapper with ``CPUOffload(offload_params=True)`` (pinned likewise).
+  ``wrapper_offload``: the wrapper with ``CPUOffload(offload_params=True)`` (pinned likewise). The fullshard
+  offload rows step with :class:`fullshard.optim.OffloadAdamW` (each unit's CPU step overlapping the rest of
+  backward, torch's fused CPU AdamW kernel); ``fsdp2_offload`` with ``torch.optim.AdamW``'s default (what
+  torch FSDP2's users get), and ``fsdp2_offload_fused`` with ``torch.optim.AdamW(fused=True)``, the same CPU
+  kernel as ours without the overlap.
 
 A step is ``zero_grad``, forward, backward and ``optimizer.step``, timed between
 ``torch.cuda.synchronize()`` calls; the table gives the median of ``--timed-steps`` steps after
@@ -59,6 +63,7 @@ from fullshard import (
 from fullshard.bench import gpu_trace
 from fullshard.core.params import local_of
 from fullshard.models import GPT, GPTConfig, TransformerBlock
+from fullshard.optim import OffloadAdamW
 from fullshard.wrap import ModuleWrapPolicy
 
 GIB = 1024 ** 3
@@ -84,6 +89,7 @@ MODES = {
     "fully_shard_offload": Mode("fullshard fully_shard, CPU offload", "fully_shard", True, "fsdp2_offload"),
     "wrapper_offload": Mode("fullshard FullyShardedDataParallel, CPU offload", "wrapper", True, "fsdp2_offload"),
     "fsdp2_offload": Mode("torch FSDP2, CPU offload", "fsdp2", True, "fsdp2_offload"),
+    "fsdp2_offload_fused": Mode("torch FSDP2, CPU offload, fused AdamW", "fsdp2", True, "fsdp2_offload"),
 }
 
 
@@ -181,7 +187,11 @@ def run_mode(name: str, job: GpuJob, init_file: str) -> dict:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
     try:
         model = wrap(name, build_gpt(job, device), device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        if MODES[name].offload and MODES[name].family != "fsdp2":
+            opt = OffloadAdamW(model, lr=1e-4, weight_decay=0.1)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
+                                    fused=True if name == "fsdp2_offload_fused" else None)
         gen = torch.Generator(device).manual_seed(job.seed + 1)
         steps = job.warmup_steps + job.timed_steps
         tokens = torch.randint(0, job.vocab_size, (steps, job.batch_size, job.seq_len + 1), generator=gen,

@@ -38,6 +38,7 @@ zeroed on the way in (:func:`_strided_pairs`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, Optional, Sequence
 
@@ -165,6 +166,58 @@ class FlatLayout:
         """Real (unpadded) elements ``rank`` keeps."""
         return sum(p.local_rows(rank) * p.row_numel for p in self.params)
 
+    # Python integers derived once per layout (layouts are immutable): the
+    # copy-in / copy-out of every all-gather and reduce-scatter reads them,
+    # and recomputing them per call was host time on the forward's critical
+    # path (a GPU waits on it).
+    @functools.cached_property
+    def memory_order(self) -> tuple[int, ...]:
+        """Parameter indices in the order of their regions in the unsharded flat."""
+        return tuple(sorted(range(len(self.params)), key=lambda i: self.params[i].full_offset))
+
+    @functools.cached_property
+    def split_sizes(self) -> tuple[int, ...]:
+        """Sizes that cut the unsharded flat into [param, pad, param, pad, ...,
+        tail] in memory order (see :func:`unsharded_views`)."""
+        sizes, end = [], 0
+        for i in self.memory_order:
+            p = self.params[i]
+            sizes += [p.numel, p.full_span - p.numel]
+            end = p.full_offset + p.full_span
+        return tuple(sizes + [self.unsharded_numel - end])
+
+    @functools.cached_property
+    def all_trainable(self) -> bool:
+        return all(p.requires_grad for p in self.params)
+
+    def block_plan(self, grad: bool) -> tuple[tuple[int, int, int, int, int], ...]:
+        """Per non-strided parameter (trainable ones only with ``grad``): its
+        offset and length in a rank's block of a rank-major buffer, the owner
+        rank (-1 unless owned), and its region (offset, span) in the
+        param-major unsharded flat; see :func:`_rank_major_blocks`."""
+        return self._grad_plan if grad else self._shard_plan
+
+    @functools.cached_property
+    def _shard_plan(self) -> tuple:
+        return _block_plan(self, grad=False)
+
+    @functools.cached_property
+    def _grad_plan(self) -> tuple:
+        return _block_plan(self, grad=True)
+
+
+def _block_plan(layout: FlatLayout, grad: bool) -> tuple:
+    plan = []
+    for p in layout.params:
+        if (grad and not p.requires_grad) or p.strided:
+            continue
+        off = p.grad_offset if grad else p.shard_offset
+        if p.owned:
+            plan.append((off, p.numel, p.placement.rank, p.full_offset, p.full_span))
+        else:
+            plan.append((off, p.shard_numel, -1, p.full_offset, p.full_span))
+    return tuple(plan)
+
 
 def make_layout(named_shapes: Sequence[tuple[str, torch.Size, bool]], world: int,
                 placed: Optional[Sequence[placements.Placement]] = None) -> FlatLayout:
@@ -273,22 +326,6 @@ def grad_shard_views(flat_grad: torch.Tensor, layout: FlatLayout, rank: int) -> 
     return views
 
 
-def _memory_order(layout: FlatLayout) -> list[int]:
-    """Parameter indices in the order of their regions in the unsharded flat."""
-    return sorted(range(len(layout.params)), key=lambda i: layout.params[i].full_offset)
-
-
-def split_sizes(layout: FlatLayout) -> list[int]:
-    """Sizes that cut the unsharded flat into [param, pad, param, pad, ...,
-    tail] in memory order (see :func:`unsharded_views`)."""
-    sizes, end = [], 0
-    for i in _memory_order(layout):
-        p = layout.params[i]
-        sizes += [p.numel, p.full_span - p.numel]
-        end = p.full_offset + p.full_span
-    return sizes + [layout.unsharded_numel - end]
-
-
 def unsharded_views(flat_full: torch.Tensor, layout: FlatLayout) -> list[torch.Tensor]:
     """Full-parameter views of the param-major unsharded flat, in layout order.
 
@@ -296,10 +333,11 @@ def unsharded_views(flat_full: torch.Tensor, layout: FlatLayout) -> list[torch.T
     gradients meet in a single node and reach ``flat_full.grad`` in one
     accumulation (one post-accumulate-grad hook call per backward).
     """
-    pieces = torch.split_with_sizes(flat_full, split_sizes(layout))
+    pieces = torch.split_with_sizes(flat_full, layout.split_sizes)
     views: list = [None] * len(layout.params)
-    for k, i in enumerate(_memory_order(layout)):
-        views[i] = pieces[2 * k].view(layout.params[i].shape)
+    params = layout.params
+    for k, i in enumerate(layout.memory_order):
+        views[i] = pieces[2 * k].view(params[i].shape)
     return views
 
 
@@ -308,28 +346,16 @@ def _rank_major_blocks(buf: torch.Tensor, layout: FlatLayout, numel: int, grad: 
     parameter: (N, chunk) strided for a row- or block-sharded one, the
     owner's whole slot for an owned one."""
     two_d = buf.view(layout.world, numel)
-    out = []
-    for p in layout.params:
-        if (grad and not p.requires_grad) or p.strided:
-            continue
-        off = p.grad_offset if grad else p.shard_offset
-        if p.owned:
-            out.append(two_d[p.placement.rank, off:off + p.numel])
-        else:
-            out.append(two_d[:, off:off + p.shard_numel])
-    return out
+    return [two_d[r, off:off + n] if r >= 0 else two_d[:, off:off + n]
+            for off, n, r, _, _ in layout.block_plan(grad)]
 
 
 def _param_major_blocks(flat_full: torch.Tensor, layout: FlatLayout, grad: bool) -> list[torch.Tensor]:
     """The matching views of a param-major buffer: (N, chunk) contiguous, or
     the owned parameter itself."""
-    out = []
-    for p in layout.params:
-        if (grad and not p.requires_grad) or p.strided:
-            continue
-        region = flat_full[p.full_offset:p.full_offset + p.full_span]
-        out.append(region if p.owned else region.view(layout.world, p.shard_numel))
-    return out
+    world = layout.world
+    return [flat_full[fo:fo + span] if r >= 0 else flat_full[fo:fo + span].view(world, n)
+            for _, n, r, fo, span in layout.block_plan(grad)]
 
 
 def _owned_tails(buf: torch.Tensor, layout: FlatLayout, numel: int, grad: bool) -> list[torch.Tensor]:

@@ -1,7 +1,7 @@
 """A unit's all-gather and reduce-scatter (and HYBRID_SHARD's all-reduce)
 issued on the side streams of its compute device, so they overlap the
 compute stream's work (core/streams.py [Note: streams and events] says what
-waits on what). Without side streams (the CPU; CUDA unless ``FULLSHARD_STREAMS=1``)
+waits on what). Without side streams (the CPU; CUDA with ``FULLSHARD_STREAMS=0``)
 each function issues exactly today's asynchronous collective on the
 current stream and returns its work handle.
 

@@ -42,6 +42,7 @@ shadow what it installs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Callable, Optional
 
@@ -81,7 +82,15 @@ class DTensorSpec:
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's shard) as the parameter's DTensor; no copy."""
-        return torch_private.dtensor_of(local, self.mesh, self.placements, self.shape, self.stride)
+        spec = self._torch_specs.get(local.dtype)
+        if spec is None:  # one per dtype: every backward wraps each gradient shard
+            spec = self._torch_specs[local.dtype] = torch_private.dtensor_spec(
+                self.mesh, self.placements, self.shape, self.stride, local.dtype)
+        return torch_private.dtensor_of(local, self.mesh, self.placements, self.shape, self.stride, spec)
+
+    @functools.cached_property
+    def _torch_specs(self) -> dict:
+        return {}
 
     def wrap_full(self, full: torch.Tensor) -> torch.Tensor:
         """A full view (this rank's tensor-parallel part of the parameter) as

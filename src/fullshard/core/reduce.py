@@ -55,7 +55,8 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
     if isinstance(alloc, comm.SymmMemAllocator) and not settings.force_sum:
         alloc = None
     reduce_in, block = reduce_input(unit, full_grad, used, alloc)
-    reduce_in.div_(pre)  # DDP pre-divides; see UnitSettings.divide_factors
+    if pre != 1:  # x / 1 == x: a kernel per unit saved at world size 1
+        reduce_in.div_(pre)  # DDP pre-divides; see UnitSettings.divide_factors
     out = comm.take(alloc, block, unit.reduce_dtype, cfg.compute_device) if alloc is not None and \
         not alloc.pooled else torch.empty(block, dtype=unit.reduce_dtype, device=cfg.compute_device)
     if alloc is not None:

@@ -337,11 +337,13 @@ class Unit:
             slot.show_full(view)
 
     def _grad_views(self) -> list[torch.Tensor]:
-        frozen = flat.unsharded_views(self.flat_full.detach(), self.layout)
         if not self.needs_grad:
-            return extensions.module_views(self, frozen, False)
+            return extensions.module_views(self, flat.unsharded_views(self.flat_full.detach(), self.layout), False)
         with torch.enable_grad():  # also when called from a backward hook
             live = grads.UnflattenFull.apply(self.flat_full, weakref.ref(self), self.layout)
+            if self.layout.all_trainable:
+                return extensions.module_views(self, list(live), True)
+            frozen = flat.unsharded_views(self.flat_full.detach(), self.layout)
             views = [v if p.requires_grad else fz for v, fz, p in zip(live, frozen, self.layout.params)]
             return extensions.module_views(self, views, True)
 
