@@ -1,4 +1,7 @@
 """The GPU benchmark's table and command line (fullshard.bench.gpu), without a GPU or ranks."""
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -62,3 +65,28 @@ def test_build_gpt_is_deterministic_and_gpt2_scaled():
     assert a.output_projection.weight is a.embed_tokens.weight
     assert 0.015 < float(a.layers[0].mlp.fc1.weight.detach().std()) < 0.025
     assert torch.equal(a.layer_norm.weight, torch.ones(32)) and torch.equal(a.layer_norm.bias, torch.zeros(32))
+
+
+def test_from_json_renders_labelled_runs_against_their_own_baselines(tmp_path, capsys):
+    job = gpu.GpuJob(batch_size=4, seq_len=1000)
+
+    def dump(name, results, run_job=job):
+        path = tmp_path / name
+        path.write_text(json.dumps(dict(job=dataclasses.asdict(run_job), env=ENV, results=results)))
+        return str(path)
+    now = dump("now.json", {"fully_shard": _res(110.0, 30.0), "fsdp2": _res(100.0, 40.0)})
+    old = dump("old.json", {"fully_shard": _res(150.0, 40.0)})
+    other = dump("other.json", {"fully_shard": _res(90.0, 30.0), "fsdp2": _res(60.0, 40.0)})
+    out = tmp_path / "out"
+    assert gpu.main(["--out-dir", str(out), "--from-json", now, f"before={old}", f"elsewhere={other}"]) == 0
+    table = (out / "gpu.md").read_text()
+    assert _row(table, "fullshard fully_shard")[6] == "1.10"
+    assert _row(table, "before: fullshard fully_shard")[6] == "1.50"  # no torch row of its own: the first run's
+    assert _row(table, "elsewhere: fullshard fully_shard")[6] == "1.50"  # its own torch row (60 ms)
+    assert "Rows from: `python -m fullshard.bench.gpu --out-dir d` (H100); before: `" in table
+    assert json.loads((out / "gpu.json").read_text())["results"]["before/fully_shard"]["step_ms"] == 150.0
+    longer = dump("longer.json", {"fully_shard": _res(1.0, 1.0)}, dataclasses.replace(job, timed_steps=3))
+    for bad, says in ((longer, "ran another job"), (str(tmp_path / "missing.json"), "cannot read")):
+        with pytest.raises(SystemExit) as e:
+            gpu.main(["--out-dir", str(out), "--from-json", now, bad])
+        assert e.value.code == 2 and says in capsys.readouterr().err

@@ -60,19 +60,24 @@ def test_pool_makes_no_events_on_the_cpu():
 
 
 def test_collectives_without_side_streams_are_todays(monkeypatch):
-    """No side streams: the work handle of the one asynchronous collective, issued as before."""
+    """No side streams: the work handle of the one asynchronous collective, issued as before; a cast shard
+    is written into this rank's block of the output and gathered in place."""
     calls = []
 
     def fake(name):
         def run(out, inp, group, async_op, tag):
-            calls.append((name, async_op, tag, inp.dtype))
-            out.copy_(inp)
+            offset = inp.data_ptr() - out.data_ptr() if name == "all_gather" else None  # bytes into out
+            calls.append((name, async_op, tag, inp.dtype, offset))
+            if name == "reduce_scatter":
+                out.copy_(inp)
             return "handle"
         return run
+    monkeypatch.setattr(overlap.collectives, "group_rank", lambda group: 1)  # block 1 of 2
     monkeypatch.setattr(overlap.collectives, "all_gather", fake("all_gather"))
     monkeypatch.setattr(overlap.collectives, "reduce_scatter", fake("reduce_scatter"))
-    out = torch.empty(4, dtype=torch.bfloat16)
+    out = torch.zeros(8, dtype=torch.bfloat16)
     assert overlap.all_gather(out, torch.arange(4.0), None, "t", (CPU, torch.bfloat16)) == "handle"
-    assert torch.equal(out, torch.arange(4.0).bfloat16())
+    assert torch.equal(out[4:], torch.arange(4.0).bfloat16()) and not out[:4].any()
     assert overlap.reduce_scatter(torch.empty(4), torch.ones(4), None, "t", replicas="rep") == ("handle", False)
-    assert calls == [("all_gather", True, "t", torch.bfloat16), ("reduce_scatter", True, "t", torch.float32)]
+    assert calls == [("all_gather", True, "t", torch.bfloat16, 4 * 2),
+                     ("reduce_scatter", True, "t", torch.float32, None)]

@@ -253,7 +253,9 @@ def format_table(results: dict[str, dict], job: GpuJob, env: dict) -> str:
     """Markdown: a header naming the setup and one row per mode in ``results``.
 
     Args:
-        results: mode name -> :func:`run_mode`'s dict, or ``{"error": "..."}``.
+        results: mode name -> :func:`run_mode`'s dict, or ``{"error": "..."}``. A name ``LABEL/mode`` (rows
+            of another run, see ``--from-json``) is labelled so and divided by that run's baselines, or
+            by the first other run's when it has none.
         job: what was trained.
         env: ``torch``, ``cuda``, ``gpu`` and ``command`` strings.
     """
@@ -267,21 +269,23 @@ def format_table(results: dict[str, dict], job: GpuJob, env: dict) -> str:
         "",
         f"Command: `{env['command']}`",
         "",
+        *([f"Rows from: {'; '.join(env['runs'])}.", ""] if env.get("runs") else []),
         "| mode | params on | step ms (median) | tokens/s | max allocated GiB | after wrap GiB "
         "| step x torch FSDP2 | step x DDP | memory x torch FSDP2 | memory x DDP | host syncs / step "
         "| all-gather hidden | reduce-scatter hidden | loss first → last |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    ddp = results.get("ddp", {})
     for name, res in results.items():
-        mode = MODES[name]
+        prefix, _, plain = name.rpartition("/")
+        mode = MODES[plain]
+        label = f"{prefix}: {mode.label}" if prefix else mode.label
         if "error" in res:
-            lines.append(f"| {mode.label} | ERROR: {res['error']} |" + " |" * 12)
+            lines.append(f"| {label} | ERROR: {res['error']} |" + " |" * 12)
             continue
-        base = results.get(mode.baseline, {})
-        vs_ddp = ddp if not mode.offload else {}
+        base = _row(results, prefix, mode.baseline)
+        vs_ddp = _row(results, prefix, "ddp") if not mode.offload else {}
         lines.append(
-            f"| {mode.label} | {res['params_on']} | {res['step_ms']:.1f} | {tokens / res['step_ms'] * 1e3:,.0f} "
+            f"| {label} | {res['params_on']} | {res['step_ms']:.1f} | {tokens / res['step_ms'] * 1e3:,.0f} "
             f"| {_gib(res['max_allocated'])} | {_gib(res['after_wrap'])} "
             f"| {_ratio(res['step_ms'], base.get('step_ms'))} | {_ratio(res['step_ms'], vs_ddp.get('step_ms'))} "
             f"| {_ratio(res['max_allocated'], base.get('max_allocated'))} "
@@ -290,6 +294,14 @@ def format_table(results: dict[str, dict], job: GpuJob, env: dict) -> str:
             f"| {_hidden(res, 'all_gather')} | {_hidden(res, 'reduce_scatter')} "
             f"| {res['losses'][0]:.4f} → {res['losses'][-1]:.4f} |")
     return "\n".join(lines) + "\n"
+
+
+def _row(results: dict, prefix: str, mode: str) -> dict:
+    """Mode ``mode``'s row of the run named ``prefix``, else of the first run that has one ({} if none)."""
+    own = results.get(f"{prefix}/{mode}" if prefix else mode)
+    if own is not None:
+        return own
+    return next((res for name, res in results.items() if name.rpartition("/")[2] == mode), {})
 
 
 def _env(job: GpuJob, argv: list[str]) -> dict:
@@ -316,6 +328,41 @@ def _launch(name: str, job: GpuJob, tmp: str, timeout_s: float) -> dict:
         return json.load(f)
 
 
+def _write(out_dir: str, results: dict, job: GpuJob, env: dict) -> str:
+    table = format_table(results, job, env)
+    with open(os.path.join(out_dir, "gpu.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(out_dir, "gpu.json"), "w") as f:
+        json.dump(dict(job=dataclasses.asdict(job), env=env, results=results), f, indent=1)
+    return table
+
+
+def _render(sources: list[str], out_dir: str, argv: list[str]) -> int:
+    """``--from-json``: one table from earlier runs' raw results (each run's own command is named).
+
+    Raises:
+        ValueError: a file that cannot be read, or runs of different jobs (sizes or step counts).
+    """
+    results, runs, job, env = {}, [], None, None
+    for source in sources:
+        label, _, path = source.rpartition("=")
+        try:
+            with open(path) as f:
+                run = json.load(f)
+            this = GpuJob(**run["job"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--from-json: cannot read {path} as a gpu.json ({e})") from None
+        if job is not None and dataclasses.replace(this, trace_dir="") != dataclasses.replace(job, trace_dir=""):
+            raise ValueError(f"--from-json: {path} ran another job than {sources[0]}; one table holds one job")
+        job, env = job or this, env or dict(run["env"])
+        runs.append(f"{label + ': ' if label else ''}`{run['env']['command']}` ({run['env']['gpu']})")
+        results.update({(f"{label}/{name}" if label else name): res for name, res in run["results"].items()})
+    env.update(command="python -m fullshard.bench.gpu " + " ".join(argv), runs=runs)
+    os.makedirs(out_dir, exist_ok=True)
+    print(_write(out_dir, results, job, env))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m fullshard.bench.gpu", description=__doc__.split("\n")[0])
@@ -328,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(flag, dest=field, type=int, default=getattr(defaults, field))
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per mode")
+    p.add_argument("--from-json", nargs="+", metavar="[LABEL=]FILE",
+                   help="run nothing: write one table from the gpu.json files of earlier runs of the same job "
+                        "(rows of a LABEL= file are named LABEL/mode)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -338,6 +388,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.result, "w") as f:
             json.dump(res, f)
         return 0
+    if args.from_json:
+        if not args.out_dir:
+            p.error("--out-dir is required")
+        try:
+            return _render(args.from_json, args.out_dir, argv)
+        except ValueError as e:
+            p.error(str(e))
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODES]
     if unknown or not args.out_dir:
@@ -355,11 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{res['step_ms']:.1f} ms/step, max allocated {_gib(res['max_allocated'])} GiB"),
                   flush=True)
             # Written after every mode, so the modes done so far survive a run cut short.
-            table = format_table(results, job, env)
-            with open(os.path.join(args.out_dir, "gpu.md"), "w") as f:
-                f.write(table)
-            with open(os.path.join(args.out_dir, "gpu.json"), "w") as f:
-                json.dump(dict(job=dataclasses.asdict(job), env=env, results=results), f, indent=1)
+            table = _write(args.out_dir, results, job, env)
     print(table)
     return 1 if any("error" in r for n, r in results.items() if MODES[n].family == "fully_shard") else 0
 

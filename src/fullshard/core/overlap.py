@@ -45,28 +45,29 @@ def all_gather(out: torch.Tensor, send: torch.Tensor, group, tag: str,
     ``group_size × send.numel()`` elements, on the compute device),
     asynchronously. ``cast``: (device, dtype) to copy ``send`` to first
     (mixed precision, an offloaded shard); on side streams the copy runs on
-    the copy-in stream.
+    the copy-in stream. The copy is written into this rank's own block of
+    ``out`` and gathered in place (as torch FSDP2 does): no separate send
+    buffer, and NCCL (or the one-rank copy) has no local block to move.
 
     Returns:
         A handle whose ``wait()`` precedes any read of ``out``, or None
         (one-rank group without side streams: copied already).
     """
     sides = streams.side(out.device)
+    if cast is not None:
+        own = out.narrow(0, collectives.group_rank(group) * send.numel(), send.numel())
     if sides is None:
         if cast is not None:
-            send = send.to(cast[0], cast[1], non_blocking=True)
+            send = own.copy_(send, non_blocking=True)
         return collectives.all_gather(out, send, group, async_op=True, tag=tag)
-    if cast is not None:
-        copy = torch.empty(send.numel(), dtype=cast[1], device=cast[0])  # allocated on the compute stream
     # After the buffers were taken: their earlier users and the shard's writers are done.
     ready = streams.record(streams.current(out.device))
     copied = None
     if cast is not None:
         with streams.on(sides.copy_in):
             streams.wait(ready, sides.copy_in)
-            copy.copy_(send, non_blocking=True)
+            send = own.copy_(send, non_blocking=True)
             copied = streams.record(sides.copy_in)
-        send = copy
     with streams.on(sides.all_gather):
         streams.wait(ready, sides.all_gather)
         streams.wait(copied, sides.all_gather)
