@@ -197,6 +197,22 @@ class FlatLayout:
         param-major unsharded flat; see :func:`_rank_major_blocks`."""
         return self._grad_plan if grad else self._shard_plan
 
+    def local_plan(self, rank: int, grad: bool) -> tuple[tuple, ...]:
+        """Per parameter: its offset in ``rank``'s flat shard (flat gradient
+        shard with ``grad``; None for a frozen parameter there), its local
+        numel and local shape; see :func:`shard_views`."""
+        key = (rank, grad)
+        plan = self._local_plans.get(key)
+        if plan is None:
+            plan = self._local_plans[key] = tuple(
+                (None if grad and not p.requires_grad else p.grad_offset if grad else p.shard_offset,
+                 p.local_rows(rank) * p.row_numel, p.local_shape(rank)) for p in self.params)
+        return plan
+
+    @functools.cached_property
+    def _local_plans(self) -> dict:
+        return {}
+
     @functools.cached_property
     def _shard_plan(self) -> tuple:
         return _block_plan(self, grad=False)
@@ -307,23 +323,13 @@ def shard_into(flat_shard: torch.Tensor, layout: FlatLayout,
 
 def shard_views(flat_shard: torch.Tensor, layout: FlatLayout, rank: int) -> list[torch.Tensor]:
     """Views of ``flat_shard`` with each parameter's local (unpadded) shape."""
-    views = []
-    for p in layout.params:
-        n = p.local_rows(rank) * p.row_numel
-        views.append(flat_shard[p.shard_offset:p.shard_offset + n].view(p.local_shape(rank)))
-    return views
+    return [flat_shard[o:o + n].view(shape) for o, n, shape in layout.local_plan(rank, grad=False)]
 
 
 def grad_shard_views(flat_grad: torch.Tensor, layout: FlatLayout, rank: int) -> list[torch.Tensor | None]:
     """Views of the flat gradient shard per parameter (None for frozen ones)."""
-    views = []
-    for p in layout.params:
-        if not p.requires_grad:
-            views.append(None)
-            continue
-        n = p.local_rows(rank) * p.row_numel
-        views.append(flat_grad[p.grad_offset:p.grad_offset + n].view(p.local_shape(rank)))
-    return views
+    return [None if o is None else flat_grad[o:o + n].view(shape)
+            for o, n, shape in layout.local_plan(rank, grad=True)]
 
 
 def unsharded_views(flat_full: torch.Tensor, layout: FlatLayout) -> list[torch.Tensor]:
