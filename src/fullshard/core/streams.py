@@ -21,7 +21,8 @@ waits on what:
   output buffer is taken (the shard's values are final: optimizer step,
   copy-in of a new value, the previous users of the buffer). The copy-in
   stream waits on it and casts / copies the shard to the compute dtype and
-  device (only when they differ); the all-gather stream waits on both, issues
+  device (only when they differ), into this rank's own block of the output
+  (gathered in place); the all-gather stream waits on both, issues
   the all-gather and waits for it *inside* the stream (so NCCL's internal
   stream, or gloo's copies of CUDA tensors, are ordered before the
   all-gather stream's next work), then records the gather event. Before the
