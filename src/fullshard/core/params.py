@@ -86,7 +86,7 @@ class DTensorSpec:
         if spec is None:  # one per dtype: every backward wraps each gradient shard
             spec = self._torch_specs[local.dtype] = torch_private.dtensor_spec(
                 self.mesh, self.placements, self.shape, self.stride, local.dtype)
-        return torch_private.dtensor_of(local, self.mesh, self.placements, self.shape, self.stride, spec)
+        return torch_private.dtensor_of(local, spec)
 
     @functools.cached_property
     def _torch_specs(self) -> dict:

@@ -197,20 +197,18 @@ def concatenate_meshes(meshes: list):
 
 
 def dtensor_spec(mesh: DeviceMesh, placements, shape, stride, dtype: torch.dtype) -> DTensorSpec:
-    """The spec :func:`dtensor_of` gives a DTensor; immutable, so one may serve every DTensor of a
-    parameter and dtype (building one costs tens of microseconds of host time per gradient)."""
+    """The spec of a DTensor with global ``shape`` / ``stride`` and local tensors of ``dtype``;
+    immutable, so one may serve every DTensor of a parameter and dtype (building one costs tens
+    of microseconds of host time per gradient)."""
     return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype))
 
 
-def dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placements, shape, stride,
-               spec: DTensorSpec | None = None) -> DTensor:
-    """``local`` itself as the local tensor of a DTensor (no autograd edge). ``DTensor.from_local``
-    copies a tensor whose device type is not the mesh's (a CPU-offloaded shard on a CUDA mesh) to
-    the mesh's device, so the parameter would no longer view the flat shard; torch FSDP2 builds
-    its DTensors this way too (``_from_local_no_grad``). ``spec``: one from :func:`dtensor_spec`
-    for ``local.dtype``, reused."""
-    if spec is None:
-        spec = dtensor_spec(mesh, placements, shape, stride, local.dtype)
+def dtensor_of(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """``local`` itself as the local tensor of a DTensor of ``spec`` (from :func:`dtensor_spec`
+    for ``local.dtype``; no autograd edge). ``DTensor.from_local`` copies a tensor whose device
+    type is not the mesh's (a CPU-offloaded shard on a CUDA mesh) to the mesh's device, so the
+    parameter would no longer view the flat shard; torch FSDP2 builds its DTensors this way too
+    (``_from_local_no_grad``)."""
     return DTensor(local, spec, requires_grad=local.requires_grad)
 
 
