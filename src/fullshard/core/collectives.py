@@ -24,14 +24,32 @@ collective is preceded by a small all-gather of its fingerprint (op, tag,
 numel, dtype) and fails at once with a per-rank diff when ranks disagree.
 The messages are made in core/postmortem.py; the collectives stay here.
 
+[Note: collectives at exit]
+A gloo group runs each collective on a worker thread, which drops its
+reference to the finished work just after the waiting thread resumes. When
+the work's tensors were Python temporaries already gone on the Python side
+(torch's own DTensor ``full_tensor`` passes such), that drop takes the GIL.
+A group outlives ``destroy_process_group`` while anything holds it (units
+do; so do DTensor's device meshes and torch's sharding caches), so if the
+script ends right after its last collective the worker can ask for the GIL
+once the interpreter is finalizing; CPython then ends the thread inside a
+``noexcept`` destructor and the process aborts ("terminate called without
+an active exception") after a run that succeeded: 2 runs in 10 of
+examples/invariant.py at 3 ranks here, and torch alone does the same.
+:func:`let_workers_finish`, an ``atexit`` hook (``atexit`` runs before
+finalization), hands the GIL over for :data:`EXIT_GRACE_S` seconds so such a
+worker finishes first: 0 failures in 40 runs of the example with it.
+
 How :func:`all_gather` and :func:`reduce_scatter` run on each backend is
 chosen in core/algorithms.py ([Note: collective algorithms]).
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
 import os
+import time
 import weakref
 from typing import Optional
 
@@ -199,6 +217,19 @@ def _run(op: str, tag: str, group, t: Optional[torch.Tensor], async_op: bool, fn
     if async_op and handle is not None:
         return Work(handle, op, tag, group, seq, t)
     return handle
+
+
+EXIT_GRACE_S = 0.05
+"""Seconds the interpreter's exit hands the GIL to other threads ([Note: collectives at exit])."""
+
+
+@atexit.register
+def let_workers_finish() -> None:
+    """Release the GIL for :data:`EXIT_GRACE_S` seconds at interpreter exit
+    when this process issued a collective on a group that is still alive
+    ([Note: collectives at exit]); ``atexit`` runs this before finalization."""
+    if _SEQ_WORLD[0] or len(_SEQ):
+        time.sleep(EXIT_GRACE_S)
 
 
 def world_group():
