@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fullshard import BackwardPrefetch, FullyShardedDataParallel as FSDP, ShardingStrategy
+from fullshard.core import collectives
 from tests.dist import models as M
 from tests.dist.common import ATOL, RTOL, train
 from tests.dist.harness import run_ranks
@@ -26,7 +27,9 @@ def _strategies(world):
 
 
 def _parity(rank, world, kinds):
-    worst = 0.0
+    worst, reduce_scatters = 0.0, []
+    real = collectives.reduce_scatter
+    collectives.reduce_scatter = lambda *a, **k: reduce_scatters.append(1) or real(*a, **k)
     for kind in kinds:
         base = M.make_model(kind)
         ref = DDP(M.clone(base))
@@ -36,8 +39,12 @@ def _parity(rank, world, kinds):
             for prefetch in (BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST):
                 model = FSDP(M.clone(base), process_group=pg, sharding_strategy=strategy,
                              auto_wrap_policy=M.unit_policy(kind), backward_prefetch=prefetch)
+                reduce_scatters.clear()
                 losses, norms = train(model, kind, rank)
                 where = f"{kind} {strategy.value} {prefetch.value} world={world}"
+                if world == 1 and strategy != ShardingStrategy.NO_SHARD:
+                    # One rank: the reduce input becomes the gradient shard, not copied (core/reduce.py).
+                    assert not reduce_scatters, where
                 torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
                                            rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} losses: {m}")
                 torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms),

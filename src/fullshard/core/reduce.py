@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from . import collectives, comm, flat, grads, offload, overlap, post_accumulate, used_flags
+from .buffers import POOL
 
 
 def reduce_input(unit, full_grad: Optional[torch.Tensor], used: list[bool], alloc=None,
@@ -57,6 +58,13 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
     reduce_in, block = reduce_input(unit, full_grad, used, alloc)
     if pre != 1:  # x / 1 == x: a kernel per unit saved at world size 1
         reduce_in.div_(pre)  # DDP pre-divides; see UnitSettings.divide_factors
+    rep = cfg.replicate_group
+    if unit.world == 1 == collectives.group_size(group) and alloc is None and rep is None:
+        # One rank: the sum is the input itself. Its one block becomes the output (the gradient
+        # shards are views of it) and leaves the pool, instead of being copied out of it.
+        storage = reduce_in.untyped_storage()
+        POOL.forget(storage.nbytes(), storage.data_ptr())
+        return PendingReduce(unit, None, None, reduce_in, post, all_used=all(used))
     out = comm.take(alloc, block, unit.reduce_dtype, cfg.compute_device) if alloc is not None and \
         not alloc.pooled else torch.empty(block, dtype=unit.reduce_dtype, device=cfg.compute_device)
     if alloc is not None:
@@ -64,7 +72,6 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
         alloc.prepare(out, group)
     # On side streams the replicas' all-reduce follows at once, unless sums are held back
     # (set_requires_all_reduce(False)) or one is held already: then finish() runs it as before.
-    rep = cfg.replicate_group
     eager = rep is not None and unit.partial_out is None and settings.requires_all_reduce
     work, all_reduced = overlap.reduce_scatter(out, reduce_in, group, tag, rep if eager else None)
     return PendingReduce(unit, work, reduce_in, out, post, alloc, all(used), all_reduced)
