@@ -47,6 +47,17 @@ class _Allocator:
         """Called on a buffer before the collective that uses it."""
 
 
+class _FreshAllocator(_Allocator):
+    """A new tensor per buffer, never pooled: for a buffer that outlives its
+    collective (the one-rank reduce input, which becomes the gradient; core/reduce.py)."""
+
+    def allocate(self, numel, dtype, device):
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
+FRESH = _FreshAllocator()
+
+
 class ProcessGroupAllocator(_Allocator):
     """Buffers from the process group's own allocator (NCCL: memory it can
     register for zero-copy transfers). Backends without one (gloo) keep

@@ -16,7 +16,6 @@ from typing import Optional
 import torch
 
 from . import collectives, comm, flat, grads, offload, overlap, post_accumulate, used_flags
-from .buffers import POOL
 
 
 def reduce_input(unit, full_grad: Optional[torch.Tensor], used: list[bool], alloc=None,
@@ -55,15 +54,14 @@ def start_reduce(unit, full_grad: Optional[torch.Tensor], used: list[bool]) -> "
     alloc = settings.allocator
     if isinstance(alloc, comm.SymmMemAllocator) and not settings.force_sum:
         alloc = None
-    reduce_in, block = reduce_input(unit, full_grad, used, alloc)
+    rep = cfg.replicate_group
+    # One rank: the sum is the input itself, so the input (a buffer of its own) is the output and the
+    # gradient shards are views of it, instead of a pooled input copied into a new output.
+    one_rank = unit.world == 1 == collectives.group_size(group) and alloc is None and rep is None
+    reduce_in, block = reduce_input(unit, full_grad, used, comm.FRESH if one_rank else alloc)
     if pre != 1:  # x / 1 == x: a kernel per unit saved at world size 1
         reduce_in.div_(pre)  # DDP pre-divides; see UnitSettings.divide_factors
-    rep = cfg.replicate_group
-    if unit.world == 1 == collectives.group_size(group) and alloc is None and rep is None:
-        # One rank: the sum is the input itself. Its one block becomes the output (the gradient
-        # shards are views of it) and leaves the pool, instead of being copied out of it.
-        storage = reduce_in.untyped_storage()
-        POOL.forget(storage.nbytes(), storage.data_ptr())
+    if one_rank:
         return PendingReduce(unit, None, None, reduce_in, post, all_used=all(used))
     out = comm.take(alloc, block, unit.reduce_dtype, cfg.compute_device) if alloc is not None and \
         not alloc.pooled else torch.empty(block, dtype=unit.reduce_dtype, device=cfg.compute_device)
