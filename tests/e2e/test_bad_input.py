@@ -55,6 +55,10 @@ def paths(corpus_dir, tmp_path_factory):
     mini = build_model(ARCH, vocab_size=int(meta["vocab_size"]), max_positions=512, device="cpu")
     checkpoint.save(str(root / "mini" / "checkpoint_last"), mini, extra={"args": {"arch": ARCH}})
     out["save_mini"] = str(root / "mini")
+    # The same, trained on data of another tokenizer (checkpoints record the data's).
+    checkpoint.save(str(root / "gpt2" / "checkpoint_last"), mini,
+                    extra={"args": {"arch": ARCH}, "tokenizer": "gpt2-bpe"})
+    out["save_gpt2"] = str(root / "gpt2")
     return out
 
 
@@ -131,7 +135,7 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
     (["{truncated}"], "train"),
     (["{baddtype}"], "records token dtype 'int8', not one of uint16, uint32; rerun `fullshard preprocess`"),
     (["{oddsize}"], "train.bin holds 1,001 bytes, not a whole number of uint16 token ids"),
-    (["{data}", "--nproc-per-node", "64"], "x 64 ranks"),
+    (["{data}", "--nproc-per-node", "64", "--batch-size", "64"], "x 64 ranks"),
     (["{data}", "--save-dir", "{file}"], "exists and is not a directory"),
     (["{data}", "--log-file", "{nometa}"], "is a directory"),
     (["{data}", "--log-file", "{file}/train.log"], "is a file"),
@@ -166,6 +170,7 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
     (["{data}", "--save-dir", "{save_mini}", "--decoder-layers", "3"], "is of another model"),
     (["{data}", "--save-dir", "{save_mini}", "--decoder-attention-heads", "4"],
      "it was trained with 2 layers, width 64, 2 heads, ffn 256, this run has 2 layers, width 64, 4 heads, ffn 256"),
+    (["{data}", "--save-dir", "{save_gpt2}"], "it was trained on data preprocessed with the tokenizer gpt2-bpe, "),
     # --pipeline-parallel-size (--arch gpt_mini: 2 layers)
     (["{data}", "--nproc-per-node", "3", "--pipeline-parallel-size", "2"],
      "--pipeline-parallel-size 2 does not divide the world size 3"),
@@ -295,11 +300,15 @@ def test_global_batch_size_derives_update_freq(corpus_dir, tmp_path, monkeypatch
 
 
 def test_valid_split_smaller_than_one_batch_is_evaluated(cli, corpus_dir, tmp_path):
-    """7 valid samples of 256 tokens for 2 ranks x 4: validated on those 7 (fairseq does), not rejected."""
+    """Fewer than 8 valid samples of 512 tokens for 2 ranks x 4: validated on those (fairseq does), not rejected."""
+    from fullshard.data import TokenBlockDataset
     from tests.e2e.common import json_records
 
-    proc = cli("train", str(corpus_dir), "--arch", ARCH, "--tokens-per-sample", "256", "--batch-size", "4",
+    samples = len(TokenBlockDataset(corpus_dir, "valid", 512))
+    assert 0 < samples < 8
+
+    proc = cli("train", str(corpus_dir), "--arch", ARCH, "--tokens-per-sample", "512", "--batch-size", "4",
                "--nproc-per-node", "2", "--max-update", "1", "--no-save", "--log-format", "json", timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     valid = json_records(proc.stdout)["valid"][-1]
-    assert valid["valid_wpb"] == str(7 * 256) and float(valid["valid_loss"]) > 0, valid
+    assert valid["valid_wpb"] == str(samples * 512) and float(valid["valid_loss"]) > 0, valid

@@ -1,4 +1,5 @@
-"""`fullshard eval-lm` and `fullshard generate` on the checkpoint of a short `fullshard train` run."""
+"""`fullshard eval-lm` and `fullshard generate` on the checkpoint of a short `fullshard train` run (on data
+preprocessed with a small Hugging Face tokenizer, which the checkpoint records)."""
 from __future__ import annotations
 
 import json
@@ -48,8 +49,19 @@ def test_eval_lm_equals_trainer_valid_loss(cli, corpus_dir, trained):
 
 
 def test_eval_lm_bad_input(capsys, corpus_dir, trained, tmp_path):
-    """Missing checkpoint or data, a .pt without --arch, a wrong --arch, too long blocks: one line, exit 2."""
-    ckpt, _, _, pt = trained
+    """Missing checkpoint or data, a .pt without --arch, a wrong --arch, too long blocks, data of another
+    tokenizer: one line, exit 2."""
+    import shutil
+
+    ckpt, _, st, pt = trained
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(corpus_dir, gpt2)  # the same token files, recorded as GPT-2 BPE's
+    meta = json.loads((gpt2 / "meta.json").read_text())
+    (gpt2 / "meta.json").write_text(json.dumps({**meta, "tokenizer": "gpt2-bpe"}))
+    for path in (ckpt, st):
+        code, _, err = main_in_process(capsys, "eval-lm", str(gpt2), "--path", str(path))
+        assert code == 2 and f"was preprocessed with the tokenizer gpt2-bpe, the model was trained on data of " \
+            f"{meta['tokenizer']}" in err and len(err.strip().splitlines()) == 1, err
     cases = [
         (["--path", str(tmp_path / "nope")], "does not exist"),
         (["--path", str(pt)], "does not record its architecture; pass --arch"),
@@ -64,17 +76,17 @@ def test_eval_lm_bad_input(capsys, corpus_dir, trained, tmp_path):
     assert code == 2 and "does not exist" in err and len(err.strip().splitlines()) == 1, err
 
 
-def _greedy_by_hand(ckpt, corpus_dir, prompt: str, n: int) -> str:
+def _greedy_by_hand(ckpt, corpus_dir, tokenizer, prompt: str, n: int) -> str:
     """argmax loop over the plain model, the checkpoint loaded with fullshard.checkpoint.load."""
     from fullshard import checkpoint
-    from fullshard.data import load_gpt2_tokenizer
+    from fullshard.data.tokenizer import HFTokenizer
     from fullshard.models import ARCHS, build_model
 
     vocab = int(json.loads((corpus_dir / "meta.json").read_text())["vocab_size"])
     model = build_model(ARCH, vocab_size=vocab, max_positions=ARCHS[ARCH].max_positions)
     checkpoint.load(str(ckpt), model)
     model.eval()
-    tok = load_gpt2_tokenizer()
+    tok = HFTokenizer(tokenizer)
     ids = tok.encode(prompt)
     with torch.no_grad():
         for _ in range(n):
@@ -85,25 +97,42 @@ def _greedy_by_hand(ckpt, corpus_dir, prompt: str, n: int) -> str:
     return tok.decode(ids)
 
 
-def test_generate_greedy_seed_and_errors(cli, capsys, corpus_dir, trained, tmp_path):
-    """Greedy text equals a manual argmax loop (directory and consolidated file alike); a seed
-    reproduces the sampled text and another seed changes it; bad input is one line, exit 2."""
-    ckpt, _, st, _ = trained
+def test_generate_greedy_seed_and_errors(cli, capsys, corpus_dir, small_tokenizer, trained, tmp_path):
+    """Greedy text equals a manual argmax loop (directory and consolidated file alike) through the data's
+    tokenizer; a seed reproduces the sampled text and another seed changes it; bad input is one line, exit
+    2, another tokenizer than the data's (or none) included."""
+    from fullshard.data import load_gpt2_tokenizer
+    from tests.wide_tokenizer import save_wide_tokenizer
+
+    ckpt, _, st, pt = trained
+    recorded = json.loads((corpus_dir / "meta.json").read_text())["tokenizer"]
     prompt = "The river flows"
-    want = _greedy_by_hand(ckpt, corpus_dir, prompt, 8)
-    proc = cli("generate", "--path", str(ckpt), "--prompt", prompt, "--max-tokens", "8", "--greedy")
+    tok = ["--tokenizer", str(small_tokenizer)]
+    want = _greedy_by_hand(ckpt, corpus_dir, small_tokenizer, prompt, 8)
+    proc = cli("generate", "--path", str(ckpt), "--prompt", prompt, "--max-tokens", "8", "--greedy", *tok)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == want + "\n" and proc.stderr == ""
     assert main_in_process(capsys, "generate", "--path", str(st), "--prompt", prompt, "--max-tokens", "8",
-                 "--temperature", "0")[:2] == (0, want + "\n")
+                 "--temperature", "0", *tok)[:2] == (0, want + "\n")
     sampled = {}
     for seed in ("5", "5", "6"):
         code, out, _ = main_in_process(capsys, "generate", "--path", str(st), "--prompt", prompt, "--max-tokens", "12",
-                             "--top-k", "100", "--top-p", "0.95", "--temperature", "1.2", "--seed", seed)
+                             "--top-k", "100", "--top-p", "0.95", "--temperature", "1.2", "--seed", seed, *tok)
         assert code == 0 and out.startswith(prompt)
         sampled.setdefault(seed, set()).add(out)
     assert len(sampled["5"]) == 1 and sampled["5"] != sampled["6"]
+    wide = save_wide_tokenizer(tmp_path / "wide")
     cases = [
+        # the checkpoint directory and the consolidated file record the data's tokenizer
+        (["--path", str(ckpt), "--prompt", prompt], f"the model was trained on data preprocessed with the tokenizer "
+         f"{recorded}; "),
+        (["--path", str(st), "--prompt", prompt], "pass its directory (the one given to `fullshard preprocess "
+         "--tokenizer`) as --tokenizer DIR"),
+        (["--path", str(ckpt), "--prompt", prompt, "--tokenizer", str(wide)], "the tokenizer hf:wide:"),
+        (["--path", str(ckpt), "--prompt", prompt, "--tokenizer", str(tmp_path)], "has no tokenizer.json"),
+        # a .pt records nothing: GPT-2 BPE's ids beyond the model's are caught
+        (["--path", str(pt), "--arch", ARCH, "--prompt", prompt], f"the prompt has token id "
+         f"{max(load_gpt2_tokenizer().encode(prompt))}, beyond the model's 2,048 ids"),
         (["--path", str(tmp_path / "nope"), "--prompt", "x"], "does not exist"),
         (["--path", str(ckpt), "--prompt", ""], "--prompt is empty"),
         (["--path", str(ckpt), "--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),

@@ -15,7 +15,9 @@ names are the plain model's; tied weights appear under each name, equal, so
 Hugging Face's ``from_pretrained`` finds every key it expects). The
 ``.safetensors`` header's ``__metadata__`` holds ``{"format": "pt"}`` and, for
 a checkpoint of ``fullshard train``, the run's arguments as JSON under
-``"fullshard.args"`` (so ``eval-lm`` / ``generate`` know the architecture).
+``"fullshard.args"`` (so ``eval-lm`` / ``generate`` know the architecture) and
+its data's tokenizer record under ``"fullshard.tokenizer"`` (so they can refuse
+text or data of another tokenizer).
 """
 from __future__ import annotations
 
@@ -68,11 +70,14 @@ def read_tensor(path: str, name: str, shape: torch.Size, dtype: torch.dtype) -> 
 
 
 def _metadata(path: str) -> dict:
-    """The ``.safetensors`` ``__metadata__`` (string to string): format, and the training arguments."""
+    """The ``.safetensors`` ``__metadata__`` (string to string): format, the training arguments and the
+    training data's tokenizer record."""
     meta = {"format": "pt"}
     extra = read_extra(path)
     if isinstance(extra, dict) and isinstance(extra.get("args"), dict):
         meta["fullshard.args"] = json.dumps(extra["args"])
+    if isinstance(extra, dict) and isinstance(extra.get("tokenizer"), str):
+        meta["fullshard.tokenizer"] = extra["tokenizer"]
     return meta
 
 

@@ -73,6 +73,7 @@ class TokenBlockDataset(torch.utils.data.Dataset):
         self.split = split
         self.tokens_per_sample = tokens_per_sample
         meta = read_meta(self.data_dir)
+        self.tokenizer: str | None = meta.get("tokenizer")  # checkpoints record it (generate, eval-lm, resume)
         info = meta["splits"].get(split)
         if info is None:
             raise DataError(f"{self.data_dir} has no split {split!r} (has: "

@@ -94,6 +94,16 @@ def load_gpt2_tokenizer() -> GPT2Tokenizer:
     return GPT2Tokenizer(*gpt2_bpe_files())
 
 
+def same_tokenizer(a: str, b: str) -> bool:
+    """Whether two tokenizer records (meta.json's ``tokenizer``: ``"gpt2-bpe"`` or
+    ``"hf:<directory name>:<digest>"``, see :class:`HFTokenizer`) name the same tokenizer: equal
+    records, or two ``hf:`` records with the same ``tokenizer.json`` digest (a copy in another
+    directory is the same tokenizer)."""
+    if a == b:
+        return True
+    return a.startswith("hf:") and b.startswith("hf:") and a.rsplit(":", 1)[-1] == b.rsplit(":", 1)[-1]
+
+
 class HFTokenizer:
     """A Hugging Face checkpoint's own tokenizer (its ``tokenizer.json``, read by ``tokenizers``), with
     `GPT2Tokenizer`'s interface, for ``fullshard preprocess --tokenizer DIR``.

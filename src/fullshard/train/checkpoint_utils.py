@@ -9,7 +9,8 @@ the rest of the training state::
 
     {"train_state": {"epoch", "offset", "num_updates", "samples"},   # data position, updates
      "lr_scheduler", "loss_scaler", "rng": {torch, python, numpy, cuda},
-     "meters": {...}, "args": {...}, "world_size": N}
+     "meters": {...}, "args": {...}, "world_size": N,
+     "tokenizer": "gpt2-bpe" | "hf:<name>:<digest>"}   # the training data's (meta.json)
 
 ``offset`` counts the updates already taken in ``epoch``; ``samples`` the
 sequences taken in it over all ranks, which gives the position at another
@@ -86,7 +87,7 @@ def save(run, epoch: int, offset: int, end_of_epoch: bool) -> str:
     extra = dict(train_state=dict(epoch=epoch, offset=offset, samples=samples, num_updates=trainer.num_updates),
                  lr_scheduler=trainer.lr_scheduler.state_dict(), loss_scaler=trainer.scaler.state_dict(),
                  rng=rng_state(), meters=_meters_state(run.inner), args=cfg.to_dict(),
-                 world_size=collectives.world_size(), data_parallel_size=dp)
+                 world_size=collectives.world_size(), data_parallel_size=dp, tokenizer=run.train_data.tokenizer)
     last = os.path.join(cfg.save_dir, "checkpoint_last")
     n = trainer.num_updates
     try:

@@ -6,14 +6,17 @@ The checkpoint is read offline (a checkpoint directory through
 shards, or a consolidated file) into the plain model; text goes through the
 project's GPT-2 tokenizer. The checkpoint of a ``fullshard train --hf-model DIR``
 run loads into the run's ``transformers`` / PEFT model, and text goes through
-DIR's ``tokenizer.json`` (``hf_trained.py``). Sampling is ancestral, one token at a time, over
-the logits of the last position divided by ``--temperature`` and restricted
-to the ``--top-k`` most likely tokens and then to the smallest set whose
-probability reaches ``--top-p`` (nucleus sampling, Holtzman et al. 2020,
-"The Curious Case of Neural Text Degeneration", §3.1). ``--temperature 0``
-(or ``--greedy``) takes the argmax. Generation stops after ``--max-tokens``
-new tokens or at ``<|endoftext|>``; a seeded ``torch.Generator`` makes the
-text a function of ``--seed``.
+DIR's ``tokenizer.json`` (``hf_trained.py``). A GPT trained on data preprocessed with
+``fullshard preprocess --tokenizer DIR`` needs ``--tokenizer DIR``: the checkpoint records its
+data's tokenizer, and text through any other tokenizer is refused (one line, exit 2).
+Sampling is ancestral, one token at a time, over the logits of the last
+position divided by ``--temperature`` and restricted to the ``--top-k`` most
+likely tokens and then to the smallest set whose probability reaches
+``--top-p`` (nucleus sampling, Holtzman et al. 2020, "The Curious Case of
+Neural Text Degeneration", §3.1). ``--temperature 0`` (or ``--greedy``) takes
+the argmax. Generation stops after ``--max-tokens`` new tokens or at
+``<|endoftext|>``; a seeded ``torch.Generator`` makes the text a function of
+``--seed``.
 """
 from __future__ import annotations
 
@@ -23,9 +26,10 @@ from typing import List, Optional, Sequence
 import torch
 
 from fullshard.data import DataError, load_gpt2_tokenizer
+from fullshard.data.tokenizer import TOKENIZER_NAME, HFTokenizer, same_tokenizer
 from fullshard.train import hf_model, hf_trained
 from fullshard.train.options import OneLineArgumentParser
-from fullshard.train.trained_model import ModelSpecError, add_model_args, load_plain_model, read_spec
+from fullshard.train.trained_model import ModelSpec, ModelSpecError, add_model_args, load_plain_model, read_spec
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +44,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0,
                    help="sample among the most likely tokens whose probability reaches p, in (0, 1] (default: 1)")
     p.add_argument("--seed", type=int, default=1, help="sampling seed (default: %(default)s)")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="the Hugging Face tokenizer directory the training data was preprocessed with "
+                        "(`fullshard preprocess --tokenizer DIR`); default: a --hf-model run's own, else GPT-2 BPE")
     add_model_args(p, group=False)
 
 
@@ -107,6 +114,37 @@ def sample(model: torch.nn.Module, prompt: Sequence[int], max_tokens: int, tempe
     return out
 
 
+def load_tokenizer(spec: ModelSpec, directory: Optional[str] = None):
+    """The tokenizer of the checkpoint's training data: ``directory``'s ``tokenizer.json`` when given,
+    else a --hf-model run's own, else GPT-2 BPE.
+
+    Args:
+        spec: the checkpoint's model (``spec.tokenizer``: the record of its training data's tokenizer,
+            None for a checkpoint written before the record).
+        directory: a Hugging Face tokenizer directory, or None.
+
+    Raises:
+        DataError: ``directory`` has no usable tokenizer, or the chosen tokenizer is not the one the
+            checkpoint records (text through another tokenizer's ids would be silently wrong).
+        HFModelError: the --hf-model directory has no usable tokenizer.
+    """
+    if directory is not None:
+        tok = HFTokenizer(directory)
+    elif spec.hf_model:
+        tok = hf_trained.load_tokenizer(spec.hf_model)
+    else:
+        tok = load_gpt2_tokenizer()
+    recorded = spec.tokenizer
+    if recorded is not None and not same_tokenizer(recorded, tok.name):
+        if directory is None and recorded.startswith("hf:"):
+            raise DataError(f"the model was trained on data preprocessed with the tokenizer {recorded}; pass its "
+                            "directory (the one given to `fullshard preprocess --tokenizer`) as --tokenizer DIR")
+        raise DataError(f"the tokenizer {tok.name} is not the one the model's training data was preprocessed with "
+                        f"({recorded})" + ("; drop --tokenizer" if recorded == TOKENIZER_NAME
+                                           else "; pass that one as --tokenizer DIR"))
+    return tok
+
+
 def _check(p: OneLineArgumentParser, args) -> None:
     if not args.prompt.strip():
         p.fail("--prompt is empty; give the text to continue")
@@ -125,11 +163,14 @@ def run(p: OneLineArgumentParser, args) -> int:
     _check(p, args)
     try:
         spec = read_spec(args.path, args.arch, vars(args))
-        tokenizer = hf_trained.load_tokenizer(spec.hf_model) if spec.hf_model else load_gpt2_tokenizer()
+        tokenizer = load_tokenizer(spec, args.tokenizer)
         model = load_plain_model(spec)
     except (ModelSpecError, DataError, hf_model.HFModelError) as e:
         p.fail(str(e))
     prompt = tokenizer.encode(args.prompt)
+    if max(prompt, default=0) >= spec.vocab_size:  # a checkpoint without the record, through another tokenizer
+        p.fail(f"the prompt has token id {max(prompt)}, beyond the model's {spec.vocab_size:,} ids: the model was "
+               "trained with another tokenizer; pass the one its data was preprocessed with as --tokenizer DIR")
     temperature = 0.0 if args.greedy else args.temperature
     generator = torch.Generator().manual_seed(args.seed)
     new = sample(model, prompt, args.max_tokens, temperature, args.top_k, args.top_p, generator,

@@ -18,6 +18,7 @@ from typing import NoReturn, Optional, Sequence
 import torch
 
 from fullshard.data import DataError, TokenBlockDataset, read_meta
+from fullshard.data.tokenizer import same_tokenizer
 from fullshard.models import ARCHS, ArchSpec, build_model
 from fullshard.train import hf_options, pipeline_checks
 from fullshard.train.config import (
@@ -271,9 +272,10 @@ def _split_tokens(meta: dict, split: str) -> Optional[int]:
     return None
 
 
-def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: int) -> None:
+def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: int, tokenizer: str) -> None:
     """A checkpoint that would be resumed must be readable and of this model: tensor names and shapes,
-    and the recorded shape (`shape`), which also holds what no tensor shows (the heads)."""
+    the recorded shape (`shape`), which also holds what no tensor shows (the heads), and the data's
+    tokenizer (same-sized vocabularies of two tokenizers would otherwise resume silently)."""
     # Lazy for start-up speed: save_load imports torch.distributed.checkpoint (about 0.7 s of every
     # `fullshard` command); only a run with a checkpoint to resume needs it.
     from fullshard.checkpoint import CheckpointError, read_extra, verify
@@ -293,7 +295,8 @@ def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: 
         verify(resolved)
         model = build_model(shape, device="meta", vocab_size=vocab_size, max_positions=shape.max_positions)
         check_model_keys(resolved, model.state_dict())
-        saved = (read_extra(resolved) or {}).get("args") or {}
+        extra = read_extra(resolved) or {}
+        saved = extra.get("args") or {}
     except (CheckpointError, OSError, ValueError) as e:
         p.fail(f"cannot resume from {path!r}: {str(e).split('] ', 1)[-1]}; use another --save-dir, or "
                "--restore-file / --finetune-from-model with a checkpoint of this --arch and --decoder-* shape")
@@ -301,6 +304,9 @@ def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: 
         trained = resolve_arch(saved["arch"], saved) if "arch" in saved else shape
     except ValueError:  # an arch this version does not know: the tensor check above stands
         trained = shape
+    if isinstance(extra.get("tokenizer"), str) and not same_tokenizer(extra["tokenizer"], tokenizer):
+        p.fail(f"cannot resume from {path!r}: it was trained on data preprocessed with the tokenizer "
+               f"{extra['tokenizer']}, {args.data_dir!r} with {tokenizer}; use another --save-dir, or data of that one")
     if trained != shape:
         p.fail(f"cannot resume from {path!r}: it was trained with {trained.describe()}, this run has "
                f"{shape.describe()}; use another --save-dir, or the --arch / --decoder-* flags it was trained with")
@@ -435,7 +441,7 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
         p.fail(f"--finetune-from-model {args.finetune_from_model!r} does not exist; give a consolidated "
                "file or a checkpoint directory")
     if hf_positions is None:  # --hf-model: the checkpoint's keys are checked when it loads
-        _check_restore(p, args, shape, int(meta["vocab_size"]))
+        _check_restore(p, args, shape, int(meta["vocab_size"]), str(meta.get("tokenizer")))
     _warn_fp16_on_cpu(args)
     cfg = config_from_args(args, shape=shape, vocab_size=int(meta["vocab_size"]), world_size=world_size,
                            scale_window=scale_window, rdzv_endpoint=rdzv_endpoint)

@@ -61,6 +61,9 @@ class ModelSpec:
     """The model's shape: ``arch`` with the --decoder-* overrides; None means ``ARCHS[arch]``."""
     hf_model: Optional[str] = None
     """The Hugging Face directory a `fullshard train --hf-model` run fine-tuned (None: a fullshard GPT)."""
+    tokenizer: Optional[str] = None
+    """The training data's tokenizer record (meta.json's ``tokenizer``: ``"gpt2-bpe"`` or
+    ``"hf:<name>:<digest>"``); None for a checkpoint written before it was recorded."""
 
 
 def _shapes(path: str) -> dict:
@@ -77,18 +80,20 @@ def _shapes(path: str) -> dict:
     return {n: tuple(t.shape) for n, t in sd.items()}
 
 
-def _saved(path: str) -> tuple[Optional[dict], Optional[int]]:
-    """(training arguments, num_updates) recorded with the checkpoint, each None when absent."""
+def _saved(path: str) -> tuple[Optional[dict], Optional[int], Optional[str]]:
+    """(training arguments, num_updates, the training data's tokenizer record) recorded with the
+    checkpoint, each None when absent."""
     if os.path.isdir(path):
         from fullshard.checkpoint import read_extra  # lazy for start-up speed, as above
 
         extra = read_extra(path) or {}
-        return extra.get("args"), extra.get("train_state", {}).get("num_updates")
+        return extra.get("args"), extra.get("train_state", {}).get("num_updates"), extra.get("tokenizer")
     if path.endswith(".safetensors"):
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
-        return (json.loads(meta["fullshard.args"]) if "fullshard.args" in meta else None), None
-    return None, None
+        return (json.loads(meta["fullshard.args"]) if "fullshard.args" in meta else None), None, \
+            meta.get("fullshard.tokenizer")
+    return None, None, None
 
 
 def read_spec(path: str, arch: Optional[str] = None,
@@ -115,7 +120,7 @@ def read_spec(path: str, arch: Optional[str] = None,
         raise ModelSpecError(f"checkpoint {path!r} is neither a directory nor a .safetensors/.pt file")
     try:
         shapes = _shapes(path)
-        args, num_updates = _saved(path)
+        args, num_updates, tokenizer = _saved(path)
     except (CheckpointError, OSError, RuntimeError, ValueError) as e:
         raise ModelSpecError(f"cannot read checkpoint {path!r}: {str(e).splitlines()[0]}") from None
     if hf_trained.base_dir(args):
@@ -124,7 +129,7 @@ def read_spec(path: str, arch: Optional[str] = None,
         except hf_model.HFModelError as e:
             raise ModelSpecError(str(e)) from None
         return ModelSpec(path, model_type, vocab, positions or int(args["tokens_per_sample"]), args, num_updates,
-                         hf_model=hf_trained.base_dir(args))
+                         hf_model=hf_trained.base_dir(args), tokenizer=tokenizer)
     if "embed_tokens.weight" not in shapes or "embed_positions.weight" not in shapes:
         raise ModelSpecError(f"checkpoint {path!r} holds no fullshard GPT (no embed_tokens.weight / "
                              "embed_positions.weight)")
@@ -147,7 +152,7 @@ def read_spec(path: str, arch: Optional[str] = None,
     if want != shapes:
         raise ModelSpecError(f"checkpoint {path!r} is not a {arch} model ({shape.describe()}; its tensor names or "
                              "shapes differ); pass the --arch and --decoder-* flags it was trained with")
-    return ModelSpec(path, arch, vocab, positions, args, num_updates, shape)
+    return ModelSpec(path, arch, vocab, positions, args, num_updates, shape, tokenizer=tokenizer)
 
 
 def load_plain_model(spec: ModelSpec, device: torch.device | str = "cpu") -> torch.nn.Module:
