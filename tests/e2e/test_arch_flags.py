@@ -41,7 +41,7 @@ def test_train_logs_and_records_the_overridden_shape(corpus_dir, trained):
         arch=ARCH, decoder_layers=3, decoder_embed_dim=96, decoder_attention_heads=4, decoder_ffn_embed_dim=384)
 
 
-def test_eval_lm_and_generate_load_it_without_the_flags(cli, capsys, corpus_dir, trained, tmp_path):
+def test_eval_lm_and_generate_load_it_without_the_flags(cli, capsys, corpus_dir, small_tokenizer, trained, tmp_path):
     """eval-lm reproduces the trainer's valid loss; generate runs on the directory and a .safetensors
     (both record the shape); a .pt records nothing, so it needs --arch and the flags."""
     from fullshard.checkpoint.consolidate import consolidate
@@ -58,7 +58,7 @@ def test_eval_lm_and_generate_load_it_without_the_flags(cli, capsys, corpus_dir,
     sources = ((ckpt, []), (tmp_path / "model.safetensors", []), (tmp_path / "model.pt", ["--arch", ARCH, *SHAPE]))
     for path, flags in sources:
         code, out, err = main_in_process(capsys, "generate", "--path", str(path), "--prompt", "The city",
-                                         "--max-tokens", "6", "--greedy", *flags)
+                                         "--max-tokens", "6", "--greedy", "--tokenizer", str(small_tokenizer), *flags)
         assert code == 0 and out.startswith("The city"), (path, err)
         texts.add(out)
     assert len(texts) == 1

@@ -316,6 +316,20 @@ def test_preprocess_with_more_than_65536_ids_writes_uint32(tmp_path):
     blocks = [ds[i] for i in range(len(ds))]
     assert [int(t) for x, _ in blocks for t in x] == want[:4 * len(ds)]
     assert [int(t) for _, y in blocks for t in y] == want[1:4 * len(ds) + 1]
+    assert ds.tokenizer == meta["tokenizer"]  # what the trainer records in its checkpoints
+
+
+def test_same_tokenizer_compares_tokenizer_json_not_directory_names(tmp_path):
+    import shutil
+
+    from fullshard.data.tokenizer import HFTokenizer, same_tokenizer
+
+    a = HFTokenizer(save_wide_tokenizer(tmp_path / "a"))
+    b = HFTokenizer(shutil.copytree(tmp_path / "a", tmp_path / "b"))  # a copy elsewhere: the same tokenizer
+    assert a.name != b.name and same_tokenizer(a.name, b.name)
+    (tmp_path / "b" / "tokenizer.json").write_text((tmp_path / "b" / "tokenizer.json").read_text().replace("w9", "v9"))
+    assert not same_tokenizer(a.name, HFTokenizer(tmp_path / "b").name)
+    assert same_tokenizer("gpt2-bpe", "gpt2-bpe") and not same_tokenizer("gpt2-bpe", a.name)
 
 
 # --- sampler --------------------------------------------------------------------------
