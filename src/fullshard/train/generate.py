@@ -116,7 +116,7 @@ def sample(model: torch.nn.Module, prompt: Sequence[int], max_tokens: int, tempe
 
 def load_tokenizer(spec: ModelSpec, directory: Optional[str] = None):
     """The tokenizer of the checkpoint's training data: ``directory``'s ``tokenizer.json`` when given,
-    else a --hf-model run's own, else GPT-2 BPE.
+    else GPT-2 BPE when the checkpoint records it, else a --hf-model run's own, else GPT-2 BPE.
 
     Args:
         spec: the checkpoint's model (``spec.tokenizer``: the record of its training data's tokenizer,
@@ -128,15 +128,15 @@ def load_tokenizer(spec: ModelSpec, directory: Optional[str] = None):
             checkpoint records (text through another tokenizer's ids would be silently wrong).
         HFModelError: the --hf-model directory has no usable tokenizer.
     """
+    recorded = spec.tokenizer
     if directory is not None:
         tok = HFTokenizer(directory)
-    elif spec.hf_model:
+    elif spec.hf_model and recorded != TOKENIZER_NAME:  # a --hf-model run on GPT-2 BPE data saw GPT-2 BPE ids
         tok = hf_trained.load_tokenizer(spec.hf_model)
     else:
         tok = load_gpt2_tokenizer()
-    recorded = spec.tokenizer
     if recorded is not None and not same_tokenizer(recorded, tok.name):
-        if directory is None and recorded.startswith("hf:"):
+        if directory is None and recorded.startswith("hf:") and not spec.hf_model:
             raise DataError(f"the model was trained on data preprocessed with the tokenizer {recorded}; pass its "
                             "directory (the one given to `fullshard preprocess --tokenizer`) as --tokenizer DIR")
         raise DataError(f"the tokenizer {tok.name} is not the one the model's training data was preprocessed with "
