@@ -48,3 +48,8 @@ def test_host_sync_count_sees_an_item():
     x = torch.ones(4, device="cuda")
     assert gpu_trace.count_host_syncs(lambda: x.sum().item()) >= 1
     assert gpu_trace.count_host_syncs(lambda: x.add_(1)) == 0
+
+    def reads():
+        return x.sum().item()
+    sites = gpu_trace.host_sync_sites(reads)
+    assert sites and sites[0].startswith("test_bench_gpu_trace.py:"), sites  # the innermost frame: reads()

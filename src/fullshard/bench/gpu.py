@@ -27,7 +27,8 @@ A step is ``zero_grad``, forward, backward and ``optimizer.step``, timed between
 ``--warmup-steps``, and ``torch.cuda.max_memory_allocated`` over all steps (peak statistics reset once the
 model is wrapped). Ratios divide a row by torch FSDP2's (offload rows: by ``fsdp2_offload``) and by DDP's.
 After the timed steps, one more step runs under ``torch.cuda.set_sync_debug_mode("warn")`` (host syncs
-per step: the synchronizing CUDA calls it warns about) and one under torch.profiler, whose chrome trace is
+per step: the synchronizing CUDA calls it warns about; ``gpu.json``'s ``host_sync_sites`` gives each one's
+innermost Python frames) and one under torch.profiler, whose chrome trace is
 saved as ``OUT_DIR/trace_<mode>.json``; the table gives the fraction of all-gather and reduce-scatter
 kernel time during which compute kernels ran on other streams (bench/gpu_trace.py).
 The table goes to ``OUT_DIR/gpu.md`` (raw numbers: ``gpu.json``) and to stdout.
@@ -221,13 +222,14 @@ def run_mode(name: str, job: GpuJob, init_file: str) -> dict:
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
         timed = times[job.warmup_steps:]
-        syncs = hidden = None
+        syncs = hidden = sites = None
         if cuda and job.trace_dir:
-            syncs = gpu_trace.count_host_syncs(lambda: one_step(steps))
+            sites = gpu_trace.host_sync_sites(lambda: one_step(steps))
+            syncs = len(sites)
             hidden = gpu_trace.profile_step(lambda: one_step(steps + 1),
                                             os.path.join(job.trace_dir, f"trace_{name}.json"))
         return dict(mode=name, step_ms=1e3 * statistics.median(timed), step_ms_all=[1e3 * t for t in timed],
-                    host_syncs=syncs, comm_hidden=hidden,
+                    host_syncs=syncs, host_sync_sites=sites, comm_hidden=hidden,
                     max_allocated=torch.cuda.max_memory_allocated() if cuda else None,
                     max_reserved=torch.cuda.max_memory_reserved() if cuda else None,
                     after_wrap=after_wrap if cuda else None, losses=losses, params_on=_where(model))

@@ -1,15 +1,18 @@
 """What ``python -m fullshard.bench.gpu`` measures of one step besides time and memory: host syncs
-(``torch.cuda.set_sync_debug_mode("warn")``'s warnings, counted) and the fraction of all-gather and
+(``torch.cuda.set_sync_debug_mode("warn")``'s warnings, counted, each with the Python frames that
+made it) and the fraction of all-gather and
 reduce-scatter kernel time hidden behind compute kernels on other streams (from a torch.profiler chrome
 trace of the step, which is saved).
 
 The overlap analysis is a pure function over kernel intervals (:func:`hidden_time`), so it is tested on
-synthetic events without a GPU; the CUDA-only parts (:func:`count_host_syncs`, :func:`profile_step`) are
+synthetic events without a GPU; the CUDA-only parts (:func:`host_sync_sites`, :func:`profile_step`) are
 called only with a GPU.
 """
 from __future__ import annotations
 
 import json
+import os
+import traceback
 import warnings
 from typing import Callable, Iterable, NamedTuple
 
@@ -87,17 +90,33 @@ def kernels_of_trace(path: str) -> list[Kernel]:
             for e in events if e.get("cat") == "kernel" and "ts" in e]
 
 
-def count_host_syncs(step: Callable[[], None]) -> int:
-    """Run ``step`` under ``torch.cuda.set_sync_debug_mode("warn")``; the number of synchronizing CUDA
-    calls it warned about (CUDA only)."""
-    with warnings.catch_warnings(record=True) as caught:
+def host_sync_sites(step: Callable[[], None], frames: int = 6) -> list[str]:
+    """Run ``step`` under ``torch.cuda.set_sync_debug_mode("warn")``; one entry per synchronizing CUDA
+    call it warned about (CUDA only): ``"file:line < caller:line < ...: message"``, the innermost
+    ``frames`` Python frames first, so a bench row's host syncs can be located from its JSON."""
+    sites = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message).lower():
+            stack = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+            where = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(stack[-frames:]))
+            sites.append(f"{where}: {str(message).splitlines()[0][:160]}")
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message).lower() for w in caught)
+    return sites
+
+
+def count_host_syncs(step: Callable[[], None]) -> int:
+    """Run ``step`` under ``torch.cuda.set_sync_debug_mode("warn")``; the number of synchronizing CUDA
+    calls it warned about (CUDA only; :func:`host_sync_sites` says where)."""
+    return len(host_sync_sites(step))
 
 
 def profile_step(step: Callable[[], None], path: str) -> dict[str, dict[str, float]]:
