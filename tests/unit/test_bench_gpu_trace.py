@@ -53,3 +53,23 @@ def test_host_sync_count_sees_an_item():
         return x.sum().item()
     sites = gpu_trace.host_sync_sites(reads)
     assert sites and sites[0].startswith("test_bench_gpu_trace.py:"), sites  # the innermost frame: reads()
+
+
+def test_host_sync_sites_name_the_frames_of_each_warned_sync(monkeypatch):
+    """The recording itself, on any machine: a warning of the sync-debug kind (emitted here by hand,
+    as torch emits one for each synchronizing CUDA call) is kept with its innermost Python frames;
+    other warnings are not counted."""
+    import warnings
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def sync_here():
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("something else")
+
+    sites = gpu_trace.host_sync_sites(sync_here, frames=2)
+    assert modes == ["warn", "default"] and len(sites) == 1, (modes, sites)
+    line = sync_here.__code__.co_firstlineno + 1
+    assert sites[0].startswith(f"test_bench_gpu_trace.py:{line} < gpu_trace.py:"), sites
+    assert sites[0].endswith(": called a synchronizing CUDA operation"), sites
