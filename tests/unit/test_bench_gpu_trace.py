@@ -65,8 +65,8 @@ def test_host_sync_sites_name_the_frames_of_each_warned_sync(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
 
     def sync_here():
-        warnings.warn("called a synchronizing CUDA operation")
-        warnings.warn("something else")
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        warnings.warn("something else", stacklevel=1)
 
     sites = gpu_trace.host_sync_sites(sync_here, frames=2)
     assert modes == ["warn", "default"] and len(sites) == 1, (modes, sites)
