@@ -103,7 +103,7 @@ def prepare(p: OneLineArgumentParser, args) -> EvalJob:
     except ModelSpecError as e:
         p.fail(str(e))
     meta = check_data(p, args.data_dir)
-    if spec.tokenizer is not None and not same_tokenizer(spec.tokenizer, str(meta.get("tokenizer"))):
+    if spec.tokenizer and meta.get("tokenizer") and not same_tokenizer(spec.tokenizer, meta["tokenizer"]):
         p.fail(f"{args.data_dir!r} was preprocessed with the tokenizer {meta.get('tokenizer')}, the model was "
                f"trained on data of {spec.tokenizer}; evaluate on data preprocessed with the model's tokenizer")
     if int(meta["vocab_size"]) > spec.vocab_size:

@@ -272,7 +272,8 @@ def _split_tokens(meta: dict, split: str) -> Optional[int]:
     return None
 
 
-def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: int, tokenizer: str) -> None:
+def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: int,
+                   tokenizer: Optional[str]) -> None:
     """A checkpoint that would be resumed must be readable and of this model: tensor names and shapes,
     the recorded shape (`shape`), which also holds what no tensor shows (the heads), and the data's
     tokenizer (same-sized vocabularies of two tokenizers would otherwise resume silently)."""
@@ -304,7 +305,7 @@ def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: 
         trained = resolve_arch(saved["arch"], saved) if "arch" in saved else shape
     except ValueError:  # an arch this version does not know: the tensor check above stands
         trained = shape
-    if isinstance(extra.get("tokenizer"), str) and not same_tokenizer(extra["tokenizer"], tokenizer):
+    if isinstance(extra.get("tokenizer"), str) and tokenizer and not same_tokenizer(extra["tokenizer"], tokenizer):
         p.fail(f"cannot resume from {path!r}: it was trained on data preprocessed with the tokenizer "
                f"{extra['tokenizer']}, {args.data_dir!r} with {tokenizer}; use another --save-dir, or data of that one")
     if trained != shape:
@@ -441,7 +442,7 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
         p.fail(f"--finetune-from-model {args.finetune_from_model!r} does not exist; give a consolidated "
                "file or a checkpoint directory")
     if hf_positions is None:  # --hf-model: the checkpoint's keys are checked when it loads
-        _check_restore(p, args, shape, int(meta["vocab_size"]), str(meta.get("tokenizer")))
+        _check_restore(p, args, shape, int(meta["vocab_size"]), meta.get("tokenizer"))
     _warn_fp16_on_cpu(args)
     cfg = config_from_args(args, shape=shape, vocab_size=int(meta["vocab_size"]), world_size=world_size,
                            scale_window=scale_window, rdzv_endpoint=rdzv_endpoint)
