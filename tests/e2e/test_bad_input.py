@@ -58,7 +58,7 @@ def paths(corpus_dir, tmp_path_factory):
     # The same, trained on data of another tokenizer (checkpoints record the data's).
     checkpoint.save(str(root / "gpt2" / "checkpoint_last"), mini,
                     extra={"args": {"arch": ARCH}, "tokenizer": "gpt2-bpe"})
-    out["save_gpt2"] = str(root / "gpt2")
+    out["save_gpt2"], out["gpt2_ckpt"] = str(root / "gpt2"), str(root / "gpt2" / "checkpoint_last")
     return out
 
 
@@ -171,6 +171,8 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
     (["{data}", "--save-dir", "{save_mini}", "--decoder-attention-heads", "4"],
      "it was trained with 2 layers, width 64, 2 heads, ffn 256, this run has 2 layers, width 64, 4 heads, ffn 256"),
     (["{data}", "--save-dir", "{save_gpt2}"], "it was trained on data preprocessed with the tokenizer gpt2-bpe, "),
+    (["{data}", "--finetune-from-model", "{gpt2_ckpt}"],
+     "was trained on data preprocessed with the tokenizer gpt2-bpe,"),
     # --pipeline-parallel-size (--arch gpt_mini: 2 layers)
     (["{data}", "--nproc-per-node", "3", "--pipeline-parallel-size", "2"],
      "--pipeline-parallel-size 2 does not divide the world size 3"),

@@ -20,7 +20,7 @@ import torch
 from fullshard.data import DataError, TokenBlockDataset, read_meta
 from fullshard.data.tokenizer import same_tokenizer
 from fullshard.models import ARCHS, ArchSpec, build_model
-from fullshard.train import hf_options, pipeline_checks
+from fullshard.train import checkpoint_record, hf_options, pipeline_checks
 from fullshard.train.config import (
     START_METHODS,
     TRAIN_GROUPS,
@@ -441,6 +441,14 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
     if args.finetune_from_model and not os.path.exists(args.finetune_from_model):
         p.fail(f"--finetune-from-model {args.finetune_from_model!r} does not exist; give a consolidated "
                "file or a checkpoint directory")
+    if args.finetune_from_model:
+        try:
+            source = checkpoint_record.read(args.finetune_from_model)[2]
+        except (OSError, ValueError, RuntimeError):  # unreadable: loading it names the problem
+            source = None
+        if source and meta.get("tokenizer") and not same_tokenizer(source, meta["tokenizer"]):
+            p.fail(f"--finetune-from-model {args.finetune_from_model!r} was trained on data preprocessed with the "
+                   f"tokenizer {source}, {args.data_dir!r} with {meta['tokenizer']}; fine-tune on data of that one")
     if hf_positions is None:  # --hf-model: the checkpoint's keys are checked when it loads
         _check_restore(p, args, shape, int(meta["vocab_size"]), meta.get("tokenizer"))
     _warn_fp16_on_cpu(args)

@@ -17,7 +17,6 @@ one DIR and the run's recorded LoRA flags build, and --arch / --decoder-* do not
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -26,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from fullshard.models import ARCHS, ArchSpec, build_model
-from fullshard.train import hf_model, hf_trained, options
+from fullshard.train import checkpoint_record, hf_model, hf_trained, options
 from fullshard.train.checkpoint_utils import load_weights
 
 
@@ -80,22 +79,6 @@ def _shapes(path: str) -> dict:
     return {n: tuple(t.shape) for n, t in sd.items()}
 
 
-def _saved(path: str) -> tuple[Optional[dict], Optional[int], Optional[str]]:
-    """(training arguments, num_updates, the training data's tokenizer record) recorded with the
-    checkpoint, each None when absent."""
-    if os.path.isdir(path):
-        from fullshard.checkpoint import read_extra  # lazy for start-up speed, as above
-
-        extra = read_extra(path) or {}
-        return extra.get("args"), extra.get("train_state", {}).get("num_updates"), extra.get("tokenizer")
-    if path.endswith(".safetensors"):
-        with safe_open(path, "pt") as f:
-            meta = f.metadata() or {}
-        return (json.loads(meta["fullshard.args"]) if "fullshard.args" in meta else None), None, \
-            meta.get("fullshard.tokenizer")
-    return None, None, None
-
-
 def read_spec(path: str, arch: Optional[str] = None,
               overrides: Optional[Mapping[str, Optional[int]]] = None) -> ModelSpec:
     """Read what model ``path`` holds; ``arch`` and ``overrides`` override the saved ones.
@@ -120,7 +103,7 @@ def read_spec(path: str, arch: Optional[str] = None,
         raise ModelSpecError(f"checkpoint {path!r} is neither a directory nor a .safetensors/.pt file")
     try:
         shapes = _shapes(path)
-        args, num_updates, tokenizer = _saved(path)
+        args, num_updates, tokenizer = checkpoint_record.read(path)
     except (CheckpointError, OSError, RuntimeError, ValueError) as e:
         raise ModelSpecError(f"cannot read checkpoint {path!r}: {str(e).splitlines()[0]}") from None
     if hf_trained.base_dir(args):
