@@ -39,7 +39,7 @@ def save_small_tokenizer(path):
     """Trains a byte-level BPE of :data:`SMALL_VOCAB` ids (``<|endoftext|>`` the end of sequence, id 0)
     on :func:`corpus_documents` with Hugging Face ``tokenizers`` and saves ``tokenizer.json`` and
     ``tokenizer_config.json`` into ``path``; returns ``path``. The GPT's output layer is then 25x smaller
-    than with GPT-2 BPE's 50,257 ids, and the end-to-end runs spend most of their step there."""
+    than with GPT-2 BPE's 50,257 ids, where the end-to-end runs spent most of each step."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

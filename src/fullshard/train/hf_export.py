@@ -59,8 +59,10 @@ def gather_state_dict(model: nn.Module, nf4: bool = True) -> dict[str, torch.Ten
         if packed and not nf4:
             continue
         full = value.full_tensor() if isinstance(value, DTensor) else value  # NF4: its packed bytes travel
+        if packed:  # on every rank: NF4's gathered bytes are waited for only when read, and a rank that
+            full = qlora.dequantize(full)  # never read them could exit before its part was sent
         if rank0:
-            out[name] = qlora.dequantize(full).to("cpu") if packed else full.detach().to("cpu", copy=True)
+            out[name] = full.to("cpu") if packed else full.detach().to("cpu", copy=True)
     return out
 
 
