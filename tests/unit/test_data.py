@@ -322,7 +322,7 @@ def test_preprocess_with_more_than_65536_ids_writes_uint32(tmp_path):
 def test_same_tokenizer_compares_tokenizer_json_not_directory_names(tmp_path):
     import shutil
 
-    from fullshard.data.tokenizer import HFTokenizer, same_tokenizer
+    from fullshard.data.tokenizer import HFTokenizer, different_tokenizers, same_tokenizer
 
     a = HFTokenizer(save_wide_tokenizer(tmp_path / "a"))
     b = HFTokenizer(shutil.copytree(tmp_path / "a", tmp_path / "b"))  # a copy elsewhere: the same tokenizer
@@ -330,6 +330,9 @@ def test_same_tokenizer_compares_tokenizer_json_not_directory_names(tmp_path):
     (tmp_path / "b" / "tokenizer.json").write_text((tmp_path / "b" / "tokenizer.json").read_text().replace("w9", "v9"))
     assert not same_tokenizer(a.name, HFTokenizer(tmp_path / "b").name)
     assert same_tokenizer("gpt2-bpe", "gpt2-bpe") and not same_tokenizer("gpt2-bpe", a.name)
+    # refusals need both records: a checkpoint or meta.json from before the record is not refused
+    assert different_tokenizers("gpt2-bpe", a.name) and not different_tokenizers(a.name, b.name)
+    assert not different_tokenizers(None, a.name) and not different_tokenizers("gpt2-bpe", None)
 
 
 # --- sampler --------------------------------------------------------------------------

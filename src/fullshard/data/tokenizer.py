@@ -104,6 +104,13 @@ def same_tokenizer(a: str, b: str) -> bool:
     return a.startswith("hf:") and b.startswith("hf:") and a.rsplit(":", 1)[-1] == b.rsplit(":", 1)[-1]
 
 
+def different_tokenizers(a, b) -> bool:
+    """Whether two tokenizer records are both known (strings: a checkpoint or meta.json from before the
+    record has none) and name different tokenizers (:func:`same_tokenizer`): the one test behind every
+    refusal of text or data of another tokenizer (generate, eval-lm, resuming, --finetune-from-model)."""
+    return isinstance(a, str) and isinstance(b, str) and not same_tokenizer(a, b)
+
+
 class HFTokenizer:
     """A Hugging Face checkpoint's own tokenizer (its ``tokenizer.json``, read by ``tokenizers``), with
     `GPT2Tokenizer`'s interface, for ``fullshard preprocess --tokenizer DIR``.

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fullshard.data import DataError, TokenBlockDataset
-from fullshard.data.tokenizer import same_tokenizer
+from fullshard.data.tokenizer import different_tokenizers
 from fullshard.train.checkpoint_utils import load_weights
 from fullshard.train.config import DatasetOptions, DistributedOptions, LoggingCheckpointOptions, TrainConfig
 from fullshard.train.flags import add_options, flag
@@ -103,7 +103,7 @@ def prepare(p: OneLineArgumentParser, args) -> EvalJob:
     except ModelSpecError as e:
         p.fail(str(e))
     meta = check_data(p, args.data_dir)
-    if spec.tokenizer and meta.get("tokenizer") and not same_tokenizer(spec.tokenizer, meta["tokenizer"]):
+    if different_tokenizers(spec.tokenizer, meta.get("tokenizer")):
         p.fail(f"{args.data_dir!r} was preprocessed with the tokenizer {meta.get('tokenizer')}, the model was "
                f"trained on data of {spec.tokenizer}; evaluate on data preprocessed with the model's tokenizer")
     if int(meta["vocab_size"]) > spec.vocab_size:

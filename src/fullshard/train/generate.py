@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from fullshard.data import DataError, load_gpt2_tokenizer
-from fullshard.data.tokenizer import TOKENIZER_NAME, HFTokenizer, same_tokenizer
+from fullshard.data.tokenizer import TOKENIZER_NAME, HFTokenizer, different_tokenizers
 from fullshard.train import hf_model, hf_trained
 from fullshard.train.options import OneLineArgumentParser
 from fullshard.train.trained_model import ModelSpec, ModelSpecError, add_model_args, load_plain_model, read_spec
@@ -135,7 +135,7 @@ def load_tokenizer(spec: ModelSpec, directory: Optional[str] = None):
         tok = hf_trained.load_tokenizer(spec.hf_model)
     else:
         tok = load_gpt2_tokenizer()
-    if recorded is not None and not same_tokenizer(recorded, tok.name):
+    if different_tokenizers(recorded, tok.name):
         if directory is None and recorded.startswith("hf:") and not spec.hf_model:
             raise DataError(f"the model was trained on data preprocessed with the tokenizer {recorded}; pass its "
                             "directory (the one given to `fullshard preprocess --tokenizer`) as --tokenizer DIR")

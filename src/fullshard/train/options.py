@@ -18,7 +18,7 @@ from typing import NoReturn, Optional, Sequence
 import torch
 
 from fullshard.data import DataError, TokenBlockDataset, read_meta
-from fullshard.data.tokenizer import same_tokenizer
+from fullshard.data.tokenizer import different_tokenizers
 from fullshard.models import ARCHS, ArchSpec, build_model
 from fullshard.train import checkpoint_record, hf_options, pipeline_checks
 from fullshard.train.config import (
@@ -305,7 +305,7 @@ def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: 
         trained = resolve_arch(saved["arch"], saved) if "arch" in saved else shape
     except ValueError:  # an arch this version does not know: the tensor check above stands
         trained = shape
-    if isinstance(extra.get("tokenizer"), str) and tokenizer and not same_tokenizer(extra["tokenizer"], tokenizer):
+    if different_tokenizers(extra.get("tokenizer"), tokenizer):
         p.fail(f"cannot resume from {path!r}: it was trained on data preprocessed with the tokenizer "
                f"{extra['tokenizer']}, {args.data_dir!r} with {tokenizer}; use another --save-dir, or data of that one")
     if trained != shape:
@@ -446,7 +446,7 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
             source = checkpoint_record.read(args.finetune_from_model)[2]
         except (OSError, ValueError, RuntimeError):  # unreadable: loading it names the problem
             source = None
-        if source and meta.get("tokenizer") and not same_tokenizer(source, meta["tokenizer"]):
+        if different_tokenizers(source, meta.get("tokenizer")):
             p.fail(f"--finetune-from-model {args.finetune_from_model!r} was trained on data preprocessed with the "
                    f"tokenizer {source}, {args.data_dir!r} with {meta['tokenizer']}; fine-tune on data of that one")
     if hf_positions is None:  # --hf-model: the checkpoint's keys are checked when it loads
