@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fullshard
+from fullshard.core import flat as fsflat
 from tests.dist import models as M
 from tests.dist.common import ATOL, BF16_RTOL, RTOL, ddp_bf16_losses, full, train
 from tests.dist.harness import run_ranks
@@ -187,6 +188,33 @@ def _ignored_scalar(rank, world) -> dict:
     for n, g in grads["fullshard"].items():
         assert torch.equal(g, grads["torch"][n]), n
     return {"ignored 0-dim scale: |local grad - DDP mean|": float((local.scale.grad - want["scale"]).abs())}
+
+
+def _one_rank_bf16(rank, world):
+    """One rank, bf16 compute with fp32 reduction: the cast shard is the unsharded flat (core/unit.py), so
+    no copy-out runs; both doors give torch FSDP2's results bit for bit, and DDP's within bf16 roundings."""
+    copies = []
+    real = fsflat.copy_out
+    fsflat.copy_out = lambda *a: copies.append(1) or real(*a)
+    try:
+        ours = _run("gpt", "bf16", rank, fullshard)
+        wrapper = fullshard.FullyShardedDataParallel(
+            M.make_model("gpt"), auto_wrap_policy=M.unit_policy("gpt"),
+            mixed_precision=fullshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        wrapper_losses = train(wrapper, "gpt", rank, clip=False)[0]
+    finally:
+        fsflat.copy_out = real
+    theirs = _run("gpt", "bf16", rank, torch_fsdp)
+    _assert_equal(ours, theirs, "one rank bf16: fullshard vs torch FSDP2")
+    assert ours["losses"] == wrapper_losses, (ours["losses"], wrapper_losses)
+    ref = dict(losses=ddp_bf16_losses(M.make_model("gpt"), rank), norms=[], params={})
+    _assert_close(ours, ref, "one rank bf16: fullshard vs DDP (bf16 casts)", BF16_RTOL, 1e-3, params=False)
+    assert not copies, f"{len(copies)} copy-outs at one rank"
+    return ours["losses"][-1]
+
+
+def test_one_rank_bf16_casts_into_the_unsharded_flat():
+    print(run_ranks(_one_rank_bf16, 1)[0])
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.fast), 3])

@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from fullshard import CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision
+from fullshard import CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
 from fullshard.core import collectives as C
 from tests.dist import models as M
 from tests.dist.common import BF16_RTOL, ddp_bf16_losses, train
@@ -28,6 +28,11 @@ def _bf16_and_offload(rank, world):
     losses, _ = train(ours, "gpt", rank, clip=False)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=BF16_RTOL, atol=1e-3)
     out["bf16_max_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    # NO_SHARD (one-rank shard groups: the cast goes straight into the full parameters, core/unit.py)
+    # gives FULL_SHARD's bits (a sum of two terms has one rounding in any order).
+    replicated = FSDP(M.clone(base), auto_wrap_policy=M.unit_policy("gpt"), mixed_precision=BF16,
+                      sharding_strategy=ShardingStrategy.NO_SHARD)
+    assert train(replicated, "gpt", rank, clip=False)[0] == losses
     # Sharded masters stay fp32; the gradient shards are fp32.
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in ours.parameters())
     # All-gather bytes per step: bf16 moves half of fp32.

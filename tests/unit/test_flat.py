@@ -82,8 +82,18 @@ def _check_round_trip(shapes, world, kind):
     flat.copy_out(full, gathered, layout)
     for p, v in zip(params, flat.unsharded_views(full, layout)):
         assert torch.equal(v, p)
+    _check_one_rank_identity(params, gathered, layout)
     assert layout.numel == sum(p.numel() for p in params)
     assert layout.unsharded_numel == world * layout.shard_numel >= layout.numel
+
+
+def _check_one_rank_identity(params, gathered, layout):
+    """At one rank the flat shard is the unsharded flat: core/unit.py casts
+    the shard straight into it, with no copy-out."""
+    if layout.world == 1:
+        assert layout.unsharded_numel == layout.shard_numel
+        for p, v in zip(params, flat.unsharded_views(gathered, layout)):
+            assert torch.equal(v, p)
 
 
 @pytest.mark.parametrize("kind", PLACED)
@@ -210,6 +220,7 @@ def test_dim_shard_layout(world):
     flat.copy_out(full, gathered, layout)
     for p, v in zip(params, flat.unsharded_views(full, layout)):
         assert torch.equal(v, p)
+    _check_one_rank_identity(params, gathered, layout)
     for k in [k for k in range(1, world + 1) if world % k == 0]:
         parts = []
         for first in range(0, world, k):

@@ -27,7 +27,9 @@ waits on what:
   stream, or gloo's copies of CUDA tensors, are ordered before the
   all-gather stream's next work), then records the gather event. Before the
   copy-out into the unit's full parameters, the compute stream waits on the
-  gather event; only then are the send and gather buffers released.
+  gather event; only then are the send and gather buffers released. A
+  one-rank shard group casts into the full parameters themselves (their
+  memory taken before the first event), with no gather buffer or copy-out.
 * reduce: the full gradient is copied into the reduce-scatter input on the
   compute stream (so autograd's gradient may be freed at once, as torch
   FSDP2 does); the reduce-scatter stream waits on the compute stream's event

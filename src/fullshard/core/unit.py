@@ -129,16 +129,14 @@ class Unit:
         # Shard versions when the unit was deliberately left unsharded
         # (FSDPModule.unshard, reshard_after_backward=False); see kept_fresh.
         self._kept_version: Optional[tuple[int, ...]] = None
-        # Reduce-scatter outputs summed while settings.requires_all_reduce is
-        # False (HSDP), until the replicas' all-reduce runs.
+        # Reduce-scatter outputs summed while requires_all_reduce is False (HSDP), until the replicas' all-reduce.
         self.partial_out: Optional[torch.Tensor] = None
         # Stack of install_params records: (module, attr, previous value).
         self._installed: list[list[tuple[nn.Module, str, object]]] = []
         self.stash = GradStash(self)  # no_sync accumulation; core/stash.py [Note: no_sync and zero_grad]
         self.pooled_grad = grads.PooledGrad()  # core/grads.py [Note: pooled full gradient]
         self.ext: dict = {}  # layout index -> gather state; core/extensions.py [Note: all-gather extensions]
-        # Layout indices whose reduced gradient awaits its post-accumulate-grad
-        # hooks; see core/post_accumulate.py.
+        # Layout indices whose reduced gradient awaits its post-accumulate-grad hooks (core/post_accumulate.py).
         self.hooks_due: set[int] = set()
         self._shard()
         registry.register(self)
@@ -229,6 +227,10 @@ class Unit:
     def _full_nbytes(self) -> int:
         return self.layout.unsharded_numel * self.flat_full.element_size()
 
+    def _lend_full(self) -> None:  # the unsharded flat's memory, from the pool, unless it holds it already
+        if self.flat_full.untyped_storage().nbytes() == 0:
+            POOL.lend(self.flat_full.untyped_storage(), self._full_nbytes())
+
     def _free_full(self) -> None:
         POOL.reclaim(self.flat_full.untyped_storage())  # see core/buffers.py [Note: buffer reuse]
 
@@ -283,6 +285,12 @@ class Unit:
             self._gather_alloc = comm.FOREIGN
             return
         self._gather_alloc = settings.allocator
+        if cast is not None and self.world == 1 and settings.allocator is None:
+            # One rank: both layouts are the same (core/flat.py [Note: flat layouts]), so the cast
+            # shard is written straight into the unsharded flat, with no copy-out.
+            self._lend_full()
+            self._gather_work = issue_all_gather(self.flat_full.data, send, group, tag, cast)
+            return
         self._gather_buf = comm.take(self._gather_alloc, numel, dtype, device)
         if settings.allocator is not None:
             settings.allocator.prepare(self._gather_buf, group)
@@ -296,9 +304,7 @@ class Unit:
             self._gather_work.wait()
             self._gather_work = None
         if self._gather_buf is not None:
-            storage = self.flat_full.untyped_storage()
-            if storage.nbytes() == 0:
-                POOL.lend(storage, self._full_nbytes())
+            self._lend_full()
             # .data: a write with its own version counter, so tensors autograd
             # saved in forward (views of this storage) stay valid for backward.
             flat.copy_out(self.flat_full.data, self._gather_buf, self.layout)
