@@ -87,6 +87,38 @@ def _check_round_trip(shapes, world, kind):
     assert layout.unsharded_numel == world * layout.shard_numel >= layout.numel
 
 
+def _unfused(layout):
+    """``layout`` with the fused copies turned off (per-parameter copies, the path of owned, strided
+    and empty parameters)."""
+    layout.__dict__["fused"] = False
+    return layout
+
+
+def test_fused_copies_equal_per_parameter_copies():
+    """copy_out (split_with_sizes_copy) and copy_in (chunk_cat, zeros after the gradient in a longer block;
+    bf16 gradients into fp32) give the per-parameter copies' bits."""
+    for shapes, world in CASES:
+        params = _params(shapes)
+        fused, plain = (_layout(params, world, "row", frozen={1}) for _ in range(2))
+        assert fused.fused == (min(p.numel() for p in params) > 0)
+        _unfused(plain)
+        gathered = torch.cat(_flat_shards(params, fused))
+        outs = [torch.full((fused.unsharded_numel,), float("nan")) for _ in range(2)]
+        for out, lay in zip(outs, (fused, plain)):
+            flat.copy_out(out, gathered, lay)
+        assert torch.equal(outs[0], outs[1]), (shapes, world)
+        block = fused.grad_shard_numel + 3
+        for dtype in (torch.float32, torch.bfloat16):
+            full = torch.randn(fused.unsharded_numel).to(dtype)
+            ins = [torch.full((world * block,), float("nan")) for _ in range(2)]
+            for into, lay in zip(ins, (fused, plain)):
+                flat.copy_in(into, full, lay, block_numel=block)
+            grads = [x.view(world, block)[:, :fused.grad_shard_numel] for x in ins]
+            assert torch.equal(grads[0], grads[1]), (shapes, world, dtype)
+            if fused.fused and dtype == torch.float32:
+                assert not ins[0].view(world, block)[:, fused.grad_shard_numel:].any()  # zeros
+
+
 def _check_one_rank_identity(params, gathered, layout):
     """At one rank the flat shard is the unsharded flat: core/unit.py casts
     the shard straight into it, with no copy-out."""

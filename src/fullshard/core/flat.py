@@ -158,10 +158,6 @@ class FlatLayout:
         """Ψ of the unit: real elements, no padding."""
         return sum(p.numel for p in self.params)
 
-    @property
-    def has_owned(self) -> bool:
-        return any(p.owned for p in self.params)
-
     def rank_numel(self, rank: int) -> int:
         """Real (unpadded) elements ``rank`` keeps."""
         return sum(p.local_rows(rank) * p.row_numel for p in self.params)
@@ -185,6 +181,12 @@ class FlatLayout:
             sizes += [p.numel, p.full_span - p.numel]
             end = p.full_offset + p.full_span
         return tuple(sizes + [self.unsharded_numel - end])
+
+    @functools.cached_property
+    def fused(self) -> bool:
+        """Whether no parameter is owned, strided or empty: each copy between
+        the layouts is then one fused op (:func:`copy_out`, :func:`copy_in`)."""
+        return bool(self.params) and all(not p.owned and not p.strided and p.shard_numel for p in self.params)
 
     @functools.cached_property
     def all_trainable(self) -> bool:
@@ -311,14 +313,13 @@ def shard_into(flat_shard: torch.Tensor, layout: FlatLayout,
         if p.strided:  # a row initializer gives dim-0 rows: take them all, keep the chunk of dim d
             whole = t(0, p.shape[0], None) if callable(t) else t.detach()
             dst.view(p.local_shape(rank)).copy_(whole.reshape(p.shape).narrow(p.dim, lo, hi - lo))
+        elif callable(t):
+            out = dst.view(hi - lo, *p.shape[1:])
+            rows = t(lo, hi, out)
+            if rows is not out:
+                out.copy_(rows)
         else:
-            if callable(t):
-                out = dst.view(hi - lo, *p.shape[1:])
-                rows = t(lo, hi, out)
-                if rows is not out:
-                    out.copy_(rows)
-            else:
-                dst.copy_(t.detach().reshape(p.rows, p.row_numel)[lo:hi].reshape(-1))
+            dst.copy_(t.detach().reshape(p.rows, p.row_numel)[lo:hi].reshape(-1))
 
 
 def shard_views(flat_shard: torch.Tensor, layout: FlatLayout, rank: int) -> list[torch.Tensor]:
@@ -367,7 +368,7 @@ def _param_major_blocks(flat_full: torch.Tensor, layout: FlatLayout, grad: bool)
 def _owned_tails(buf: torch.Tensor, layout: FlatLayout, numel: int, grad: bool) -> list[torch.Tensor]:
     """Each rank's elements of a rank-major buffer past its owned slots (up
     to ``grad_shard_numel`` or ``shard_numel``): what no parameter fills."""
-    if not layout.has_owned:
+    if not any(p.owned for p in layout.params):
         return []
     two_d = buf.view(layout.world, numel)
     base = layout.uniform_grad_numel if grad else layout.uniform_numel
@@ -416,8 +417,12 @@ def _strided_pairs(buf: torch.Tensor, flat_full: torch.Tensor, layout: FlatLayou
 
 
 def copy_out(flat_full: torch.Tensor, gathered: torch.Tensor, layout: FlatLayout) -> None:
-    """All-gather output (rank-major, N·S) → unsharded flat (param-major, N·S)."""
+    """All-gather output (rank-major, N·S, contiguous) → unsharded flat (param-major, N·S)."""
     dst = _param_major_blocks(flat_full, layout, grad=False)
+    if layout.fused:  # one op; on CUDA one kernel (torch FSDP2's copy-out), not one per parameter
+        torch.split_with_sizes_copy(gathered.view(layout.world, layout.shard_numel),
+                                    [p.shard_numel for p in layout.params], dim=1, out=dst)
+        return
     src = _rank_major_blocks(gathered, layout, layout.shard_numel, grad=False)
     strided_src, strided_dst, _ = _strided_pairs(gathered, flat_full, layout, layout.shard_numel, grad=False)
     dst, src = dst + strided_dst, src + strided_src
@@ -431,8 +436,18 @@ def copy_in(reduce_in: torch.Tensor, full_grad: torch.Tensor, layout: FlatLayout
     trainable parameters only). ``reduce_in`` holds N blocks of
     ``block_numel`` elements (default ``grad_shard_numel``); the gradient
     (padding included, zero where no parameter lies) fills the first
-    ``grad_shard_numel`` of each and the rest is untouched."""
+    ``grad_shard_numel`` of each; the rest is left for the caller (it may be
+    zeroed)."""
     block = block_numel or layout.grad_shard_numel
+    # One op; on CUDA one kernel that also casts bf16 → fp32 (torch FSDP2's reduce-scatter copy-in). On the
+    # CPU a cast there was slower than per-tensor copies.
+    if layout.fused and layout.grad_shard_numel and (full_grad.dtype == reduce_in.dtype or (
+            reduce_in.is_cuda and (full_grad.dtype, reduce_in.dtype) == (torch.bfloat16, torch.float32))):
+        src = _param_major_blocks(full_grad, layout, grad=True)
+        if block > layout.grad_shard_numel:  # zeros for the row's rest: the output rows are whole blocks
+            src.append(_zeros(layout.world, block - layout.grad_shard_numel, full_grad))
+        torch_private.chunk_cat(src, layout.world, reduce_in.view(layout.world, block))
+        return
     dst = _rank_major_blocks(reduce_in, layout, block, grad=True)
     src = _param_major_blocks(full_grad, layout, grad=True)
     strided_dst, strided_src, pads = _strided_pairs(reduce_in, full_grad, layout, block, grad=True)
@@ -442,6 +457,16 @@ def copy_in(reduce_in: torch.Tensor, full_grad: torch.Tensor, layout: FlatLayout
     tails = _owned_tails(reduce_in, layout, block, grad=True) + pads
     if tails:
         torch_private.foreach_zero_(tails)
+
+
+_ZEROS: dict = {}  # (rows, cols, dtype, device) -> a zero tensor, only ever read
+
+
+def _zeros(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    key = (rows, cols, like.dtype, like.device)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros(rows, cols, dtype=like.dtype, device=like.device)
+    return _ZEROS[key]
 
 
 def copy_rank_rows(dst: torch.Tensor, flat_full: torch.Tensor, layout: FlatLayout, first: int, count: int) -> None:

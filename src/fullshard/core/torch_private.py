@@ -104,6 +104,15 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_copy_(dst, src)
 
 
+def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """Row r of ``out`` (contiguous, ``num_chunks`` rows) := the concatenation
+    of row r of each 2-D ``tensors[i]`` (``num_chunks`` rows each), cast to
+    ``out``'s dtype (``torch._chunk_cat``: one kernel on CUDA, with bf16 → fp32
+    in the same pass; torch FSDP2's reduce-scatter copy-in). No public op
+    gathers and casts many tensors into one buffer in one call."""
+    torch._chunk_cat(tensors, 0, num_chunks, out=out)
+
+
 def foreach_zero_(tensors: list[torch.Tensor]) -> None:
     """Zero every tensor in one fused call (``torch._foreach_zero_``)."""
     torch._foreach_zero_(tensors)
