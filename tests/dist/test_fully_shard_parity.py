@@ -192,7 +192,8 @@ def _ignored_scalar(rank, world) -> dict:
 
 def _one_rank_bf16(rank, world):
     """One rank, bf16 compute with fp32 reduction: the cast shard is the unsharded flat (core/unit.py), so
-    no copy-out runs; both doors give torch FSDP2's results bit for bit, and DDP's within bf16 roundings."""
+    no copy-out runs (nor in summon_full_params); both doors give torch FSDP2's results bit for bit, and DDP's
+    within bf16 roundings."""
     copies = []
     real = fsflat.copy_out
     fsflat.copy_out = lambda *a: copies.append(1) or real(*a)
@@ -202,11 +203,14 @@ def _one_rank_bf16(rank, world):
             M.make_model("gpt"), auto_wrap_policy=M.unit_policy("gpt"),
             mixed_precision=fullshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
         wrapper_losses = train(wrapper, "gpt", rank, clip=False)[0]
+        with wrapper.summon_full_params():  # gathered without a copy-out too (core/gather.py)
+            summoned = {n: p.detach().clone() for n, p in wrapper.named_parameters()}
     finally:
         fsflat.copy_out = real
     theirs = _run("gpt", "bf16", rank, torch_fsdp)
     _assert_equal(ours, theirs, "one rank bf16: fullshard vs torch FSDP2")
     assert ours["losses"] == wrapper_losses, (ours["losses"], wrapper_losses)
+    _assert_equal(dict(ours, losses=wrapper_losses, params=summoned), ours, "one rank bf16: the wrapper")
     ref = dict(losses=ddp_bf16_losses(M.make_model("gpt"), rank), norms=[], params={})
     _assert_close(ours, ref, "one rank bf16: fullshard vs DDP (bf16 casts)", BF16_RTOL, 1e-3, params=False)
     assert not copies, f"{len(copies)} copy-outs at one rank"

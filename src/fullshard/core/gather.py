@@ -33,6 +33,8 @@ def gather_full(unit, flat_shard: Optional[torch.Tensor] = None) -> list[torch.T
     buf = torch.empty(lay.unsharded_numel, dtype=src.dtype, device=dev)
     collectives.all_gather(buf, src.to(dev), unit.cfg.shard_group, async_op=False,
                            tag=f"unit '{unit.name}' full gather")
+    if lay.world == 1:  # the two layouts coincide (core/flat.py [Note: flat layouts])
+        return flat.unsharded_views(buf, lay)
     full = torch.empty_like(buf)
     flat.copy_out(full, buf, lay)
     return flat.unsharded_views(full, lay)
