@@ -183,10 +183,11 @@ class FlatLayout:
         return tuple(sizes + [self.unsharded_numel - end])
 
     @functools.cached_property
-    def fused(self) -> bool:
-        """Whether no parameter is owned, strided or empty: each copy between
-        the layouts is then one fused op (:func:`copy_out`, :func:`copy_in`)."""
-        return bool(self.params) and all(not p.owned and not p.strided and p.shard_numel for p in self.params)
+    def fused_sizes(self) -> tuple[int, ...]:
+        """The slots' numels when no parameter is owned, strided or empty (each copy between the layouts
+        is then one fused op: :func:`copy_out`, :func:`copy_in`); () otherwise."""
+        fused = all(not p.owned and not p.strided and p.shard_numel for p in self.params)
+        return tuple(p.shard_numel for p in self.params) if fused else ()
 
     @functools.cached_property
     def all_trainable(self) -> bool:
@@ -419,9 +420,9 @@ def _strided_pairs(buf: torch.Tensor, flat_full: torch.Tensor, layout: FlatLayou
 def copy_out(flat_full: torch.Tensor, gathered: torch.Tensor, layout: FlatLayout) -> None:
     """All-gather output (rank-major, N·S, contiguous) → unsharded flat (param-major, N·S)."""
     dst = _param_major_blocks(flat_full, layout, grad=False)
-    if layout.fused:  # one op; on CUDA one kernel (torch FSDP2's copy-out), not one per parameter
-        torch.split_with_sizes_copy(gathered.view(layout.world, layout.shard_numel),
-                                    [p.shard_numel for p in layout.params], dim=1, out=dst)
+    if layout.fused_sizes:  # one op; on CUDA one kernel (torch FSDP2's copy-out), not one per parameter
+        torch.split_with_sizes_copy(gathered.view(layout.world, layout.shard_numel), layout.fused_sizes, dim=1,
+                                    out=dst)
         return
     src = _rank_major_blocks(gathered, layout, layout.shard_numel, grad=False)
     strided_src, strided_dst, _ = _strided_pairs(gathered, flat_full, layout, layout.shard_numel, grad=False)
@@ -439,9 +440,8 @@ def copy_in(reduce_in: torch.Tensor, full_grad: torch.Tensor, layout: FlatLayout
     ``grad_shard_numel`` of each; the rest is left for the caller (it may be
     zeroed)."""
     block = block_numel or layout.grad_shard_numel
-    # One op; on CUDA one kernel that also casts bf16 → fp32 (torch FSDP2's reduce-scatter copy-in). On the
-    # CPU a cast there was slower than per-tensor copies.
-    if layout.fused and layout.grad_shard_numel and (full_grad.dtype == reduce_in.dtype or (
+    # One op (on CUDA one kernel, casting bf16 → fp32 too: torch FSDP2's copy-in); a CPU cast is faster per tensor.
+    if layout.fused_sizes and layout.grad_shard_numel and (full_grad.dtype == reduce_in.dtype or (
             reduce_in.is_cuda and (full_grad.dtype, reduce_in.dtype) == (torch.bfloat16, torch.float32))):
         src = _param_major_blocks(full_grad, layout, grad=True)
         if block > layout.grad_shard_numel:  # zeros for the row's rest: the output rows are whole blocks
