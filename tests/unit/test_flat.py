@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from fullshard.core import flat, placement
+from fullshard.core import flat, placement, torch_private
 
 PLACED = {
     "row": lambda n: [placement.RowShard()] * n,
@@ -95,8 +95,9 @@ def _unfused(layout):
 
 
 def test_fused_copies_equal_per_parameter_copies():
-    """copy_out (split_with_sizes_copy) and copy_in (chunk_cat, zeros after the gradient in a longer block;
-    bf16 gradients into fp32) give the per-parameter copies' bits."""
+    """copy_out (split_with_sizes_copy) and copy_in (chunk_cat, zeros after the gradient in a longer block)
+    give the per-parameter copies' bits; so does chunk_cat's bf16 -> fp32 cast, which copy_in uses on CUDA
+    only (its CUDA kernel runs in tests/dist/test_cuda.py)."""
     for shapes, world in CASES:
         params = _params(shapes)
         fused, plain = (_layout(params, world, "row", frozen={1}) for _ in range(2))
@@ -117,6 +118,10 @@ def test_fused_copies_equal_per_parameter_copies():
             assert torch.equal(grads[0], grads[1]), (shapes, world, dtype)
             if fused.fused_sizes and dtype == torch.float32:
                 assert not ins[0].view(world, block)[:, fused.grad_shard_numel:].any()  # zeros
+            elif fused.fused_sizes:  # the op copy_in calls on CUDA, with its cast
+                cast = torch.empty(world, fused.grad_shard_numel)
+                torch_private.chunk_cat(flat._param_major_blocks(full, fused, grad=True), world, cast)
+                assert torch.equal(cast, grads[1]), (shapes, world)
 
 
 def _check_one_rank_identity(params, gathered, layout):
