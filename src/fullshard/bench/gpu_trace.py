@@ -113,12 +113,6 @@ def host_sync_sites(step: Callable[[], None], frames: int = 6) -> list[str]:
     return sites
 
 
-def count_host_syncs(step: Callable[[], None]) -> int:
-    """Run ``step`` under ``torch.cuda.set_sync_debug_mode("warn")``; the number of synchronizing CUDA
-    calls it warned about (CUDA only; :func:`host_sync_sites` says where)."""
-    return len(host_sync_sites(step))
-
-
 def profile_step(step: Callable[[], None], path: str) -> dict[str, dict[str, float]]:
     """Run ``step`` under torch.profiler (CPU and CUDA activity), save its chrome trace at ``path`` and
     return :func:`hidden_time` of its kernels (CUDA only)."""

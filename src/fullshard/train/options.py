@@ -279,7 +279,7 @@ def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: 
     tokenizer (same-sized vocabularies of two tokenizers would otherwise resume silently)."""
     # Lazy for start-up speed: save_load imports torch.distributed.checkpoint (about 0.7 s of every
     # `fullshard` command); only a run with a checkpoint to resume needs it.
-    from fullshard.checkpoint import CheckpointError, read_extra, verify
+    from fullshard.checkpoint import CheckpointError, verify
     from fullshard.checkpoint.save_load import check_model_keys, resolve
 
     path = args.restore_file
@@ -296,8 +296,8 @@ def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: 
         verify(resolved)
         model = build_model(shape, device="meta", vocab_size=vocab_size, max_positions=shape.max_positions)
         check_model_keys(resolved, model.state_dict())
-        extra = read_extra(resolved) or {}
-        saved = extra.get("args") or {}
+        saved, _, recorded = checkpoint_record.read(resolved)
+        saved = saved or {}
     except (CheckpointError, OSError, ValueError) as e:
         p.fail(f"cannot resume from {path!r}: {str(e).split('] ', 1)[-1]}; use another --save-dir, or "
                "--restore-file / --finetune-from-model with a checkpoint of this --arch and --decoder-* shape")
@@ -305,9 +305,9 @@ def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: 
         trained = resolve_arch(saved["arch"], saved) if "arch" in saved else shape
     except ValueError:  # an arch this version does not know: the tensor check above stands
         trained = shape
-    if different_tokenizers(extra.get("tokenizer"), tokenizer):
+    if different_tokenizers(recorded, tokenizer):
         p.fail(f"cannot resume from {path!r}: it was trained on data preprocessed with the tokenizer "
-               f"{extra['tokenizer']}, {args.data_dir!r} with {tokenizer}; use another --save-dir, or data of that one")
+               f"{recorded}, {args.data_dir!r} with {tokenizer}; use another --save-dir, or data of that one")
     if trained != shape:
         p.fail(f"cannot resume from {path!r}: it was trained with {trained.describe()}, this run has "
                f"{shape.describe()}; use another --save-dir, or the --arch / --decoder-* flags it was trained with")
