@@ -95,13 +95,16 @@ def _unfused(layout):
 
 
 def test_fused_copies_equal_per_parameter_copies():
-    """copy_out (split_with_sizes_copy) and copy_in (chunk_cat, zeros after the gradient in a longer block)
-    give the per-parameter copies' bits; so does chunk_cat's bf16 -> fp32 cast, which copy_in uses on CUDA
-    only (its CUDA kernel runs in tests/dist/test_cuda.py)."""
-    for shapes, world in CASES:
+    """copy_out (split_with_sizes_copy) and copy_in (chunk_cat, zeros after the gradient in a longer block;
+    at one rank with every parameter trainable one copy) give the per-parameter copies' bits; so does
+    chunk_cat's bf16 -> fp32 cast, which copy_in uses on CUDA only (its CUDA kernel runs in
+    tests/dist/test_cuda.py)."""
+    for (shapes, world), frozen in itertools.product(CASES, ({1}, set())):
         params = _params(shapes)
-        fused, plain = (_layout(params, world, "row", frozen={1}) for _ in range(2))
+        fused, plain = (_layout(params, world, "row", frozen=frozen) for _ in range(2))
         assert bool(fused.fused_sizes) == (min(p.numel() for p in params) > 0)
+        trainable = not frozen.intersection(range(len(params)))
+        assert fused.grad_is_prefix == (world == 1 and bool(fused.fused_sizes) and trainable)  # one copy
         _unfused(plain)
         gathered = torch.cat(_flat_shards(params, fused))
         outs = [torch.full((fused.unsharded_numel,), float("nan")) for _ in range(2)]
@@ -116,7 +119,7 @@ def test_fused_copies_equal_per_parameter_copies():
                 flat.copy_in(into, full, lay, block_numel=block)
             grads = [x.view(world, block)[:, :fused.grad_shard_numel] for x in ins]
             assert torch.equal(grads[0], grads[1]), (shapes, world, dtype)
-            if fused.fused_sizes and dtype == torch.float32:
+            if fused.fused_sizes and not fused.grad_is_prefix and dtype == torch.float32:
                 assert not ins[0].view(world, block)[:, fused.grad_shard_numel:].any()  # zeros
             elif fused.fused_sizes:  # the op copy_in calls on CUDA, with its cast
                 cast = torch.empty(world, fused.grad_shard_numel)

@@ -193,6 +193,12 @@ class FlatLayout:
     def all_trainable(self) -> bool:
         return all(p.requires_grad for p in self.params)
 
+    @functools.cached_property
+    def grad_is_prefix(self) -> bool:
+        """One rank, fused and all trainable: a reduce block's gradient is the unsharded gradient's first
+        ``grad_shard_numel`` elements (both layouts are one), so :func:`copy_in` is one copy."""
+        return self.world == 1 and bool(self.fused_sizes) and self.all_trainable
+
     def block_plan(self, grad: bool) -> tuple[tuple[int, int, int, int, int], ...]:
         """Per non-strided parameter (trainable ones only with ``grad``): its
         offset and length in a rank's block of a rank-major buffer, the owner
@@ -359,8 +365,7 @@ def _rank_major_blocks(buf: torch.Tensor, layout: FlatLayout, numel: int, grad: 
 
 
 def _param_major_blocks(flat_full: torch.Tensor, layout: FlatLayout, grad: bool) -> list[torch.Tensor]:
-    """The matching views of a param-major buffer: (N, chunk) contiguous, or
-    the owned parameter itself."""
+    """The matching views of a param-major buffer: (N, chunk) contiguous, or the owned parameter itself."""
     world = layout.world
     return [flat_full[fo:fo + span] if r >= 0 else flat_full[fo:fo + span].view(world, n)
             for _, n, r, fo, span in layout.block_plan(grad)]
@@ -433,13 +438,14 @@ def copy_out(flat_full: torch.Tensor, gathered: torch.Tensor, layout: FlatLayout
 
 def copy_in(reduce_in: torch.Tensor, full_grad: torch.Tensor, layout: FlatLayout,
             block_numel: int | None = None) -> None:
-    """Unsharded flat gradient (param-major) → reduce-scatter input (rank-major,
-    trainable parameters only). ``reduce_in`` holds N blocks of
-    ``block_numel`` elements (default ``grad_shard_numel``); the gradient
-    (padding included, zero where no parameter lies) fills the first
-    ``grad_shard_numel`` of each; the rest is left for the caller (it may be
-    zeroed)."""
+    """Unsharded flat gradient (param-major) → reduce-scatter input (rank-major, trainable parameters only).
+    ``reduce_in`` holds N blocks of ``block_numel`` elements (default ``grad_shard_numel``); the gradient
+    (padding included, zero where no parameter lies) fills the first ``grad_shard_numel`` of each; the
+    rest is left for the caller (it may be zeroed)."""
     block = block_numel or layout.grad_shard_numel
+    if layout.grad_is_prefix:  # one elementwise copy: on an H200 faster than chunk_cat (see docs/benchmarks.md)
+        reduce_in[:layout.grad_shard_numel].copy_(full_grad[:layout.grad_shard_numel])
+        return
     # One op (on CUDA one kernel, casting bf16 → fp32 too: torch FSDP2's copy-in); a CPU cast is faster per tensor.
     if layout.fused_sizes and layout.grad_shard_numel and (full_grad.dtype == reduce_in.dtype or (
             reduce_in.is_cuda and (full_grad.dtype, reduce_in.dtype) == (torch.bfloat16, torch.float32))):
@@ -470,11 +476,9 @@ def _zeros(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def copy_rank_rows(dst: torch.Tensor, flat_full: torch.Tensor, layout: FlatLayout, first: int, count: int) -> None:
-    """Ranks ``first .. first+count-1``'s flat shards, rank-major (``count·S``
-    elements in ``dst``), taken from the unsharded flat (param-major): the
-    part of an all-gather's output a post-forward group member keeps
-    (``reshard_after_forward=int``), so that an all-gather of the members'
-    parts rebuilds the whole output."""
+    """Ranks ``first .. first+count-1``'s flat shards, rank-major (``count·S`` elements in ``dst``), taken from
+    the unsharded flat (param-major): the part of an all-gather's output a post-forward group member keeps
+    (``reshard_after_forward=int``), so that an all-gather of the members' parts rebuilds the whole output."""
     rows = dst.view(count, layout.shard_numel)
     dst_blocks, src, pads = _strided_pairs(dst, flat_full, layout, layout.shard_numel, False, first, count)
     if pads:  # nobody reads them; zero for the same bits as an all-gather of shards
@@ -493,8 +497,4 @@ def copy_rank_rows(dst: torch.Tensor, flat_full: torch.Tensor, layout: FlatLayou
 
 def contiguous_stride(shape: torch.Size) -> tuple:
     """The strides of a contiguous tensor of ``shape``."""
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
+    return torch.empty(shape, device="meta").stride()
