@@ -251,6 +251,31 @@ def _slow_side_streams(device):
     return lambda: setattr(streams, "wait", original)
 
 
+def _slow_compute(device):
+    """Make the compute stream sleep (:data:`SLEEP_CYCLES`) before every copy-out of an all-gather and before
+    every ``nn.Linear`` forward: a side stream that writes a recycled buffer without waiting for the compute
+    stream's last read of it (core/streams.py: a forward all-gather waits only on the buffer's return event)
+    then overwrites values still to be read; returns the undo."""
+    from fullshard.core import flat
+
+    original = flat.copy_out
+
+    def copy_out(*args, **kwargs):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return original(*args, **kwargs)
+
+    def sleep(module, args):
+        if isinstance(module, torch.nn.Linear):
+            torch.cuda._sleep(SLEEP_CYCLES)
+    flat.copy_out = copy_out
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(sleep)
+
+    def undo():
+        flat.copy_out = original
+        handle.remove()
+    return undo
+
+
 def _hybrid(door: str, base, device, world: int):
     """``base`` under HYBRID_SHARD with one-rank shard groups and every rank a replica (the replicas'
     all-reduce carries the whole gradient)."""
@@ -272,8 +297,9 @@ def _hybrid(door: str, base, device, world: int):
 
 
 def _streams_on_off(rank, world, device_type="cuda"):
-    """Each door and variant trained with side streams (slowed) and without: the same bits. Offload only at
-    world size 1 (NCCL). ``device_type`` "cpu" (under gloo) runs the same code without streams, for developing."""
+    """Each door and variant trained with side streams (the side streams slowed; then the compute stream
+    slowed) and without: the same bits. Offload only at world size 1 (NCCL). ``device_type`` "cpu" (under
+    gloo) runs the same code without streams, for developing."""
     from fullshard.core import streams
 
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
@@ -287,9 +313,9 @@ def _streams_on_off(rank, world, device_type="cuda"):
     for door in DOORS:
         for name, kw in variants.items():
             runs = []
-            for on in (True, False):
+            for on, slow in ((True, _slow_side_streams), (True, _slow_compute), (False, None)):
                 streams.set_enabled(on)
-                undo = _slow_side_streams(device) if on and device.type == "cuda" else (lambda: None)
+                undo = slow(device) if slow is not None and device.type == "cuda" else (lambda: None)
                 try:
                     model = _hybrid(door, base, device, world) if kw is None else _shard(door, base, device, **kw)
                     losses = _train(model, model.parameters(), rank, device)
@@ -297,11 +323,12 @@ def _streams_on_off(rank, world, device_type="cuda"):
                     undo()
                     streams.set_enabled(None)
                 runs.append((torch.stack(losses), [local_of(p).detach().cpu() for p in model.parameters()]))
-            (on_losses, on_params), (off_losses, off_params) = runs
-            assert torch.equal(on_losses, off_losses), f"{door} {name}: losses {on_losses} vs {off_losses}"
-            for i, (a, b) in enumerate(zip(on_params, off_params)):
-                assert torch.equal(a, b), f"{door} {name}: parameter {i} differs, max {(a - b).abs().max()}"
-            _note(out, f"{door} {name} streams on vs off (rank {rank})", 0.0)
+            off_losses, off_params = runs[-1]
+            for how, (on_losses, on_params) in zip(("side streams slowed", "compute slowed"), runs):
+                assert torch.equal(on_losses, off_losses), f"{door} {name} {how}: losses {on_losses} vs {off_losses}"
+                for i, (a, b) in enumerate(zip(on_params, off_params)):
+                    assert torch.equal(a, b), f"{door} {name} {how}: parameter {i} differs, max {(a - b).abs().max()}"
+            _note(out, f"{door} {name} streams on (side, then compute slowed) vs off (rank {rank})", 0.0)
     return out
 
 

@@ -46,7 +46,9 @@ events]) a returned buffer carries an event recorded on the stream that
 returned it (after every use of it there), and the stream that takes it next
 waits on that event first; a cached buffer the pool frees makes the stream
 that allocated it wait on the event, so the caching allocator cannot reuse
-the block ahead of its last use. Elsewhere no event is made.
+the block ahead of its last use. The taker is also handed that event: a
+forward all-gather's side streams wait on it instead of on all the compute
+stream's work so far (core/streams.py). Elsewhere no event is made.
 """
 from __future__ import annotations
 
@@ -92,7 +94,13 @@ class BufferPool:
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
 
-    def _take_storage(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+    def _take_storage(self, nbytes: int, device: torch.device,
+                      oldest: bool = False) -> tuple[torch.UntypedStorage, Optional[object]]:
+        """A storage of at least ``nbytes``, and the event recorded after its previous users were done (a
+        cached buffer returned on a stream with side streams), after which a side stream may write it; None
+        when unknown (new from the allocator: a side stream must wait on the taker's work so far).
+        ``oldest``: the least recently returned cached buffer of that size (for a side stream: its last
+        users are the furthest behind), not the most recent."""
         nbytes = _rounded(nbytes)
         key = (device, nbytes)
         with self._lock:
@@ -103,7 +111,7 @@ class BufferPool:
             if stack:
                 self.hits += 1
                 self.cached_bytes -= nbytes
-                s, event, recorded_on = stack.pop()
+                s, event, recorded_on = stack.pop(0 if oldest else -1)
                 if not stack:
                     del self._free[key]
             else:
@@ -120,13 +128,19 @@ class BufferPool:
             taker = streams.current(device)
             if taker != recorded_on:  # on the same stream the order is already kept
                 streams.wait(event, taker)
-        return s
+        return s, event
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements (contents undefined) on ``device``."""
+        return self.take_with_event(numel, dtype, device, oldest=False)[0]
+
+    def take_with_event(self, numel: int, dtype: torch.dtype, device: torch.device,
+                        oldest: bool = True) -> tuple[torch.Tensor, object]:
+        """:meth:`take` for a side stream to write: the least recently returned buffer (``oldest``), and the
+        event after which the side stream may write it (None: unknown)."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        s = self._take_storage(nbytes, torch.device(device))
-        return torch.empty(0, dtype=dtype, device=device).set_(s, 0, (numel,))
+        s, event = self._take_storage(nbytes, torch.device(device), oldest)
+        return torch.empty(0, dtype=dtype, device=device).set_(s, 0, (numel,)), event
 
     def give(self, t: Optional[torch.Tensor]) -> None:
         """Return ``t``'s storage for reuse. The caller must hold no other
@@ -181,13 +195,15 @@ class BufferPool:
             self.in_use_bytes += nbytes
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
 
-    def lend(self, target: torch.UntypedStorage, nbytes: int) -> None:
-        """Give the empty storage ``target`` at least ``nbytes`` of pooled memory."""
+    def lend(self, target: torch.UntypedStorage, nbytes: int, oldest: bool = False) -> Optional[object]:
+        """Give the empty storage ``target`` at least ``nbytes`` of pooled memory; returns the event after
+        which a side stream may write it, as :meth:`take_with_event` (None: unknown)."""
         if not _CAN_SWAP:
             target.resize_(nbytes)
-            return
-        src = self._take_storage(nbytes, target.device)
+            return None
+        src, event = self._take_storage(nbytes, target.device, oldest)
         torch_private.swap_storages(target, src)  # src is now empty; it is dropped
+        return event
 
     def reclaim(self, target: torch.UntypedStorage) -> None:
         """Take ``target``'s memory back into the pool, leaving it empty."""

@@ -105,10 +105,10 @@ class MixedUnit(Unit):
     def _each(self, states: Iterable[ShardedState]) -> list[Unit]:
         return [p for p in self.side if p.state in states]
 
-    def unshard(self) -> None:
-        super().unshard()
+    def unshard(self, after=None) -> None:
+        super().unshard(after)
         for p in self._each((ShardedState.SHARDED,)):
-            p.unshard()
+            p.unshard(after)
 
     def wait_unshard(self) -> None:
         super().wait_unshard()

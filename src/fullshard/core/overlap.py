@@ -40,7 +40,7 @@ class SideWork:
 
 
 def all_gather(out: torch.Tensor, send: torch.Tensor, group, tag: str,
-               cast: Optional[tuple[torch.device, torch.dtype]] = None):
+               cast: Optional[tuple[torch.device, torch.dtype]] = None, after: Optional[tuple] = None):
     """All-gather ``send`` (1-D, this rank's shard) into ``out`` (1-D,
     ``group_size × send.numel()`` elements, on the compute device),
     asynchronously. ``cast``: (device, dtype) to copy ``send`` to first
@@ -48,6 +48,10 @@ def all_gather(out: torch.Tensor, send: torch.Tensor, group, tag: str,
     the copy-in stream. The copy is written into this rank's own block of
     ``out`` and gathered in place (as torch FSDP2 does): no separate send
     buffer, and NCCL (or the one-rank copy) has no local block to move.
+    ``after``: CUDA events that together mark ``send``'s writers and ``out``'s
+    earlier users done; the side streams wait on them instead of on all the
+    compute stream's work so far (None), so the all-gather may overlap that
+    work (core/streams.py [Note: streams and events]).
 
     Returns:
         A handle whose ``wait()`` precedes any read of ``out``, or None
@@ -60,16 +64,18 @@ def all_gather(out: torch.Tensor, send: torch.Tensor, group, tag: str,
         if cast is not None:
             send = own.copy_(send, non_blocking=True)
         return collectives.all_gather(out, send, group, async_op=True, tag=tag)
-    # After the buffers were taken: their earlier users and the shard's writers are done.
-    ready = streams.record(streams.current(out.device))
+    # Without ``after``: after the buffers were taken, so their earlier users and the shard's writers are done.
+    ready = after or (streams.record(streams.current(out.device)),)
     copied = None
     if cast is not None:
         with streams.on(sides.copy_in):
-            streams.wait(ready, sides.copy_in)
+            for event in ready:
+                streams.wait(event, sides.copy_in)
             send = own.copy_(send, non_blocking=True)
             copied = streams.record(sides.copy_in)
     with streams.on(sides.all_gather):
-        streams.wait(ready, sides.all_gather)
+        for event in ready:
+            streams.wait(event, sides.all_gather)
         streams.wait(copied, sides.all_gather)
         _issue_and_wait(collectives.all_gather(out, send, group, async_op=True, tag=tag))
         done = streams.record(sides.all_gather)

@@ -84,7 +84,7 @@ class PackedPart(Unit):
                     f"frozen {type(slot.param).__name__ if slot.param is not None else 'extension'} tensor and "
                     "now holds a plain tensor (p.data = ... or .to(dtype)); set it before sharding")
 
-    def unshard(self) -> None:
+    def unshard(self, after=None) -> None:
         """Issue the extension all-gathers only (no flat one). SHARDED → UNSHARDING."""
         self._check((ShardedState.SHARDED,), "unshard")
         self.state = ShardedState.UNSHARDING

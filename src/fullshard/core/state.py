@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from ..api import BackwardPrefetch
-from . import collectives, offload, torch_private, used_flags
+from . import collectives, offload, streams, torch_private, used_flags
 from .buffers import POOL
 from .reduce import PendingReduce
 from .settings import UnitSettings
@@ -91,6 +91,8 @@ class RootRuntime:
         self.stash_window = False
         # FSDPModule.set_post_optim_event: waited on by the next root pre-forward, then dropped.
         self.post_optim_event = None
+        # During the root's forward: a CUDA event after every write to the shards (core/streams.py).
+        self.shards_ready = None
 
     def position(self, rt: "UnitRuntime", order: list["UnitRuntime"]) -> int:
         for i, other in enumerate(order):
@@ -257,20 +259,23 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
         # The all-gathers run on the current stream: it waits on the event before they are issued.
         event, root.post_optim_event = root.post_optim_event, None
         event.wait()
+    if rt.is_root:  # the optimizer step and any load are behind us: the forward's all-gathers may run ahead
+        root.shards_ready = streams.record(streams.current(rt.unit.cfg.compute_device))
+    after = None if in_bwd else root.shards_ready
     rt.transition(TrainingState.FORWARD)
     if root.position(rt, root.order) < 0:
         root.order.append(rt)
-    rt.unit.ensure_unsharded()
+    rt.unit.ensure_unsharded(after)
     rt.unit.use_full_params()
     for other in rt.settings.forward_prefetch_units or ():
         if other.unit.state is ShardedState.SHARDED:
-            other.unit.unshard()
+            other.unit.unshard(after)
     if rt.settings.forward_prefetch:
         i = root.position(rt, root.prev_order)
         if 0 <= i < len(root.prev_order) - 1:
             nxt = root.prev_order[i + 1].unit
             if nxt.state is ShardedState.SHARDED:
-                nxt.unshard()
+                nxt.unshard(after)
     args, kwargs = _cast_inputs(rt, args, kwargs)
     if torch.is_grad_enabled() and not rt.unit.needs_grad and rt.unit.slots:
         args, kwargs = _reshard_after_input_grads(rt, args, kwargs)
@@ -324,6 +329,8 @@ def post_forward(rt: UnitRuntime, output: Any, extra: tuple = ()) -> Any:
     elif rt.settings.reshard_after_forward and not rt.is_root:
         rt.unit.reshard_partial()
     rt.transition(TrainingState.IDLE)
+    if rt.is_root:
+        rt.root.shards_ready = None  # outside the root's forward, writes to the shards are not ours to know
     if grad_on and rt.is_root:  # activations peak next: cache nothing beside them (buffers.py [Note: buffer reuse])
         POOL.clear()
     if grad_on:

@@ -7,7 +7,8 @@ wrong result, so tests/dist/test_cuda.py (``test_streams_on_equal_streams_off``:
 side streams slowed after each wait, NCCL at world size 1 and gloo with 2
 ranks on one GPU; ``test_no_host_sync_in_forward_backward``) checks it;
 ``scripts/gpu_check.sh`` runs them. They passed on an NVIDIA H200 with
-torch 2.11.0+cu130. ``FULLSHARD_STREAMS=0`` gives the single-stream path.
+torch 2.11.0+cu130, before the forward all-gathers' earlier waits below
+(not yet run on a GPU). ``FULLSHARD_STREAMS=0`` gives the single-stream path.
 
 [Note: streams and events]
 
@@ -30,6 +31,19 @@ waits on what:
   gather event; only then are the send and gather buffers released. A
   one-rank shard group casts into the full parameters themselves (their
   memory taken before the first event), with no gather buffer or copy-out.
+* forward all-gathers: inside a root's forward the side streams wait
+  instead on two earlier events: the one the root's pre-forward recorded
+  (after the optimizer step, a load and ``set_post_optim_event``'s event:
+  every write to the shards) and the one recorded when the buffer went back
+  to the pool (after its last use; the pool hands out its least recently
+  returned buffer here, whose users are the furthest behind). So unit k's
+  all-gather runs while unit k-1 computes, as torch FSDP2's do. Where
+  either is unknown the event above is used: a buffer new from the
+  allocator, a unit with all-gather extensions (their pre-hook writes the
+  shard), a kept partial shard, a memory strategy's buffers, and every
+  unshard outside a root's forward (backward's prefetch is issued early
+  enough anyway). tests/dist/test_stream_schedule.py checks the waits on
+  the CPU; the CUDA test runs with the compute stream slowed too.
 * reduce: the full gradient is copied into the reduce-scatter input on the
   compute stream (so autograd's gradient may be freed at once, as torch
   FSDP2 does); the reduce-scatter stream waits on the compute stream's event

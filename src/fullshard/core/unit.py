@@ -1,10 +1,8 @@
-"""One FSDP unit: its shards, its unsharded flat parameter, and the three
-operations the schedule calls: unshard, reshard and reduce_grads (whose
-mechanics are in core/reduce.py).
+"""One FSDP unit: its shards, its unsharded flat parameter, and the three operations the schedule calls:
+unshard, reshard and reduce_grads (whose mechanics are in core/reduce.py).
 
-See ``core/flat.py`` [Note: flat layouts] for how elements are placed, and
-``core/params.py`` [Note: full-parameter views shadow sharded parameters]
-for how modules see full parameters.
+See ``core/flat.py`` [Note: flat layouts] for how elements are placed, and ``core/params.py``
+[Note: full-parameter views shadow sharded parameters] for how modules see full parameters.
 """
 from __future__ import annotations
 
@@ -43,9 +41,8 @@ class ShardedState(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class UnitConfig:
-    """A unit's immutable facts, fixed at construction (what may change
-    later lives on :class:`~fullshard.core.settings.UnitSettings`, see
-    [Note: unit settings]).
+    """A unit's immutable facts, fixed at construction (what may change later lives on
+    :class:`~fullshard.core.settings.UnitSettings`, see [Note: unit settings]).
 
     Attributes:
         shard_group: group the parameters are sharded over (N ranks).
@@ -227,9 +224,10 @@ class Unit:
     def _full_nbytes(self) -> int:
         return self.layout.unsharded_numel * self.flat_full.element_size()
 
-    def _lend_full(self) -> None:  # the unsharded flat's memory, from the pool, unless it holds it already
+    def _lend_full(self, oldest: bool = False):  # the unsharded flat's memory (unless held): POOL.lend's event
         if self.flat_full.untyped_storage().nbytes() == 0:
-            POOL.lend(self.flat_full.untyped_storage(), self._full_nbytes())
+            return POOL.lend(self.flat_full.untyped_storage(), self._full_nbytes(), oldest)
+        return None
 
     def _free_full(self) -> None:
         POOL.reclaim(self.flat_full.untyped_storage())  # see core/buffers.py [Note: buffer reuse]
@@ -262,8 +260,9 @@ class Unit:
                 f"{self.state.value}; expected one of {[s.value for s in allowed]}")
 
     # ---------------------------------------------------------------- unshard
-    def unshard(self) -> None:
-        """Issue the all-gather of this unit (asynchronous). SHARDED → UNSHARDING."""
+    def unshard(self, after=None) -> None:
+        """Issue the all-gather of this unit (asynchronous). SHARDED → UNSHARDING. ``after``: a CUDA event
+        recorded after every write to the shards (a root's forward: core/state.py), or None."""
         self._check((ShardedState.SHARDED,), "unshard")
         self.state = ShardedState.UNSHARDING
         extensions.start(self)
@@ -285,17 +284,23 @@ class Unit:
             self._gather_alloc = comm.FOREIGN
             return
         self._gather_alloc = settings.allocator
+        # Side streams (core/streams.py [Note: streams and events]) may start once the shards' writers
+        # (``after``) and the buffer's last users are done, if both are known.
+        after = after if send is self.flat_shard and not self.ext and settings.allocator is None else None
         if cast is not None and self.world == 1 and settings.allocator is None:
             # One rank: both layouts are the same (core/flat.py [Note: flat layouts]), so the cast
             # shard is written straight into the unsharded flat, with no copy-out.
-            self._lend_full()
-            self._gather_work = issue_all_gather(self.flat_full.data, send, group, tag, cast)
+            freed = self._lend_full(oldest=True)  # written on a side stream
+            self._gather_work = issue_all_gather(self.flat_full.data, send, group, tag, cast,
+                                                 (after, freed) if after is not None and freed is not None else None)
             return
-        self._gather_buf = comm.take(self._gather_alloc, numel, dtype, device)
-        if settings.allocator is not None:
+        if settings.allocator is None:
+            self._gather_buf, freed = POOL.take_with_event(numel, dtype, device)
+        else:
+            self._gather_buf, freed = comm.take(self._gather_alloc, numel, dtype, device), None
             settings.allocator.prepare(self._gather_buf, group)
-        # On the side streams of a CUDA device (core/streams.py [Note: streams and events]).
-        self._gather_work = issue_all_gather(self._gather_buf, send, group, tag, cast)
+        self._gather_work = issue_all_gather(self._gather_buf, send, group, tag, cast,
+                                             (after, freed) if after is not None and freed is not None else None)
 
     def wait_unshard(self) -> None:
         """Finish the all-gather and lay out full parameters. UNSHARDING → UNSHARDED."""
@@ -314,9 +319,9 @@ class Unit:
         self.drop_partial()
         self.state = ShardedState.UNSHARDED
 
-    def ensure_unsharded(self) -> None:
+    def ensure_unsharded(self, after=None) -> None:
         if self.state is ShardedState.SHARDED:
-            self.unshard()
+            self.unshard(after)
         if self.state is ShardedState.UNSHARDING:
             self.wait_unshard()
 
@@ -364,11 +369,9 @@ class Unit:
             slot.hide_full()
 
     def install_params(self, values: list[Optional[torch.Tensor]]) -> None:
-        """Register ``values[i]`` as parameter ``i`` on every owning module
-        until :meth:`restore_params` (full parameters of ``summon_full_params``,
-        state-dict values and load targets; None hides a parameter from
-        ``nn.Module.state_dict``). Installs nest: each restore undoes the
-        latest one."""
+        """Register ``values[i]`` as parameter ``i`` on every owning module until :meth:`restore_params`
+        (full parameters of ``summon_full_params``, state-dict values and load targets; None hides a
+        parameter from ``nn.Module.state_dict``). Installs nest: each restore undoes the latest one."""
         self._installed.append([prev for slot, value in zip(self.slots, values) for prev in slot.install(value)])
 
     def restore_params(self) -> None:
@@ -378,9 +381,8 @@ class Unit:
                 module._parameters[attr] = value
 
     def restore_all_params(self) -> None:
-        """Undo every active install, so the sharded parameters are registered
-        again (what a state-dict call that raised left behind). A no-op inside
-        ``summon_full_params``, which owns its install and undoes it on exit."""
+        """Undo every active install, so the sharded parameters are registered again (what a state-dict call
+        that raised left behind). A no-op inside ``summon_full_params``, which owns its install and undoes it."""
         while self._installed and not self.summoned:
             self.restore_params()
 
@@ -388,18 +390,16 @@ class Unit:
         self._views = None
 
     def keep_unsharded(self) -> None:
-        """Leave the unit gathered past the end of this iteration; the next
-        iteration reuses the full parameters only if no shard changed since.
-        A record made earlier since the gather stays: a shard stepped in the
-        meantime (an optimizer stepped from a post-accumulate-grad hook before
-        the end of backward keeps the unit again) made the full parameters stale."""
+        """Leave the unit gathered past the end of this iteration; the next iteration reuses the full
+        parameters only if no shard changed since. A record made earlier since the gather stays: a shard stepped
+        in the meantime (an optimizer stepped from a post-accumulate-grad hook before the end of backward keeps
+        the unit again) made the full parameters stale."""
         if self._kept_version is None:
             self._kept_version = self._shard_versions()
 
     def kept_fresh(self) -> bool:
-        """Whether the unit was kept gathered and its shards are unchanged
-        since (an optimizer step, ``copy_`` or any other in-place write
-        bumps one of the version counters of :meth:`_shard_versions`)."""
+        """Whether the unit was kept gathered and its shards are unchanged since (an optimizer step, ``copy_``
+        or any other in-place write bumps one of the version counters of :meth:`_shard_versions`)."""
         return self._kept_version is not None and self._kept_version == self._shard_versions()
 
     def _shard_versions(self) -> tuple[int, ...]:
