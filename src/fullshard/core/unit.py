@@ -290,12 +290,12 @@ class Unit:
         if cast is not None and self.world == 1 and settings.allocator is None:
             # One rank: both layouts are the same (core/flat.py [Note: flat layouts]), so the cast
             # shard is written straight into the unsharded flat, with no copy-out.
-            freed = self._lend_full(oldest=True)  # written on a side stream
+            freed = self._lend_full(oldest=after is not None)
             self._gather_work = issue_all_gather(self.flat_full.data, send, group, tag, cast,
                                                  (after, freed) if after is not None and freed is not None else None)
             return
         if settings.allocator is None:
-            self._gather_buf, freed = POOL.take_with_event(numel, dtype, device)
+            self._gather_buf, freed = POOL.take_with_event(numel, dtype, device, oldest=after is not None)
         else:
             self._gather_buf, freed = comm.take(self._gather_alloc, numel, dtype, device), None
             settings.allocator.prepare(self._gather_buf, group)
