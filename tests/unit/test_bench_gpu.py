@@ -26,13 +26,14 @@ def test_table_ratios_divide_by_the_matching_baseline():
     job = gpu.GpuJob(batch_size=4, seq_len=1000)
     table = gpu.format_table(results, job, ENV)
     ours = _row(table, "fullshard fully_shard")
-    assert ours[2:] == ["110.0", "36,364", "30.00", "1.00", "1.10", "1.25", "0.75", "0.50", "—", "—", "—",
+    assert ours[2:] == ["110.0", "36,364", "30.00", "1.00", "1.10", "1.25", "0.75", "0.50", "—", "—", "—", "—",
                         "11.0000 → 10.5000"]
     measured = dict(_res(110.0, 30.0), host_syncs=0, comm_hidden={
         "all_gather": {"total_us": 10.0, "hidden_us": 8.0, "hidden_fraction": 0.8},
-        "reduce_scatter": {"total_us": 4.0, "hidden_us": 1.0, "hidden_fraction": 0.25}})
+        "reduce_scatter": {"total_us": 4.0, "hidden_us": 1.0, "hidden_fraction": 0.25},
+        "side_copy": {"total_us": 2.0, "hidden_us": 1.8, "hidden_fraction": 0.9}})
     row = _row(gpu.format_table({"fully_shard": measured}, job, ENV), "fullshard fully_shard")
-    assert row[10:13] == ["0", "80%", "25%"]
+    assert row[10:14] == ["0", "80%", "25%", "90%"]
     offload = _row(table, "fullshard fully_shard, CPU offload")
     # Offloaded rows divide by torch FSDP2's offloaded row, and have no DDP ratio.
     assert offload[1] == "cpu (pinned)"

@@ -43,6 +43,22 @@ def test_kernel_names_and_trace_events(tmp_path):
     assert gpu_trace.hidden_time(kernels)["all_gather"]["hidden_fraction"] == pytest.approx(0.6)
 
 
+def test_side_stream_copies_are_told_from_compute_by_stream():
+    """A non-NCCL kernel off the stream with the most compute time is a side-stream copy, and its hidden
+    part is the time a compute kernel ran beside it (what overlap hides at world size 1)."""
+    kernels = gpu_trace.side_copies([
+        Kernel(0, 10, 7, "compute"), Kernel(10, 30, 7, "compute"),
+        Kernel(5, 15, 14, "compute"),      # the copy-in stream's cast, beside compute throughout
+        Kernel(40, 44, 14, "compute"),     # alone
+        Kernel(0, 8, 21, "all_gather"),
+    ])
+    assert [k.kind for k in kernels] == ["compute", "compute", "side_copy", "side_copy", "all_gather"]
+    got = gpu_trace.hidden_time(kernels)
+    assert got["side_copy"] == {"total_us": 14.0, "hidden_us": 10.0, "hidden_fraction": pytest.approx(10 / 14)}
+    assert got["all_gather"]["hidden_us"] == 8.0  # the side-stream copy is not compute
+    assert gpu_trace.side_copies([]) == []
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA host syncs")
 def test_host_sync_count_sees_an_item():
     x = torch.ones(4, device="cuda")

@@ -274,15 +274,15 @@ def format_table(results: dict[str, dict], job: GpuJob, env: dict) -> str:
         *([f"Rows from: {'; '.join(env['runs'])}.", ""] if env.get("runs") else []),
         "| mode | params on | step ms (median) | tokens/s | max allocated GiB | after wrap GiB "
         "| step x torch FSDP2 | step x DDP | memory x torch FSDP2 | memory x DDP | host syncs / step "
-        "| all-gather hidden | reduce-scatter hidden | loss first → last |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| all-gather hidden | reduce-scatter hidden | side-stream copies hidden | loss first → last |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, res in results.items():
         prefix, _, plain = name.rpartition("/")
         mode = MODES[plain]
         label = f"{prefix}: {mode.label}" if prefix else mode.label
         if "error" in res:
-            lines.append(f"| {label} | ERROR: {res['error']} |" + " |" * 12)
+            lines.append(f"| {label} | ERROR: {res['error']} |" + " |" * 13)
             continue
         base = _row(results, prefix, mode.baseline)
         vs_ddp = _row(results, prefix, "ddp") if not mode.offload else {}
@@ -293,7 +293,7 @@ def format_table(results: dict[str, dict], job: GpuJob, env: dict) -> str:
             f"| {_ratio(res['max_allocated'], base.get('max_allocated'))} "
             f"| {_ratio(res['max_allocated'], vs_ddp.get('max_allocated'))} "
             f"| {'—' if res.get('host_syncs') is None else res['host_syncs']} "
-            f"| {_hidden(res, 'all_gather')} | {_hidden(res, 'reduce_scatter')} "
+            f"| {_hidden(res, 'all_gather')} | {_hidden(res, 'reduce_scatter')} | {_hidden(res, 'side_copy')} "
             f"| {res['losses'][0]:.4f} → {res['losses'][-1]:.4f} |")
     return "\n".join(lines) + "\n"
 

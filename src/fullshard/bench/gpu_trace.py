@@ -1,8 +1,9 @@
 """What ``python -m fullshard.bench.gpu`` measures of one step besides time and memory: host syncs
 (``torch.cuda.set_sync_debug_mode("warn")``'s warnings, counted, each with the Python frames that
-made it) and the fraction of all-gather and
-reduce-scatter kernel time hidden behind compute kernels on other streams (from a torch.profiler chrome
-trace of the step, which is saved).
+made it) and the fraction of all-gather and reduce-scatter kernel time hidden behind compute kernels on
+other streams (from a torch.profiler chrome trace of the step, which is saved); also that fraction for
+the other kernels of the side streams (``side_copy``: the copy-in's casts, which at world size 1, with
+no collective kernel at all, are what overlap can hide).
 
 The overlap analysis is a pure function over kernel intervals (:func:`hidden_time`), so it is tested on
 synthetic events without a GPU; the CUDA-only parts (:func:`host_sync_sites`, :func:`profile_step`) are
@@ -19,7 +20,9 @@ from typing import Callable, Iterable, NamedTuple
 import torch
 
 COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-"""Kinds of communication kernels; every other kernel is ``compute``."""
+"""Kinds of communication kernels; every other kernel is ``compute`` (or ``side_copy``)."""
+SIDE_COPY = "side_copy"
+"""A non-communication kernel off the compute stream (the stream with the most compute kernel time)."""
 
 
 class Kernel(NamedTuple):
@@ -63,12 +66,12 @@ def hidden_time(kernels: Iterable[Kernel]) -> dict[str, dict[str, float]]:
         kernels: the step's kernels, any order.
     Returns:
         ``{kind: {"total_us", "hidden_us", "hidden_fraction"}}`` for each kind in :data:`COMM_KINDS`
-        that has kernels (``hidden_fraction`` in [0, 1]; 0 when the total is 0).
+        and :data:`SIDE_COPY` that has kernels (``hidden_fraction`` in [0, 1]; 0 when the total is 0).
     """
     kernels = list(kernels)
     out: dict[str, dict[str, float]] = {}
     for k in kernels:
-        if k.kind not in COMM_KINDS:
+        if k.kind not in COMM_KINDS + (SIDE_COPY,):
             continue
         # Compute on other streams only: a kernel on its own stream cannot run beside it.
         busy = _union([(c.start, c.end) for c in kernels if c.kind == "compute" and c.stream != k.stream])
@@ -81,13 +84,26 @@ def hidden_time(kernels: Iterable[Kernel]) -> dict[str, dict[str, float]]:
     return out
 
 
+def side_copies(kernels: Iterable[Kernel]) -> list[Kernel]:
+    """``kernels`` with each ``compute`` kernel off the compute stream (the stream with the most
+    ``compute`` kernel time) marked :data:`SIDE_COPY`."""
+    kernels = list(kernels)
+    per_stream: dict[int, float] = {}
+    for k in kernels:
+        if k.kind == "compute":
+            per_stream[k.stream] = per_stream.get(k.stream, 0.0) + k.end - k.start
+    main = max(per_stream, key=per_stream.get) if per_stream else None
+    return [k._replace(kind=SIDE_COPY) if k.kind == "compute" and k.stream != main else k for k in kernels]
+
+
 def kernels_of_trace(path: str) -> list[Kernel]:
-    """The GPU kernels of a torch.profiler chrome trace (events of category ``kernel``)."""
+    """The GPU kernels of a torch.profiler chrome trace (events of category ``kernel``), side-stream
+    copies marked (:func:`side_copies`)."""
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
-    return [Kernel(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), int(e.get("args", {}).get("stream", -1)),
-                   kind_of(e.get("name", "")))
-            for e in events if e.get("cat") == "kernel" and "ts" in e]
+    return side_copies(Kernel(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)),
+                              int(e.get("args", {}).get("stream", -1)), kind_of(e.get("name", "")))
+                       for e in events if e.get("cat") == "kernel" and "ts" in e)
 
 
 def host_sync_sites(step: Callable[[], None], frames: int = 6) -> list[str]:
