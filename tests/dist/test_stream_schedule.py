@@ -50,7 +50,7 @@ class _Event:
 def _stand_in_streams(log: list):
     """Side streams on the CPU: ``streams``' helpers replaced by stand-ins; every wait is logged as
     ("wait", stream name, the event's clock, the name of the stream it was recorded on), every event gets
-    the next clock value."""
+    the next value of the clock this yields."""
     clock, compute = itertools.count(), _Stream("compute")
     sides = streams.StreamSet(*(_Stream(n) for n in ("copy_in", "all_gather", "reduce_scatter", "all_reduce")))
     saved = {k: getattr(streams, k) for k in ("side", "current", "on", "record", "wait")}
@@ -60,9 +60,8 @@ def _stand_in_streams(log: list):
     streams.record = lambda stream: None if stream is None else _Event(stream, next(clock))
     streams.wait = lambda event, stream=None: event is None or log.append(
         ("wait", (stream or compute).name, event.clock, event.stream.name))
-    log.append(("clock", clock))
     try:
-        yield
+        yield clock
     finally:
         POOL.clear()  # its buffers carry stand-in events
         for k, v in saved.items():
@@ -87,17 +86,17 @@ def _build(door: str, layout: str, world: int):
     return fully_shard(model, **kw)
 
 
-def _train(model, rank: int, log: list):
-    """``STEPS`` steps; marks ("pre", k) before block k's unshard and ("compute", k) as its computation
-    begins, in the last step's forward."""
+def _train(model, rank: int, log: list, clock=None):
+    """``STEPS`` steps; with a ``clock``, logs ("pre", k, time) before block k's unshard and ("compute", k,
+    time) as its computation begins, in the last step's forward."""
     blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
     units = [m for m in model.modules() if isinstance(m, FSDP) and isinstance(m.module, TransformerBlock)] or blocks
     step_box = [0]
 
     def marker(kind, k):
         def hook(module, args):
-            if step_box[0] == STEPS - 1 and log:
-                log.append((kind, k, next(log[0][1])))
+            if step_box[0] == STEPS - 1 and clock is not None:
+                log.append((kind, k, next(clock)))
         return hook
     for k, (unit, block) in enumerate(zip(units, blocks)):
         unit.register_forward_pre_hook(marker("pre", k), prepend=True)
@@ -120,8 +119,8 @@ def _check(rank, world):
     out = {}
     for door, layout in itertools.product(("wrapper", "fully_shard"), ("sharded", "hybrid")):
         log: list = []
-        with _stand_in_streams(log):
-            losses, params = _train(_build(door, layout, world), rank, log)
+        with _stand_in_streams(log) as clock:
+            losses, params = _train(_build(door, layout, world), rank, log, clock)
         ref_losses, ref_params = _train(_build(door, layout, world), rank, [])
         assert torch.equal(losses, ref_losses), (door, layout, losses, ref_losses)
         assert all(torch.equal(a, b) for a, b in zip(params, ref_params)), (door, layout)

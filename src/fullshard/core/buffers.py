@@ -132,12 +132,12 @@ class BufferPool:
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements (contents undefined) on ``device``."""
-        return self.take_with_event(numel, dtype, device, oldest=False)[0]
+        return self.take_with_event(numel, dtype, device)[0]
 
     def take_with_event(self, numel: int, dtype: torch.dtype, device: torch.device,
-                        oldest: bool = True) -> tuple[torch.Tensor, object]:
-        """:meth:`take` for a side stream to write: the least recently returned buffer (``oldest``), and the
-        event after which the side stream may write it (None: unknown)."""
+                        oldest: bool = False) -> tuple[torch.Tensor, object]:
+        """:meth:`take`, and the event after which a side stream may write the buffer (None: unknown);
+        ``oldest``: the least recently returned buffer (for a side stream to write early)."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         s, event = self._take_storage(nbytes, torch.device(device), oldest)
         return torch.empty(0, dtype=dtype, device=device).set_(s, 0, (numel,)), event

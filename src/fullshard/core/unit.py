@@ -291,15 +291,15 @@ class Unit:
             # One rank: both layouts are the same (core/flat.py [Note: flat layouts]), so the cast
             # shard is written straight into the unsharded flat, with no copy-out.
             freed = self._lend_full(oldest=after is not None)
-            self._gather_work = issue_all_gather(self.flat_full.data, send, group, tag, cast,
-                                                 (after, freed) if after is not None and freed is not None else None)
-            return
-        if settings.allocator is None:
+            out = self.flat_full.data
+        elif settings.allocator is None:
             self._gather_buf, freed = POOL.take_with_event(numel, dtype, device, oldest=after is not None)
+            out = self._gather_buf
         else:
-            self._gather_buf, freed = comm.take(self._gather_alloc, numel, dtype, device), None
-            settings.allocator.prepare(self._gather_buf, group)
-        self._gather_work = issue_all_gather(self._gather_buf, send, group, tag, cast,
+            out = self._gather_buf = comm.take(self._gather_alloc, numel, dtype, device)
+            settings.allocator.prepare(out, group)
+            freed = None
+        self._gather_work = issue_all_gather(out, send, group, tag, cast,
                                              (after, freed) if after is not None and freed is not None else None)
 
     def wait_unshard(self) -> None:
