@@ -7,7 +7,8 @@
 #   2. the GPU bench on the default 1.31 B GPT: every mode without offload (side streams on, the default),
 #      the two fullshard modes with FULLSHARD_STREAMS=0, and the offload modes (fewer steps: a step takes
 #      seconds). Each writes OUT_DIR/<part>/gpu.md and gpu.json, and a profiler trace per mode.
-# Render one table from the parts with `python -m fullshard.bench.gpu --from-json ...` (docs/benchmarks.md).
+# 3. one table of the runs without offload, rendered from their raw results (OUT_DIR/combined/gpu.md; the
+#    offload table is OUT_DIR/offload/gpu.md), ready for docs/benchmarks/gpu/ (docs/benchmarks.md).
 # Usage: scripts/gpu_check.sh [OUT_DIR]   (default /tmp/fullshard_gpu_check)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,3 +22,5 @@ OFF=(--batch-size 12 --warmup-steps 1 --timed-steps 3 --timeout-s 120)
 FULLSHARD_STREAMS=0 "$PY" -m fullshard.bench.gpu --out-dir "$OUT_DIR/streams_off" --modes fully_shard,wrapper "${BIG[@]}"
 "$PY" -m fullshard.bench.gpu --out-dir "$OUT_DIR/offload" \
     --modes fully_shard_offload,wrapper_offload,fsdp2_offload,fsdp2_offload_fused "${OFF[@]}"
+"$PY" -m fullshard.bench.gpu --out-dir "$OUT_DIR/combined" \
+    --from-json "$OUT_DIR/streams_on/gpu.json" "FULLSHARD_STREAMS=0=$OUT_DIR/streams_off/gpu.json"
