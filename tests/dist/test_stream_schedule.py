@@ -1,19 +1,33 @@
-"""What the side streams wait on (core/streams.py [Note: streams and events]), checked on the CPU with stand-in
-streams and events that log every wait: inside a root's forward, unit k's all-gather (its copy-in and
-all-gather streams) waits only on events recorded before unit k-1 began computing (the root's pre-forward
-event, after the optimizer step, and the event of the buffer's last use), so on a GPU it runs while unit k-1
-computes, as torch FSDP2's forward all-gathers do. Both doors, bf16 compute with fp32 reduction, on two ranks
-(a real all-gather into a pooled buffer) and under HYBRID_SHARD with one-rank shard groups (the cast written
-straight into the unit's full parameters). The runs with stand-in streams give the bits of the runs without.
-The CUDA test (tests/dist/test_cuda.py) checks that these waits suffice, with the compute stream slowed."""
+"""The side streams' schedule (core/streams.py [Note: streams and events]) checked on the CPU, where stand-in
+streams and events replace CUDA's:
+
+* a race detector: each stream keeps what it knows to be finished on the others (a vector clock: an event
+  carries its stream's knowledge, a wait merges it), and a dispatch mode logs each op's memory (storage ranges)
+  with the stream it was issued on. A side-stream op that touches memory an earlier compute op touched (one of
+  them writing), with no wait on an event recorded after that op, is a race: on a GPU the side stream could
+  overtake the compute stream. New outputs of a side op are not checked (on a GPU they come from the side
+  stream's own allocator pool). Tensor subclasses hide their inner ops from the mode, so ``fully_shard``'s
+  optimizer step (on DTensors) goes unseen; the wrapper's (plain views of the shards) is seen. Dropping the
+  wait on the buffer's last use makes the detector report races (checked below, so the check is live);
+* the overlap: inside a root's forward, unit k's all-gather (its copy-in and all-gather streams) waits only on
+  compute events recorded before unit k-1 began computing, so on a GPU it runs while unit k-1 computes, as
+  torch FSDP2's forward all-gathers do;
+* the bits: the runs with stand-in streams train to the runs without.
+
+Both doors, bf16 compute with fp32 reduction, on two ranks: a real all-gather into a pooled buffer, and
+HYBRID_SHARD with one-rank shard groups (the cast written straight into the unit's full parameters). The CUDA
+test (tests/dist/test_cuda.py) runs the real streams with each side slowed in turn."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fullshard import (
     FullyShardedDataParallel as FSDP,
@@ -22,7 +36,7 @@ from fullshard import (
     ShardingStrategy,
     fully_shard,
 )
-from fullshard.core import streams
+from fullshard.core import streams, unit as unit_module
 from fullshard.core.buffers import POOL
 from fullshard.core.params import local_of
 from fullshard.models import TransformerBlock
@@ -35,12 +49,12 @@ STEPS = 3
 
 class _Stream:
     def __init__(self, name: str):
-        self.name = name
+        self.name, self.known = name, {}  # stream name -> clock up to which its work is known finished
 
 
 class _Event:
     def __init__(self, stream: _Stream, clock: int):
-        self.stream, self.clock = stream, clock
+        self.stream, self.clock, self.known = stream, clock, dict(stream.known)
 
     def query(self) -> bool:
         return True
@@ -48,24 +62,99 @@ class _Event:
 
 @contextlib.contextmanager
 def _stand_in_streams(log: list):
-    """Side streams on the CPU: ``streams``' helpers replaced by stand-ins; every wait is logged as
-    ("wait", stream name, the event's clock, the name of the stream it was recorded on), every event gets
-    the next value of the clock this yields."""
-    clock, compute = itertools.count(), _Stream("compute")
+    """Side streams on the CPU: ``streams``' helpers replaced by stand-ins. Every wait is logged as
+    ("wait", stream name, the event's clock, the name of the stream it was recorded on); every event and
+    every op gets the next value of the clock; yields (clock, the stack of current streams)."""
+    clock, compute = itertools.count(1), _Stream("compute")
     sides = streams.StreamSet(*(_Stream(n) for n in ("copy_in", "all_gather", "reduce_scatter", "all_reduce")))
+    current = [compute]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream or current[-1])
+        try:
+            yield
+        finally:
+            current.pop()
+
+    def wait(event, stream=None):
+        stream = stream or compute
+        if event is None or event.stream is stream:
+            return
+        log.append(("wait", stream.name, event.clock, event.stream.name))
+        for name, c in itertools.chain(event.known.items(), [(event.stream.name, event.clock)]):
+            if name != stream.name:
+                stream.known[name] = max(stream.known.get(name, 0), c)
+
     saved = {k: getattr(streams, k) for k in ("side", "current", "on", "record", "wait")}
+    POOL.clear()  # buffers cached by runs without streams carry no event
     streams.side = lambda device: sides
     streams.current = lambda device: compute
-    streams.on = lambda stream: contextlib.nullcontext()
+    streams.on = on
     streams.record = lambda stream: None if stream is None else _Event(stream, next(clock))
-    streams.wait = lambda event, stream=None: event is None or log.append(
-        ("wait", (stream or compute).name, event.clock, event.stream.name))
+    streams.wait = wait
     try:
-        yield clock
+        yield clock, current
     finally:
         POOL.clear()  # its buffers carry stand-in events
         for k, v in saved.items():
             setattr(streams, k, v)
+
+
+def _storage(t: torch.Tensor):
+    """(start, end) of ``t``'s storage on the CPU, or None (meta, empty, or a subclass without one)."""
+    try:
+        if t.device.type != "cpu" or t.is_meta:
+            return None
+        s = t.untyped_storage()
+        return (s.data_ptr(), s.data_ptr() + s.nbytes()) if s.nbytes() else None
+    except RuntimeError:
+        return None
+
+
+class _Races(TorchDispatchMode):
+    """Logs compute ops' memory and checks each side-stream op against it (see the module docstring)."""
+
+    SKIP = (torch.ops.aten.detach.default, torch.ops.aten.set_.source_Storage_storage_offset,
+            torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+
+    def __init__(self, clock, current):
+        super().__init__()
+        self.clock, self.current = clock, current
+        self.compute_ops: list[tuple] = []  # (clock, start, end, wrote, op)
+        self.races: list[tuple] = []
+        self.checked = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view or func in self.SKIP:
+            return out
+        stream, now = self.current[-1], next(self.clock)
+        touched = [(t, bool(a.alias_info and a.alias_info.is_write))
+                   for a, arg in zip(func._schema.arguments, args)
+                   for t in pytree.tree_leaves(arg) if isinstance(t, torch.Tensor)]
+        touched += [(t, k == "out") for k, v in kwargs.items() for t in pytree.tree_leaves(v)
+                    if isinstance(t, torch.Tensor)]
+        inputs = {_storage(t) for t, _ in touched}
+        touched += [(t, True) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+                    and (stream.name == "compute" or _storage(t) in inputs)]
+        for t, wrote in touched:
+            span = _storage(t)
+            if span is None:
+                continue
+            if stream.name == "compute":
+                self.compute_ops.append((now, *span, wrote, str(func)))
+                continue
+            self.checked += 1
+            known = stream.known.get("compute", 0)
+            for c, start, end, w, op in reversed(self.compute_ops):
+                if c <= known:
+                    break
+                if start < span[1] and span[0] < end and (w or wrote):
+                    self.races.append((stream.name, str(func), op))
+                    break
+        return out
 
 
 def _build(door: str, layout: str, world: int):
@@ -114,31 +203,61 @@ def _train(model, rank: int, log: list, clock=None):
     return torch.stack(losses), [local_of(p).detach().clone() for p in model.parameters()]
 
 
+def _watched(door: str, layout: str, rank: int, world: int):
+    """Train under stand-in streams and the race detector: (losses, parameters, log, races, checked)."""
+    log: list = []
+    with _stand_in_streams(log) as (clock, current):
+        model = _build(door, layout, world)
+        races = _Races(clock, current)
+        with races:
+            losses, params = _train(model, rank, log, clock)
+    return losses, params, log, races.races, races.checked
+
+
+def _forward_waits_are_early(door: str, layout: str, log: list) -> int:
+    marks = {(e[0], e[1]): i for i, e in enumerate(log) if e[0] in ("pre", "compute")}
+    blocks = sorted(k for kind, k in marks if kind == "pre")
+    assert len(blocks) >= 2, (door, layout, blocks)
+    for k in blocks[1:]:
+        waits = [e for e in log[marks[("pre", k)]:marks[("compute", k)]] if e[0] == "wait"
+                 and e[1] in ("copy_in", "all_gather")]
+        assert {e[1] for e in waits} == {"copy_in", "all_gather"}, (door, layout, k, waits)
+        started = log[marks[("compute", k - 1)]][2]  # the clock as block k-1 began computing
+        late = [e for e in waits if e[3] == "compute" and e[2] > started]
+        assert not late, f"{door} {layout}: block {k}'s all-gather waits on {late}, after block {k - 1} began"
+    return len(blocks)
+
+
 def _check(rank, world):
     torch.manual_seed(0)
     out = {}
     for door, layout in itertools.product(("wrapper", "fully_shard"), ("sharded", "hybrid")):
-        log: list = []
-        with _stand_in_streams(log) as clock:
-            losses, params = _train(_build(door, layout, world), rank, log, clock)
+        losses, params, log, races, checked = _watched(door, layout, rank, world)
+        assert checked > 50 and not races, f"{door} {layout}: {len(races)} races, first {races[:3]}"
         ref_losses, ref_params = _train(_build(door, layout, world), rank, [])
         assert torch.equal(losses, ref_losses), (door, layout, losses, ref_losses)
         assert all(torch.equal(a, b) for a, b in zip(params, ref_params)), (door, layout)
-        marks = {(e[0], e[1]): i for i, e in enumerate(log) if e[0] in ("pre", "compute")}
-        blocks = sorted(k for kind, k in marks if kind == "pre")
-        assert len(blocks) >= 2, (door, layout, blocks)
-        for k in blocks[1:]:
-            waits = [e for e in log[marks[("pre", k)]:marks[("compute", k)]] if e[0] == "wait"
-                     and e[1] in ("copy_in", "all_gather")]
-            assert {e[1] for e in waits} == {"copy_in", "all_gather"}, (door, layout, k, waits)
-            started = log[marks[("compute", k - 1)]][2]  # the clock as block k-1 began computing
-            late = [e for e in waits if e[3] == "compute" and e[2] > started]
-            assert not late, f"{door} {layout}: block {k}'s all-gather waits on {late}, after block {k - 1} began"
-        out[f"{door} {layout}"] = len(blocks)
+        out[f"{door} {layout}"] = _forward_waits_are_early(door, layout, log)
+    # The detector is live: without the wait on the buffer's last use (and with the pool's most recently
+    # returned buffer, whose last users are unit k-1's still-running ops), the forward copy-ins race.
+    original, take = unit_module.issue_all_gather, POOL._take_storage
+    unit_module.issue_all_gather = functools.partial(_without_buffer_event, original)
+    POOL._take_storage = lambda nbytes, device, oldest=False: take(nbytes, device, False)
+    try:
+        races = _watched("wrapper", "sharded", rank, world)[3]
+    finally:
+        unit_module.issue_all_gather = original
+        del POOL._take_storage
+    assert len(races) >= 2, f"the race detector missed a dropped wait ({races})"
     return out
 
 
-def test_forward_all_gathers_wait_only_on_earlier_work():
-    """See the module docstring: the waits of each forward all-gather, and the same bits as without streams."""
+def _without_buffer_event(original, out, send, group, tag, cast=None, after=None):
+    return original(out, send, group, tag, cast, after[:1] if after is not None else None)
+
+
+def test_side_streams_race_free_and_forward_all_gathers_overlap():
+    """See the module docstring: no races, each forward all-gather's early waits, the same bits as without
+    streams, and a dropped wait caught."""
     for rank_out in run_ranks(_check, 2, timeout_s=300):
         assert len(rank_out) == 4, rank_out

@@ -42,8 +42,10 @@ waits on what:
   allocator, a unit with all-gather extensions (their pre-hook writes the
   shard), a kept partial shard, a memory strategy's buffers, and every
   unshard outside a root's forward (backward's prefetch is issued early
-  enough anyway). tests/dist/test_stream_schedule.py checks the waits on
-  the CPU; the CUDA test runs with the compute stream slowed too.
+  enough anyway). tests/dist/test_stream_schedule.py checks the whole
+  schedule on the CPU (stand-in streams with vector clocks and a race
+  detector over every op's memory) and that forward all-gathers wait only on
+  earlier work; the CUDA test runs with the compute stream slowed too.
 * reduce: the full gradient is copied into the reduce-scatter input on the
   compute stream (so autograd's gradient may be freed at once, as torch
   FSDP2 does); the reduce-scatter stream waits on the compute stream's event
