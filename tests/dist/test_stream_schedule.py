@@ -6,9 +6,9 @@ streams and events replace CUDA's:
   with the stream it was issued on. A side-stream op that touches memory an earlier compute op touched (one of
   them writing), with no wait on an event recorded after that op, is a race: on a GPU the side stream could
   overtake the compute stream. New outputs of a side op are not checked (on a GPU they come from the side
-  stream's own allocator pool). Tensor subclasses hide their inner ops from the mode, so ``fully_shard``'s
-  optimizer step (on DTensors) goes unseen; the wrapper's (plain views of the shards) is seen. Dropping the
-  wait on the buffer's last use makes the detector report races (checked below, so the check is live);
+  stream's own allocator pool). An op on DTensors (``fully_shard``'s optimizer step) counts as touching
+  their local tensors. Dropping the wait on the buffer's last use makes the detector report races (checked
+  below, so the check is live);
 * the overlap: inside a root's forward, unit k's all-gather (its copy-in and all-gather streams) waits only on
   compute events recorded before unit k-1 began computing, so on a GPU it runs while unit k-1 computes, as
   torch FSDP2's forward all-gathers do;
@@ -102,7 +102,9 @@ def _stand_in_streams(log: list):
 
 
 def _storage(t: torch.Tensor):
-    """(start, end) of ``t``'s storage on the CPU, or None (meta, empty, or a subclass without one)."""
+    """(start, end) of ``t``'s storage on the CPU (a DTensor's local tensor's), or None (meta, empty, or
+    another subclass without one)."""
+    t = getattr(t, "_local_tensor", t)
     try:
         if t.device.type != "cpu" or t.is_meta:
             return None
@@ -238,22 +240,26 @@ def _check(rank, world):
         assert torch.equal(losses, ref_losses), (door, layout, losses, ref_losses)
         assert all(torch.equal(a, b) for a, b in zip(params, ref_params)), (door, layout)
         out[f"{door} {layout}"] = _forward_waits_are_early(door, layout, log)
-    # The detector is live: without the wait on the buffer's last use (and with the pool's most recently
-    # returned buffer, whose last users are unit k-1's still-running ops), the forward copy-ins race.
+    # The detector is live. Without the wait on the buffer's last use (and with the pool's most recently
+    # returned buffer, whose last users are unit k-1's unfinished ops) the forward copy-ins race with that
+    # unit's compute; without the root's event they race with the optimizer step's writes to the shards.
     original, take = unit_module.issue_all_gather, POOL._take_storage
-    unit_module.issue_all_gather = functools.partial(_without_buffer_event, original)
-    POOL._take_storage = lambda nbytes, device, oldest=False: take(nbytes, device, False)
-    try:
-        races = _watched("wrapper", "sharded", rank, world)[3]
-    finally:
-        unit_module.issue_all_gather = original
-        del POOL._take_storage
-    assert len(races) >= 2, f"the race detector missed a dropped wait ({races})"
+    for door, keep in (("wrapper", slice(0, 1)), ("fully_shard", slice(1, 2))):
+        unit_module.issue_all_gather = functools.partial(_dropping, original, keep)
+        if door == "wrapper":
+            POOL._take_storage = lambda nbytes, device, oldest=False: take(nbytes, device, False)
+        try:
+            races = _watched(door, "sharded", rank, world)[3]
+        finally:
+            unit_module.issue_all_gather = original
+            POOL.__dict__.pop("_take_storage", None)
+        assert len(races) >= 2, f"{door}: the race detector missed a dropped wait ({races})"
     return out
 
 
-def _without_buffer_event(original, out, send, group, tag, cast=None, after=None):
-    return original(out, send, group, tag, cast, after[:1] if after is not None else None)
+def _dropping(original, keep: slice, out, send, group, tag, cast=None, after=None):
+    """``issue_all_gather`` waiting on ``after[keep]`` only (the root's event, or the buffer's)."""
+    return original(out, send, group, tag, cast, after[keep] if after is not None else None)
 
 
 def test_side_streams_race_free_and_forward_all_gathers_overlap():
