@@ -15,7 +15,10 @@ cd "$(dirname "$0")/.."
 OUT_DIR="${1:-/tmp/fullshard_gpu_check}"
 PY="${PYTHON:-python}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/dist/test_cuda.py tests/dist/test_offload_optim.py::test_offload_adamw_on_cuda
+# A failing CUDA test does not stop the bench (device time is scarce); the script exits with the tests' status.
+TESTS_RC=0
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/dist/test_cuda.py tests/dist/test_offload_optim.py::test_offload_adamw_on_cuda \
+    || TESTS_RC=$?
 BIG=(--batch-size 12 --warmup-steps 2 --timed-steps 5 --timeout-s 100)
 OFF=(--batch-size 12 --warmup-steps 1 --timed-steps 3 --timeout-s 120)
 "$PY" -m fullshard.bench.gpu --out-dir "$OUT_DIR/streams_on" --modes fully_shard,wrapper,fsdp2,ddp "${BIG[@]}"
@@ -24,3 +27,5 @@ FULLSHARD_STREAMS=0 "$PY" -m fullshard.bench.gpu --out-dir "$OUT_DIR/streams_off
     --modes fully_shard_offload,wrapper_offload,fsdp2_offload,fsdp2_offload_fused "${OFF[@]}"
 "$PY" -m fullshard.bench.gpu --out-dir "$OUT_DIR/combined" \
     --from-json "$OUT_DIR/streams_on/gpu.json" "FULLSHARD_STREAMS=0=$OUT_DIR/streams_off/gpu.json"
+if [ "$TESTS_RC" -ne 0 ]; then echo "gpu_check: the CUDA tests failed (pytest exit $TESTS_RC); the bench ran anyway" >&2; fi
+exit "$TESTS_RC"

@@ -59,7 +59,9 @@ weight pass
 The first stage's input pass does nothing and its weight pass is a full
 backward (torch's choice when the stage inputs need no gradient).
 World-size-invariant units (``world_size_invariant``) count one micro-batch
-per backward and are refused here.
+per backward and are refused here, as is torch before 2.13, whose
+``stage_backward_weight`` gave the units wrong weight gradients
+(``fullshard.train.pipeline_checks.split_backward_problem``).
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ from fullshard.core.module import UnitModule, unit_modules
 from fullshard.core.torch_private import stage_backward_input, stage_backward_weight
 from fullshard.fsdp import FullyShardedDataParallel
 from fullshard.fsdp2 import FSDPModule
+from fullshard.train.pipeline_checks import split_backward_problem
 
 GRAD_ACCUMULATION = ("reduce_scatter", "unsharded")
 """The ``grad_accumulation`` modes (see [Note: pipeline gradient accumulation])."""
@@ -136,7 +139,8 @@ class PipelineStage(_TorchPipelineStage):
         Returns:
             torch's ``(input gradients, param_groups)``.
         Raises:
-            RuntimeError: a split backward on world-size-invariant units, or an unknown
+            RuntimeError: a split backward on world-size-invariant units or on torch before 2.13
+                (``fullshard.train.pipeline_checks.split_backward_problem``), or an unknown
                 ``backward_type``.
         """
         if not isinstance(self.submod, UnitModule):
@@ -148,6 +152,9 @@ class PipelineStage(_TorchPipelineStage):
         if backward_type not in ("input", "weight"):
             raise RuntimeError(f"[rank {collectives.rank()}] pipeline stage {self.stage_index}: unknown backward "
                                f"type {backward_type!r}")
+        problem = split_backward_problem(torch.__version__)
+        if problem:
+            raise RuntimeError(f"[rank {collectives.rank()}] pipeline stage {self.stage_index}: {problem}")
         runtimes = [m._runtime for m in unit_modules(self.submod)]
         if any(rt.unit.cfg.invariant_layout is not None for rt in runtimes):
             raise RuntimeError(f"[rank {collectives.rank()}] pipeline stage {self.stage_index}: a schedule that "

@@ -191,4 +191,6 @@ def _clone(m):
 
 
 def mse(out, y):
-    return F.mse_loss(out, y)
+    # In the promoted dtype: torch 2.11's mse_loss backward refuses mixed dtypes (a bf16 output, fp32 target).
+    dtype = torch.promote_types(out.dtype, y.dtype)
+    return F.mse_loss(out.to(dtype), y.to(dtype))

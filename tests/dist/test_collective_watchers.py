@@ -75,11 +75,13 @@ def _watchers(rank, world):
     dtypes = collections.Counter()
     bf16 = _model(mp_policy=fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     calls = collections.Counter()
-    original = _wrap("reduce_scatter_single", calls, lambda output, input, *a, **k: dtypes.update([input.dtype]))
+    # Older torch (2.11 among them) has only the older name.
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original = _wrap(name, calls, lambda output, input, *a, **k: dtypes.update([input.dtype]))
     try:
         _step(bf16, rank)
     finally:
-        dist.reduce_scatter_single = original
+        setattr(dist, name, original)
     assert dtypes == {torch.float32: REDUCES}, dtypes
 
     # CommDebugMode counts them as the collectives they stand for.

@@ -117,10 +117,15 @@ def _unused_grads(rank, shard, flag):
 
 
 def _unused_case(rank, world):
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard as torch_fully_shard
 
     for flag in (False, True):
         ours = _unused_grads(rank, fullshard.fully_shard, flag)
+        assert flag or ours["unused.weight"] is None
+        if flag:
+            assert not ours["unused.weight"].any()
+        if not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):  # torch 2.11 lacks the method
+            continue
         theirs = _unused_grads(rank, torch_fully_shard, flag)
         for n in theirs:
             if theirs[n] is None:

@@ -22,8 +22,9 @@ from tests.dist.llama import build_plain, token_batch
 
 LR, STEPS, SPLIT, MAX_NORM = 1e-2, 5, 3, 0.5
 """Learning rate; steps per run; step of the checkpoint; clipping threshold (below every step's norm)."""
-RTOL, ATOL = 1e-5, 1e-6
-"""fp32 tolerance of sharded vs single-process figures (reduction orders differ)."""
+RTOL, ATOL = 1e-5, 4e-6
+"""fp32 tolerance of sharded vs single-process figures (reduction orders differ; DTensor's differ between
+torch releases: on torch 2.11 one weight element of 1,024 ended 1.7e-6 from one process's after 3 AdamW steps)."""
 PLANS = ("blocks", "full")
 COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
 ROWWISE = ("attention.wo", "feed_forward.w2")

@@ -36,7 +36,7 @@ from fullshard import (
     ShardingStrategy,
     fully_shard,
 )
-from fullshard.core import streams, unit as unit_module
+from fullshard.core import buffers, streams, unit as unit_module
 from fullshard.core.buffers import POOL
 from fullshard.core.params import local_of
 from fullshard.models import TransformerBlock
@@ -239,6 +239,11 @@ def _check(rank, world):
         ref_losses, ref_params = _train(_build(door, layout, world), rank, [])
         assert torch.equal(losses, ref_losses), (door, layout, losses, ref_losses)
         assert all(torch.equal(a, b) for a, b in zip(params, ref_params)), (door, layout)
+        if layout == "hybrid" and not buffers._CAN_SWAP:
+            # torch before 2.12 has no UntypedStorage._swap_data_ptr_: the one-rank cast's target comes from
+            # the allocator, whose earlier users are unknown, so it waits on all the compute so far.
+            out[f"{door} {layout}"] = 0
+            continue
         out[f"{door} {layout}"] = _forward_waits_are_early(door, layout, log)
     # The detector is live. Without the wait on the buffer's last use (and with the pool's most recently
     # returned buffer, whose last users are unit k-1's unfinished ops) the forward copy-ins race with that

@@ -140,6 +140,24 @@ def test_stage_rank_places_stages_as_the_trainer_does():
     assert choices == [pipeline_checks.SCHEDULES] * 2
 
 
+def test_zero_bubble_schedules_are_refused_before_torch_2_13(monkeypatch):
+    """torch 2.11's stage_backward_weight gave fullshard units wrong weight gradients (gradient norm
+    3.29 where one process has 2.87): the zero-bubble schedules are refused there, the others run."""
+    assert pipeline_checks.split_backward_problem("2.13.0+cpu") == ""
+    assert "needs torch 2.13 or newer" in pipeline_checks.split_backward_problem("2.11.0+cu130")
+    monkeypatch.setattr(torch, "__version__", "2.12.0")
+    for schedule in pipeline_checks.SCHEDULES:
+        cfg = TrainConfig(data_dir="unused", max_positions=64, vocab_size=100, pipeline_parallel_size=2,
+                          pipeline_schedule=schedule,
+                          pipeline_stages_per_rank=2 if schedule in pipeline_checks.MULTI_STAGE else 1,
+                          pipeline_microbatches=4, batch_size=4)
+        if schedule in pipeline_checks.SPLIT_BACKWARD:
+            with pytest.raises(ValueError, match=f"--pipeline-schedule {schedule}: torch 2.12.0's split backward"):
+                pipeline_checks.check(cfg, 4, 8)
+        else:
+            pipeline_checks.check(cfg, 4, 8)
+
+
 @pytest.mark.heavy
 def test_planned_split_is_balanced_in_measured_stage_times():
     """The planner on a GPT whose head costs several layers (width 128, vocabulary 8192, 16 layers,

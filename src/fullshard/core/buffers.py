@@ -17,8 +17,11 @@ life: tensors autograd saved in forward are views of it and are read again in
 backward. Its memory still comes from the pool: :func:`lend` moves a pooled
 storage's memory into it (``UntypedStorage._swap_data_ptr_``, which exchanges
 the two storages' data pointers and sizes) and :func:`reclaim` moves it back.
-Where torch lacks that method the storage is resized instead (the memory then
-comes from the allocator each time, as before).
+Where torch lacks that method (before 2.12) the storage is resized instead:
+the memory then comes from the allocator each time (still counted in use),
+and a side stream that writes it early (a one-rank unit's forward cast,
+core/streams.py) waits on all the compute stream's work so far instead, as
+the allocator may hand out a block that queued compute work still reads.
 
 What the pool keeps is bounded; beyond a bound the least recently returned
 buffers are freed:
@@ -198,8 +201,9 @@ class BufferPool:
     def lend(self, target: torch.UntypedStorage, nbytes: int, oldest: bool = False) -> Optional[object]:
         """Give the empty storage ``target`` at least ``nbytes`` of pooled memory; returns the event after
         which a side stream may write it, as :meth:`take_with_event` (None: unknown)."""
-        if not _CAN_SWAP:
+        if not _CAN_SWAP:  # counted in use all the same, so a buffer from take() may be reclaimed
             target.resize_(nbytes)
+            self.adopt(nbytes)
             return None
         src, event = self._take_storage(nbytes, target.device, oldest)
         torch_private.swap_storages(target, src)  # src is now empty; it is dropped
@@ -212,6 +216,8 @@ class BufferPool:
             return
         if not _CAN_SWAP:
             target.resize_(0)
+            with self._lock:
+                self.in_use_bytes -= nbytes
             return
         holder = torch.UntypedStorage(0, device=target.device)
         torch_private.swap_storages(target, holder)

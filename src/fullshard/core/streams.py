@@ -40,9 +40,11 @@ waits on what:
   all-gather runs while unit k-1 computes, as torch FSDP2's do. Where
   either is unknown the event above is used: a buffer new from the
   allocator, a unit with all-gather extensions (their pre-hook writes the
-  shard), a kept partial shard, a memory strategy's buffers, and every
+  shard), a kept partial shard, a memory strategy's buffers, every
   unshard outside a root's forward (backward's prefetch is issued early
-  enough anyway). tests/dist/test_stream_schedule.py checks the whole
+  enough anyway), and a one-rank unit's cast on torch before 2.12 (its
+  full parameters' memory then comes from the allocator: core/buffers.py
+  [Note: buffer reuse]). tests/dist/test_stream_schedule.py checks the whole
   schedule on the CPU (stand-in streams with vector clocks and a race
   detector over every op's memory) and that forward all-gathers wait only on
   earlier work; the CUDA test runs with the compute stream slowed too.

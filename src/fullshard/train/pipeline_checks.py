@@ -3,6 +3,8 @@
 source of both for the trainer (``pipeline.py``, ``config.py``) and the planner (``pipeline_plan*.py``)."""
 from __future__ import annotations
 
+import re
+
 from fullshard.models.stages import check_split
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -53,7 +55,8 @@ def check(cfg, world_size: int, num_layers: int) -> None:
     Raises:
         ValueError: P not dividing the world size, a stage count the schedule cannot use or the
             model cannot fill, too few micro-batches for the schedule, a batch the micro-batches do
-            not divide, a split that does not add up, or a flag pipelining does not support.
+            not divide, a split that does not add up, a flag pipelining does not support, or a
+            zero-bubble schedule on torch before 2.13 (:func:`split_backward_problem`).
     """
     p, v = cfg.pipeline_parallel_size, cfg.pipeline_stages_per_rank
     if p < 1 or v < 1:
@@ -75,6 +78,12 @@ def check(cfg, world_size: int, num_layers: int) -> None:
         if bad:
             raise ValueError(f"--pipeline-parallel-size {p} does not support {what}")
     schedule = cfg.pipeline_schedule
+    if schedule in SPLIT_BACKWARD:
+        import torch  # the installed release decides
+
+        problem = split_backward_problem(torch.__version__)
+        if problem:
+            raise ValueError(f"--pipeline-schedule {schedule}: {problem}")
     if schedule in SPLIT_BACKWARD and cfg.world_size_invariant:
         raise ValueError(f"--pipeline-schedule {schedule} with --world-size-invariant: the invariant fold counts one "
                          "micro-batch per backward and a split backward runs two; use GPipe, 1F1B or Interleaved1F1B")
@@ -85,6 +94,24 @@ def check(cfg, world_size: int, num_layers: int) -> None:
                          "micro-batch is split into that many pipeline micro-batches")
     if cfg.pipeline_split not in ("even", "auto"):
         check_split(parse_split(cfg.pipeline_split), num_layers, p * v)
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a ``torch.__version__`` string such as ``2.11.0+cu130``."""
+    return tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", version).groups())
+
+
+def split_backward_problem(torch_version: str) -> str:
+    """Why this torch cannot split the backward of fullshard units ('' when it can): before 2.13,
+    ``torch.distributed.pipelining``'s weight pass (``stage_backward_weight``) sums the gradients
+    saved at several graph nodes without removing what flows from one through another, so a unit's
+    flat parameter, reached through nested views, gets wrong weight gradients (seen on torch 2.11:
+    gradient norm 3.29 where one process has 2.87). torch 2.13 clamps those saved gradients."""
+    if torch_release(torch_version) >= (2, 13):
+        return ""
+    return (f"torch {torch_version}'s split backward (torch.distributed.pipelining's stage_backward_weight) "
+            "gives fullshard units wrong weight gradients; it needs torch 2.13 or newer. Use GPipe, 1F1B, "
+            "Interleaved1F1B or LoopedBFS, or a newer torch")
 
 
 def check_schedule(schedule: str, p: int, v: int, m: int, num_layers: int, *, fsdp_version: int = 2) -> None:
