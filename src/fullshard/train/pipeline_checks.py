@@ -78,12 +78,6 @@ def check(cfg, world_size: int, num_layers: int) -> None:
         if bad:
             raise ValueError(f"--pipeline-parallel-size {p} does not support {what}")
     schedule = cfg.pipeline_schedule
-    if schedule in SPLIT_BACKWARD:
-        import torch  # the installed release decides
-
-        problem = split_backward_problem(torch.__version__)
-        if problem:
-            raise ValueError(f"--pipeline-schedule {schedule}: {problem}")
     if schedule in SPLIT_BACKWARD and cfg.world_size_invariant:
         raise ValueError(f"--pipeline-schedule {schedule} with --world-size-invariant: the invariant fold counts one "
                          "micro-batch per backward and a split backward runs two; use GPipe, 1F1B or Interleaved1F1B")
@@ -94,6 +88,12 @@ def check(cfg, world_size: int, num_layers: int) -> None:
                          "micro-batch is split into that many pipeline micro-batches")
     if cfg.pipeline_split not in ("even", "auto"):
         check_split(parse_split(cfg.pipeline_split), num_layers, p * v)
+    if schedule in SPLIT_BACKWARD:  # last: a flag the user can fix is named first
+        import torch  # the installed release decides
+
+        problem = split_backward_problem(torch.__version__)
+        if problem:
+            raise ValueError(f"--pipeline-schedule {schedule}: {problem}")
 
 
 def torch_release(version: str) -> tuple[int, int]:
