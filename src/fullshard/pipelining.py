@@ -61,7 +61,7 @@ backward (torch's choice when the stage inputs need no gradient).
 World-size-invariant units (``world_size_invariant``) count one micro-batch
 per backward and are refused here, as is torch before 2.13, whose
 ``stage_backward_weight`` gave the units wrong weight gradients
-(``fullshard.train.pipeline_checks.split_backward_problem``).
+(``core.torch_private.split_backward_problem``).
 """
 from __future__ import annotations
 
@@ -74,10 +74,9 @@ from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from fullshard.core import collectives, registry
 from fullshard.core.module import UnitModule, unit_modules
-from fullshard.core.torch_private import stage_backward_input, stage_backward_weight
+from fullshard.core.torch_private import split_backward_problem, stage_backward_input, stage_backward_weight
 from fullshard.fsdp import FullyShardedDataParallel
 from fullshard.fsdp2 import FSDPModule
-from fullshard.train.pipeline_checks import split_backward_problem
 
 GRAD_ACCUMULATION = ("reduce_scatter", "unsharded")
 """The ``grad_accumulation`` modes (see [Note: pipeline gradient accumulation])."""
@@ -140,7 +139,7 @@ class PipelineStage(_TorchPipelineStage):
             torch's ``(input gradients, param_groups)``.
         Raises:
             RuntimeError: a split backward on world-size-invariant units or on torch before 2.13
-                (``fullshard.train.pipeline_checks.split_backward_problem``), or an unknown
+                (``core.torch_private.split_backward_problem``), or an unknown
                 ``backward_type``.
         """
         if not isinstance(self.submod, UnitModule):
@@ -152,7 +151,7 @@ class PipelineStage(_TorchPipelineStage):
         if backward_type not in ("input", "weight"):
             raise RuntimeError(f"[rank {collectives.rank()}] pipeline stage {self.stage_index}: unknown backward "
                                f"type {backward_type!r}")
-        problem = split_backward_problem(torch.__version__)
+        problem = split_backward_problem()
         if problem:
             raise RuntimeError(f"[rank {collectives.rank()}] pipeline stage {self.stage_index}: {problem}")
         runtimes = [m._runtime for m in unit_modules(self.submod)]

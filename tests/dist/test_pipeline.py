@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from fullshard.construct import clean_name
+from fullshard.core.torch_private import split_backward_problem
 from fullshard.models import ARCHS
 from fullshard.train.config import TrainConfig
-from fullshard.train.pipeline_checks import SPLIT_BACKWARD, split_backward_problem
+from fullshard.train.pipeline_checks import SPLIT_BACKWARD
 from tests.dist.common import ATOL, BF16_RTOL, RTOL, Tokens as SyntheticTokens  # as DDP parity (fp32, bf16)
 from tests.dist.harness import run_ranks
 
@@ -44,7 +45,7 @@ VOCAB, T, LAYERS = 97, 8, 4
 GLOBAL = 8  # sequences per update over all data-parallel ranks
 UPDATES = 3
 # ZBVZeroBubble, InterleavedZeroBubble: split backward (fullshard.pipelining [Note: split backward of fullshard units]).
-SPLIT_OK = not split_backward_problem(torch.__version__)
+SPLIT_OK = not split_backward_problem()
 """Whether this torch splits the backward of fullshard units right (2.13 and newer; refused before)."""
 SCHEDULES = tuple(s for s in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2),
                               ("InterleavedZeroBubble", 2)) if SPLIT_OK or s[0] not in SPLIT_BACKWARD)
@@ -481,7 +482,7 @@ def test_split_backward_schedules_reduce_every_units_weight_gradients():
     none is left zero, and each unit reduce-scatters once per micro-batch (reduce_scatter) or once
     per step (unsharded). Before, the split passes were refused."""
     if not SPLIT_OK:
-        pytest.skip(split_backward_problem(torch.__version__))
+        pytest.skip(split_backward_problem())
     per_rank = _spawned(4)
     for schedule, mode, fsdp1 in SPLIT_CASES:
         # Units per rank: fully_shard 2 per stage (the Linear, the stage), the wrapper 1; 2 stages.

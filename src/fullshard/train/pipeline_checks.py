@@ -3,8 +3,6 @@
 source of both for the trainer (``pipeline.py``, ``config.py``) and the planner (``pipeline_plan*.py``)."""
 from __future__ import annotations
 
-import re
-
 from fullshard.models.stages import check_split
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -56,7 +54,7 @@ def check(cfg, world_size: int, num_layers: int) -> None:
         ValueError: P not dividing the world size, a stage count the schedule cannot use or the
             model cannot fill, too few micro-batches for the schedule, a batch the micro-batches do
             not divide, a split that does not add up, a flag pipelining does not support, or a
-            zero-bubble schedule on torch before 2.13 (:func:`split_backward_problem`).
+            zero-bubble schedule on torch before 2.13 (``core.torch_private.split_backward_problem``).
     """
     p, v = cfg.pipeline_parallel_size, cfg.pipeline_stages_per_rank
     if p < 1 or v < 1:
@@ -89,29 +87,11 @@ def check(cfg, world_size: int, num_layers: int) -> None:
     if cfg.pipeline_split not in ("even", "auto"):
         check_split(parse_split(cfg.pipeline_split), num_layers, p * v)
     if schedule in SPLIT_BACKWARD:  # last: a flag the user can fix is named first
-        import torch  # the installed release decides
+        from fullshard.core.torch_private import split_backward_problem  # here: imports torch.distributed
 
-        problem = split_backward_problem(torch.__version__)
+        problem = split_backward_problem()
         if problem:
             raise ValueError(f"--pipeline-schedule {schedule}: {problem}")
-
-
-def torch_release(version: str) -> tuple[int, int]:
-    """(major, minor) of a ``torch.__version__`` string such as ``2.11.0+cu130``."""
-    return tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", version).groups())
-
-
-def split_backward_problem(torch_version: str) -> str:
-    """Why this torch cannot split the backward of fullshard units ('' when it can): before 2.13,
-    ``torch.distributed.pipelining``'s weight pass (``stage_backward_weight``) sums the gradients
-    saved at several graph nodes without removing what flows from one through another, so a unit's
-    flat parameter, reached through nested views, gets wrong weight gradients (seen on torch 2.11:
-    gradient norm 3.29 where one process has 2.87). torch 2.13 clamps those saved gradients."""
-    if torch_release(torch_version) >= (2, 13):
-        return ""
-    return (f"torch {torch_version}'s split backward (torch.distributed.pipelining's stage_backward_weight) "
-            "gives fullshard units wrong weight gradients; it needs torch 2.13 or newer. Use GPipe, 1F1B, "
-            "Interleaved1F1B or LoopedBFS, or a newer torch")
 
 
 def check_schedule(schedule: str, p: int, v: int, m: int, num_layers: int, *, fsdp_version: int = 2) -> None:
