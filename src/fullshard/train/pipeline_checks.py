@@ -1,8 +1,9 @@
 """The pipeline schedules' names and stage placement, and the checks and parsing of the `fullshard train
---pipeline-*` flags (no torch.distributed import, so the CLI validates them before any rank starts); the one
+--pipeline-*` flags (the CLI validates them before any rank starts); the one
 source of both for the trainer (``pipeline.py``, ``config.py``) and the planner (``pipeline_plan*.py``)."""
 from __future__ import annotations
 
+from fullshard.core.torch_private import split_backward_problem
 from fullshard.models.stages import check_split
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -87,8 +88,6 @@ def check(cfg, world_size: int, num_layers: int) -> None:
     if cfg.pipeline_split not in ("even", "auto"):
         check_split(parse_split(cfg.pipeline_split), num_layers, p * v)
     if schedule in SPLIT_BACKWARD:  # last: a flag the user can fix is named first
-        from fullshard.core.torch_private import split_backward_problem  # here: imports torch.distributed
-
         problem = split_backward_problem()
         if problem:
             raise ValueError(f"--pipeline-schedule {schedule}: {problem}")
