@@ -57,6 +57,22 @@ def test_lend_and_reclaim_keep_the_storage_object():
     assert pool.stats()["hits"] == 1
 
 
+def test_resized_storages_are_counted_in_use_where_torch_cannot_swap(monkeypatch):
+    """torch before 2.12: lend resizes from the allocator and reclaim frees; both count the bytes, so a
+    buffer from take() that is reclaimed (an all-gather extension's output, core/extensions.py) leaves
+    nothing counted in use."""
+    monkeypatch.setattr(B, "_CAN_SWAP", False)
+    pool = B.BufferPool()
+    storage = pool.take(1 << 18, torch.float32, torch.device("cpu")).untyped_storage()  # 1 MiB
+    assert pool.in_use_bytes == 1 << 20
+    pool.reclaim(storage)
+    assert storage.nbytes() == 0 and pool.in_use_bytes == 0 and pool.cached_bytes == 0
+    assert pool.lend(storage, 3000) is None  # no event: the allocator's block may still be read
+    assert storage.nbytes() == 3000 and pool.in_use_bytes == 3000
+    pool.reclaim(storage)
+    assert pool.in_use_bytes == 0 and pool.peak_in_use_bytes == 1 << 20
+
+
 def test_footprint_never_exceeds_the_peak_in_use():
     """Buffers in use plus cached stay within the most ever in use at once:
     sizes used at different times share that budget (oldest evicted first)."""
