@@ -214,10 +214,11 @@ class BufferPool:
         nbytes = target.nbytes()
         if nbytes == 0:
             return
-        if not _CAN_SWAP:
-            target.resize_(0)
+        if not _CAN_SWAP:  # freed to the allocator: also forget a take()n block's allocating stream
             with self._lock:
                 self.in_use_bytes -= nbytes
+                self._home.pop(target.data_ptr(), None)
+            target.resize_(0)
             return
         holder = torch.UntypedStorage(0, device=target.device)
         torch_private.swap_storages(target, holder)
