@@ -1,6 +1,7 @@
 """`fullshard train` / `fullshard plot` as a user runs them: 2 gloo ranks on CPU, tiny GPT."""
 from __future__ import annotations
 
+import ast
 import json
 import math
 import subprocess
@@ -10,7 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from tests.e2e.common import ARCH, TRAIN_INNER_KEYS, json_records, run_all, run_cli_checked
+from tests.dist import harness
+from tests.e2e.common import ARCH, TRAIN_INNER_KEYS, cli_env, json_records, run_all, run_cli_checked
 
 UPDATES = 20
 COMMON = ["--nproc-per-node", "2", "--arch", ARCH, "--tokens-per-sample", "64", "--lr", "0.001",
@@ -178,6 +180,29 @@ def test_rank_failure_surfaces_error(corpus_dir):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "RANKFAILED rank " in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert "unknown arch 'broken_arch'" in proc.stdout
+
+
+def _rank_store(_) -> tuple:
+    import os
+
+    return os.environ["TORCHELASTIC_USE_AGENT_STORE"], os.environ["MASTER_PORT"]
+
+
+def _launch_forked(argv) -> int:
+    from fullshard.train.launcher import launch_local
+
+    print("STORES", launch_local(_rank_store, None, int(argv[0]), start_method="fork"))
+    return 0
+
+
+def test_forked_ranks_meet_at_their_own_store():
+    """Under --start-method fork the ranks' process group does not use the store that a thread of the
+    launcher serves: that thread takes glibc's resolver lock for each connection it accepts, and a
+    rank forked meanwhile deadlocked at its first lookup (about once in 20 launches of 4 ranks)."""
+    proc = harness.run_main(_launch_forked, ["3"], cli_env(), 120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stores = ast.literal_eval(proc.stdout.split("STORES ", 1)[1])
+    assert [use for use, _ in stores] == ["False"] * 3 and len({port for _, port in stores}) == 1, stores
 
 
 def test_plot_two_logs(cli, runs, tmp_path):

@@ -42,6 +42,16 @@ until the store's read timeout (60 s), and the job fails. Opted out, rank 0
 writes them every round and the ranks' process group gets a fresh store on a
 free port each round, so ranks restarted by a membership change (which keeps
 TORCHELASTIC_RESTART_COUNT) cannot read the previous round's keys either.
+
+[Note: fork and the store] ``--start-method fork`` sets it too. A shared store
+is served by a thread of this process, and accepting a rank's connection makes
+that thread format the peer's address with ``getnameinfo`` (a reverse lookup
+that holds glibc's resolver lock). A rank forked while it held the lock inherits
+the lock held and deadlocks at its own first lookup (its store connection):
+seen as one rank stuck in ``__resolv_context_get`` and its peers waiting for it
+in gloo's rendezvous, about once in 20 launches of 4 ranks. Unshared, the ranks
+meet at rank 0's store, and no thread of this process takes the lock while it
+forks.
 """
 from __future__ import annotations
 
@@ -185,11 +195,12 @@ def launch_local(entry: Callable[[object], object], arg: object, nproc: int, max
     start_method = start_method_of(start_method)
     min_nodes, max_nodes = nnodes
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
-    if min_nodes < max_nodes:
+    if min_nodes < max_nodes or start_method == "fork":
         # [Note: elastic jobs] a fresh store for the ranks at every round, not the rank-0 agent's:
         # with it shared (torch's default), a node joining a running job hangs until the store's
         # read timeout (see the module docstring), and ranks restarted by a membership change
-        # (same TORCHELASTIC_RESTART_COUNT) would read the previous round's keys.
+        # (same TORCHELASTIC_RESTART_COUNT) would read the previous round's keys. Forked ranks
+        # must not connect to a store this process serves: [Note: fork and the store].
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     run_id = os.environ.get("FULLSHARD_RUN_ID", "fullshard") if max_nodes > 1 else str(uuid.uuid4())
     log_dir = tempfile.mkdtemp(prefix="fullshard_elastic_")  # see logs_specs below
