@@ -49,9 +49,10 @@ that thread format the peer's address with ``getnameinfo`` (a reverse lookup
 that holds glibc's resolver lock). A rank forked while it held the lock inherits
 the lock held and deadlocks at its own first lookup (its store connection):
 seen as one rank stuck in ``__resolv_context_get`` and its peers waiting for it
-in gloo's rendezvous, about once in 20 launches of 4 ranks. Unshared, the ranks
-meet at rank 0's store, and no thread of this process takes the lock while it
-forks.
+in gloo's rendezvous; three loops of 4-rank launches here hung within 4, 26
+and 34 launches, and 240 launches after the change none did. Unshared, the
+ranks meet at rank 0's store, and no thread of this process takes the lock
+while it forks.
 """
 from __future__ import annotations
 
