@@ -12,7 +12,9 @@ streams and events replace CUDA's:
 * the overlap: inside a root's forward, unit k's all-gather (its copy-in and all-gather streams) waits only on
   compute events recorded before unit k-1 began computing, so on a GPU it runs while unit k-1 computes, as
   torch FSDP2's forward all-gathers do;
-* the bits: the runs with stand-in streams train to the runs without.
+* the bits: the runs with stand-in streams train to the runs without;
+* a root pre-forward that raised leaves no event for later all-gathers: a block called on its own after an
+  optimizer step waits on that step's writes.
 
 Both doors, bf16 compute with fp32 reduction, on two ranks: a real all-gather into a pooled buffer, and
 HYBRID_SHARD with one-rank shard groups (the cast written straight into the unit's full parameters). The CUDA
@@ -259,7 +261,36 @@ def _check(rank, world):
             unit_module.issue_all_gather = original
             POOL.__dict__.pop("_take_storage", None)
         assert len(races) >= 2, f"{door}: the race detector missed a dropped wait ({races})"
+    races, checked = _block_after_failed_root_forward(rank, world)
+    assert checked and not races, f"a block called after a failed root forward and a step races: {races[:3]}"
     return out
+
+
+def _block_after_failed_root_forward(rank: int, world: int) -> tuple:
+    """The root's pre-forward raises after recording its event; an optimizer step then writes the shards, and
+    a block is called on its own (not through the root): its all-gather must not wait on that older event
+    alone. (races, checked) of the block's call."""
+    log: list = []
+    with _stand_in_streams(log) as (clock, current):
+        model = _build("fully_shard", "sharded", world)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x, y = M.batch("gpt", rank, 0)
+        M.loss_fn("gpt", model, x, y).backward()
+        root_unit = model._fsdp_state.runtime.unit
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("injected")
+        root_unit.ensure_unsharded = fail
+        try:
+            model(x)
+        except RuntimeError:
+            pass
+        del root_unit.ensure_unsharded
+        races = _Races(clock, current)
+        with races:
+            opt.step()
+            model.layers[0](torch.randn(2, 16, 64))
+    return races.races, races.checked
 
 
 def _dropping(original, keep: slice, out, send, group, tag, cast=None, after=None):

@@ -259,9 +259,9 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
         # The all-gathers run on the current stream: it waits on the event before they are issued.
         event, root.post_optim_event = root.post_optim_event, None
         event.wait()
-    if rt.is_root:  # the optimizer step and any load are behind us: the forward's all-gathers may run ahead
-        root.shards_ready = streams.record(streams.current(rt.unit.cfg.compute_device))
-    after = None if in_bwd else root.shards_ready
+    # At the root the optimizer step and any load are behind us: the forward's all-gathers may run ahead.
+    ready = streams.record(streams.current(rt.unit.cfg.compute_device)) if rt.is_root else root.shards_ready
+    after = None if in_bwd else ready
     rt.transition(TrainingState.FORWARD)
     if root.position(rt, root.order) < 0:
         root.order.append(rt)
@@ -279,6 +279,7 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
     args, kwargs = _cast_inputs(rt, args, kwargs)
     if torch.is_grad_enabled() and not rt.unit.needs_grad and rt.unit.slots:
         args, kwargs = _reshard_after_input_grads(rt, args, kwargs)
+    root.shards_ready = ready  # published only now: a failed root pre-forward leaves no stale event
     return args, kwargs
 
 
