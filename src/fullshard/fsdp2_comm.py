@@ -81,7 +81,9 @@ class CommMethods:
         ``AllGather`` protocol: ``allocate((numel,), dtype=, device=)`` and
         ``comm_obj(output_tensor=, input_tensor=, group=, async_op=)``);
         see core/comm.py [Note: custom collectives]. Not recursive. None
-        restores fullshard's own.
+        restores fullshard's own. ``allocate`` must return a contiguous
+        tensor of that numel, dtype and device; anything else raises
+        ValueError at the all-gather that asked for it.
 
         Raises:
             TypeError: ``comm_obj`` lacks ``allocate`` or is not callable.
@@ -94,7 +96,8 @@ class CommMethods:
         ``comm_obj(output_tensor=, input_tensor=, group=, op=, async_op=)``,
         ``op`` always ``ReduceOp.SUM`` on a pre-divided input); see
         core/comm.py [Note: custom collectives]. Not recursive. None
-        restores fullshard's own.
+        restores fullshard's own. ``allocate`` must return contiguous
+        buffers, as for :meth:`set_custom_all_gather`.
 
         Raises:
             TypeError: ``comm_obj`` lacks ``allocate`` or is not callable.

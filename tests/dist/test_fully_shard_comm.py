@@ -7,6 +7,7 @@ reduce-scatter group, reset_iter_state, the post-optimizer event and the
 memory strategies' behaviour on gloo."""
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -46,6 +47,13 @@ class RecordAG:
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.log.append(("ag", input_tensor.numel(), output_tensor.numel()))
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class StridedAG(RecordAG):
+    """Allocates a strided (every other element) all-gather output."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(2 * math.prod(size), dtype=dtype, device=device)[::2]
 
 
 def _custom_run(rank, shard_fn):
@@ -92,6 +100,13 @@ def _custom_case(rank, world):
             torch.testing.assert_close(a, b)
             worst = max(worst, (a - b).abs().max().item())
     FP.assert_same(ours[2], theirs[2])
+    model = FP.shard(FP.make())  # a buffer the collective would not write densely is refused, in one line
+    model.layers[0].set_custom_all_gather(StridedAG([]))
+    try:
+        FP.train(model, FP.sgd(model), rank, steps=1)
+        raise AssertionError("a strided all-gather output was accepted")
+    except ValueError as e:
+        assert "allocate() for the all-gather output returned" in str(e) and "strides (2,)" in str(e), e
     return {"custom_hook_vs_torch": worst, "custom_vs_torch": FP.max_diff(ours[2], theirs[2]),
             "calls": len(ours[0])}
 

@@ -160,10 +160,13 @@ def custom_reduce_scatter(unit, full_grad: Optional[torch.Tensor], used: list[bo
 
 
 def _check_buffer(t, numel: int, dtype: torch.dtype, device: torch.device, what: str) -> None:
-    if not torch.is_tensor(t) or t.numel() != numel or t.dtype != dtype or t.device != device:
+    # Contiguous: the collectives and the fused copies on CUDA write densely from the data pointer.
+    if not torch.is_tensor(t) or t.numel() != numel or t.dtype != dtype or t.device != device \
+            or not t.is_contiguous():
         got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if torch.is_tensor(t) else type(t).__name__
+        got += "" if not torch.is_tensor(t) or t.is_contiguous() else f" with strides {t.stride()}"
         raise ValueError(f"custom collective: allocate() for the {what} returned {got}, expected {numel} "
-                         f"{dtype} elements on {device}")
+                         f"contiguous {dtype} elements on {device}")
 
 
 def run_hook(unit, grad_shard: torch.Tensor) -> None:
