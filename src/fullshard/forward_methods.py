@@ -46,23 +46,31 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 def _hook_direct_calls(unit: UnitModule, module: nn.Module) -> None:
     """Treat a call of the wrapped module that bypasses the unit's forward
-    (``generate()`` calling ``self(...)``) like a call of the unit."""
+    (``generate()`` calling ``self(...)``) like a call of the unit. The
+    post-forward runs even when the call raised (``always_call``), as the
+    unit's own forward does: a failed call must not leave the unit in
+    FORWARD, where the next call would be taken for a nested one and run on
+    parameters gathered before an optimizer step."""
     ref = weakref.ref(unit)
+    began: list = []  # one entry per call of the wrapped module in progress: whether it ran the pre-forward
 
     def pre(mod, args, kwargs):
         u = ref()
-        if u is None or u._runtime.settings.forward_depth:  # called by the unit's own forward
+        # Not a call made by the unit's own forward, nor one nested in a direct call that began the forward.
+        mine = u is not None and not u._runtime.settings.forward_depth and not any(began)
+        began.append(False)
+        if not mine:
             return None
         u._lazy_init()
-        if u._runtime.state is state.TrainingState.FORWARD:  # a nested call of the same module
-            return None
-        return state.pre_forward(u._runtime, args, kwargs)
+        out = state.pre_forward(u._runtime, args, kwargs)
+        began[-1] = True
+        return out
 
     def post(mod, args, kwargs, output):
         u = ref()
-        if u is None or u._runtime.settings.forward_depth or u._runtime.state is not state.TrainingState.FORWARD:
+        if not began.pop() or u is None:
             return None
         return state.post_forward(u._runtime, output)
 
     module.register_forward_pre_hook(pre, with_kwargs=True)
-    module.register_forward_hook(post, with_kwargs=True)
+    module.register_forward_hook(post, with_kwargs=True, always_call=True)

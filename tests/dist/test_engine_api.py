@@ -140,6 +140,12 @@ def _containers_norms_methods(rank, world):
             pass
         x, y = P.batch(rank, 0)
         P.mse(model(x), y).backward()
+        # A direct call that raises, then an optimizer step: the next direct call gathers the new values.
+        with pytest.raises(RuntimeError):
+            unwrap(model)(h[:, :6])
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+        with torch.no_grad():
+            torch.testing.assert_close(unwrap(model)(h), model(h), rtol=0, atol=0)
 
     # 10. A loss the root stored on itself, with and without nested units.
     def keeps_loss(model, opt, rank, s):
