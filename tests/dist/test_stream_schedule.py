@@ -14,7 +14,8 @@ streams and events replace CUDA's:
   torch FSDP2's forward all-gathers do;
 * the bits: the runs with stand-in streams train to the runs without;
 * a root pre-forward that raised leaves no event for later all-gathers: a block called on its own after an
-  optimizer step waits on that step's writes.
+  optimizer step waits on that step's writes; shards written after the root's event (a forward pre-hook of
+  the root) get no early wait.
 
 Both doors, bf16 compute with fp32 reduction, on two ranks: a real all-gather into a pooled buffer, and
 HYBRID_SHARD with one-rank shard groups (the cast written straight into the unit's full parameters). The CUDA
@@ -263,7 +264,34 @@ def _check(rank, world):
         assert len(races) >= 2, f"{door}: the race detector missed a dropped wait ({races})"
     races, checked = _block_after_failed_root_forward(rank, world)
     assert checked and not races, f"a block called after a failed root forward and a step races: {races[:3]}"
+    for door in ("wrapper", "fully_shard"):
+        races, checked = _root_pre_hook_writes(door, rank, world)
+        assert checked and not races, f"{door}: a root pre-hook's write to the shards races: {races[:3]}"
     return out
+
+
+def _root_pre_hook_writes(door: str, rank: int, world: int) -> tuple:
+    """A forward pre-hook registered on the root module after wrapping (so it runs after the root's
+    pre-forward recorded its event) clamps every parameter in place: the shards it wrote get no early
+    event. (races, checked) of two training steps."""
+    with _stand_in_streams([]) as (clock, current):
+        model = _build(door, "sharded", world)
+        inner = model.module if door == "wrapper" else model
+
+        def clamp(module, args):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-0.05, 0.05)
+        inner.register_forward_pre_hook(clamp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        races = _Races(clock, current)
+        with races:
+            for step in range(2):
+                x, y = M.batch("gpt", rank, step)
+                M.loss_fn("gpt", model, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+    return races.races, races.checked
 
 
 def _block_after_failed_root_forward(rank: int, world: int) -> tuple:

@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from ..api import BackwardPrefetch
-from . import collectives, offload, streams, torch_private, used_flags
+from . import collectives, offload, overlap, torch_private, used_flags
 from .buffers import POOL
 from .reduce import PendingReduce
 from .settings import UnitSettings
@@ -260,7 +260,7 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
         event, root.post_optim_event = root.post_optim_event, None
         event.wait()
     # At the root the optimizer step and any load are behind us: the forward's all-gathers may run ahead.
-    ready = streams.record(streams.current(rt.unit.cfg.compute_device)) if rt.is_root else root.shards_ready
+    ready = overlap.ShardsReady.record(rt.unit.cfg.compute_device, root.runtimes) if rt.is_root else root.shards_ready
     after = None if in_bwd else ready
     rt.transition(TrainingState.FORWARD)
     if root.position(rt, root.order) < 0:

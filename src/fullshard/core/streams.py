@@ -35,7 +35,9 @@ waits on what:
   instead on two earlier events: the one the root's pre-forward recorded
   (after the optimizer step, a load and ``set_post_optim_event``'s event:
   every write to the shards; kept only once that pre-forward succeeded, and
-  until the root's post-forward) and the one recorded when the buffer went back
+  until the root's post-forward; a unit written in place after it, as by a
+  forward pre-hook of the root, is told apart by its version counters:
+  ``overlap.ShardsReady``) and the one recorded when the buffer went back
   to the pool (after its last use; the pool hands out its least recently
   returned buffer here, whose users are the furthest behind). So unit k's
   all-gather runs while unit k-1 computes, as torch FSDP2's do. Where

@@ -261,8 +261,8 @@ class Unit:
 
     # ---------------------------------------------------------------- unshard
     def unshard(self, after=None) -> None:
-        """Issue the all-gather of this unit (asynchronous). SHARDED → UNSHARDING. ``after``: a CUDA event
-        recorded after every write to the shards (a root's forward: core/state.py), or None."""
+        """Issue the all-gather of this unit (asynchronous). SHARDED → UNSHARDING. ``after``: a root's forward's
+        ``overlap.ShardsReady`` (its event marks the writes to the shards before the forward), or None."""
         self._check((ShardedState.SHARDED,), "unshard")
         self.state = ShardedState.UNSHARDING
         extensions.start(self)
@@ -286,7 +286,7 @@ class Unit:
         self._gather_alloc = settings.allocator
         # Side streams (core/streams.py [Note: streams and events]) may start once the shards' writers
         # (``after``) and the buffer's last users are done, if both are known.
-        after = after if send is self.flat_shard and not self.ext and settings.allocator is None else None
+        after = after.event_for(self, send) if after and not self.ext and settings.allocator is None else None
         if cast is not None and self.world == 1 and settings.allocator is None:
             # One rank: both layouts are the same (core/flat.py [Note: flat layouts]), so the cast
             # shard is written straight into the unsharded flat, with no copy-out.
