@@ -92,7 +92,7 @@ def _stand_in_streams(log: list):
     saved = {k: getattr(streams, k) for k in ("side", "current", "on", "record", "wait")}
     POOL.clear()  # buffers cached by runs without streams carry no event
     streams.side = lambda device: sides
-    streams.current = lambda device: compute
+    streams.current = lambda device: current[-1]  # as on CUDA: the innermost stream context
     streams.on = on
     streams.record = lambda stream: None if stream is None else _Event(stream, next(clock))
     streams.wait = wait
