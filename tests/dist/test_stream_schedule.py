@@ -2,13 +2,15 @@
 streams and events replace CUDA's:
 
 * a race detector: each stream keeps what it knows to be finished on the others (a vector clock: an event
-  carries its stream's knowledge, a wait merges it), and a dispatch mode logs each op's memory (storage ranges)
-  with the stream it was issued on. A side-stream op that touches memory an earlier compute op touched (one of
-  them writing), with no wait on an event recorded after that op, is a race: on a GPU the side stream could
-  overtake the compute stream. New outputs of a side op are not checked (on a GPU they come from the side
-  stream's own allocator pool). An op on DTensors (``fully_shard``'s optimizer step) counts as touching
-  their local tensors. Dropping the wait on the buffer's last use makes the detector report races (checked
-  below, so the check is live);
+  carries its stream's knowledge, a wait merges it), and a dispatch mode logs each op's bytes with the stream
+  it was issued on, per memory block followed while it is alive (it moves with a storage swap and ends when
+  its storage dies or is resized, so the CPU allocator's reuse of an address is a new block, as CUDA's
+  per-stream pools make it). An op that touches bytes another stream's op touched (one of them writing) that
+  its stream does not know to be finished is a race, whichever the two streams; so is freeing a block before
+  the stream that allocated it knows of every other stream's use (on CUDA it may reuse the block at once). An
+  allocation counts as a write by its stream, a collective's outputs as written, an op on DTensors
+  (``fully_shard``'s optimizer step) as touching their local tensors. Dropping any of the engine's waits
+  makes the detector report races (checked below, so the check is live);
 * the overlap: inside a root's forward, unit k's all-gather (its copy-in and all-gather streams) waits only on
   compute events recorded before unit k-1 began computing, so on a GPU it runs while unit k-1 computes, as
   torch FSDP2's forward all-gathers do;
@@ -22,9 +24,12 @@ HYBRID_SHARD with one-rank shard groups (the cast written straight into the unit
 test (tests/dist/test_cuda.py) runs the real streams with each side slowed in turn."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
+import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -39,7 +44,7 @@ from fullshard import (
     ShardingStrategy,
     fully_shard,
 )
-from fullshard.core import buffers, streams, unit as unit_module
+from fullshard.core import buffers, streams, torch_private, unit as unit_module
 from fullshard.core.buffers import POOL
 from fullshard.core.params import local_of
 from fullshard.models import TransformerBlock
@@ -64,10 +69,11 @@ class _Event:
 
 
 @contextlib.contextmanager
-def _stand_in_streams(log: list):
+def _stand_in_streams(log: list, drop=None):
     """Side streams on the CPU: ``streams``' helpers replaced by stand-ins. Every wait is logged as
     ("wait", stream name, the event's clock, the name of the stream it was recorded on); every event and
-    every op gets the next value of the clock; yields (clock, the stack of current streams)."""
+    every op gets the next value of the clock; yields (clock, the stack of current streams). ``drop``:
+    (event's stream name, waiting stream name) pairs whose waits are skipped (the detector's live checks)."""
     clock, compute = itertools.count(1), _Stream("compute")
     sides = streams.StreamSet(*(_Stream(n) for n in ("copy_in", "all_gather", "reduce_scatter", "all_reduce")))
     current = [compute]
@@ -82,7 +88,7 @@ def _stand_in_streams(log: list):
 
     def wait(event, stream=None):
         stream = stream or compute
-        if event is None or event.stream is stream:
+        if event is None or event.stream is stream or (event.stream.name, stream.name) in (drop or ()):
             return
         log.append(("wait", stream.name, event.clock, event.stream.name))
         for name, c in itertools.chain(event.known.items(), [(event.stream.name, event.clock)]):
@@ -104,61 +110,159 @@ def _stand_in_streams(log: list):
             setattr(streams, k, v)
 
 
-def _storage(t: torch.Tensor):
-    """(start, end) of ``t``'s storage on the CPU (a DTensor's local tensor's), or None (meta, empty, or
-    another subclass without one)."""
-    t = getattr(t, "_local_tensor", t)
-    try:
-        if t.device.type != "cpu" or t.is_meta:
-            return None
-        s = t.untyped_storage()
-        return (s.data_ptr(), s.data_ptr() + s.nbytes()) if s.nbytes() else None
-    except RuntimeError:
-        return None
+class _Block:
+    """A memory block, followed while it is alive (it moves with ``swap_storages``): the stream that
+    allocated it (None: unknown, e.g. made before the run) and each stream's ops on it."""
+
+    __slots__ = ("alloc", "span", "ops", "freed")
+
+    def __init__(self, alloc, span):
+        self.alloc, self.span, self.freed = alloc, span, False
+        self.ops = collections.defaultdict(list)  # stream name -> [(clock, lo, hi, wrote, op)]
 
 
 class _Races(TorchDispatchMode):
-    """Logs compute ops' memory and checks each side-stream op against it (see the module docstring)."""
+    """The race detector of the module docstring: every op's bytes, per live memory block and stream."""
 
-    SKIP = (torch.ops.aten.detach.default, torch.ops.aten.set_.source_Storage_storage_offset,
-            torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+    SKIP = {torch.ops.aten.detach.default, torch.ops.aten.set_.source_Storage_storage_offset,
+            torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Tensor}
+    ALLOC = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
+    # Ops that read only their arguments' metadata.
+    META = {getattr(torch.ops.aten, n).default for n in ("empty_like", "zeros_like", "ones_like", "full_like",
+                                                          "new_empty", "new_empty_strided", "new_zeros")}
+    C10D_OUT = ("output", "output_tensor", "output_tensors", "tensors", "tensor")  # no alias annotations
 
     def __init__(self, clock, current):
         super().__init__()
         self.clock, self.current = clock, current
-        self.compute_ops: list[tuple] = []  # (clock, start, end, wrote, op)
+        self.blocks: dict = {}  # id(storage object) -> _Block
         self.races: list[tuple] = []
         self.checked = 0
+        self.lock = threading.RLock()  # storages may die on gloo's threads
+
+    def _new(self, s, span, alloc):
+        block = self.blocks[id(s)] = _Block(alloc, span)
+        if alloc is not None:  # on CUDA the allocator may hand out a block its stream used before: a write
+            block.ops[alloc].append((next(self.clock), *span, True, "alloc"))
+        weakref.finalize(s, self._died, id(s), block)
+        return block
+
+    def _died(self, key, block):
+        with self.lock:
+            if self.blocks.get(key) is block:
+                del self.blocks[key]
+            self._free(block)
+
+    def _free(self, block):
+        """On CUDA the allocating stream may reuse the block at once: it must know every other stream's use."""
+        if block.freed or block.alloc is None:
+            return
+        block.freed = True
+        home = self.streams[block.alloc]
+        for name, ops in block.ops.items():
+            if name != block.alloc and ops and ops[-1][0] > home.known.get(name, 0):
+                self.races.append(("free", block.alloc, name, ops[-1][4]))
+
+    def _block_of(self, t, new_on):
+        """(block, lo, hi) of ``t``'s bytes (a DTensor's local tensor's), or None (meta, empty, no storage)."""
+        t = getattr(t, "_local_tensor", t)
+        try:
+            if t.device.type != "cpu" or t.is_meta or not t.untyped_storage().nbytes():
+                return None
+            s = t.untyped_storage()
+        except RuntimeError:
+            return None
+        span = (s.data_ptr(), s.data_ptr() + s.nbytes())
+        lo = t.data_ptr()
+        hi = lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 1)) * t.element_size() \
+            if t.numel() else lo
+        block = self.blocks.get(id(s))
+        if block is None or block.span != span:
+            if block is not None:  # its memory changed under us: the old block is gone
+                self._free(block)
+            block = self._new(s, span, new_on)
+        return block, lo, hi
+
+    def _swap(self, a, b):
+        with self.lock:
+            blocks = self.blocks.pop(id(a), None), self.blocks.pop(id(b), None)
+            self._orig["swap"](a, b)
+            for s, block in zip((b, a), blocks):
+                if block is not None:
+                    self.blocks[id(s)] = block
+                    weakref.finalize(s, self._died, id(s), block)
+
+    def _resize(self, s, nbytes):
+        with self.lock:
+            block = self.blocks.get(id(s))
+            if block is not None and nbytes != s.nbytes():
+                del self.blocks[id(s)]
+                self._free(block)
+        return self._orig["resize"](s, nbytes)
+
+    def _take(self, nbytes, device, oldest=False):
+        s, event = self._orig["take"](nbytes, device, oldest)
+        with self.lock:
+            if id(s) not in self.blocks and s.nbytes():  # new from the allocator, on the current stream
+                self._new(s, (s.data_ptr(), s.data_ptr() + s.nbytes()), self.current[-1].name)
+        return s, event
+
+    def __enter__(self):
+        sides = streams.side(None)
+        self.streams = {x.name: x for x in (self.current[0], sides.copy_in, sides.all_gather,
+                                            sides.reduce_scatter, sides.all_reduce)}
+        self._orig = {"swap": torch_private.swap_storages, "resize": torch.UntypedStorage.resize_,
+                      "take": POOL._take_storage, "own_take": POOL.__dict__.get("_take_storage")}
+        torch_private.swap_storages = self._swap
+        torch.UntypedStorage.resize_ = lambda s, nbytes: self._resize(s, nbytes)
+        POOL._take_storage = self._take
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch_private.swap_storages = self._orig["swap"]
+        torch.UntypedStorage.resize_ = self._orig["resize"]
+        POOL.__dict__.pop("_take_storage", None)
+        if self._orig["own_take"] is not None:
+            POOL._take_storage = self._orig["own_take"]
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func.is_view or func in self.SKIP:
             return out
-        stream, now = self.current[-1], next(self.clock)
-        touched = [(t, bool(a.alias_info and a.alias_info.is_write))
-                   for a, arg in zip(func._schema.arguments, args)
-                   for t in pytree.tree_leaves(arg) if isinstance(t, torch.Tensor)]
-        touched += [(t, k == "out") for k, v in kwargs.items() for t in pytree.tree_leaves(v)
-                    if isinstance(t, torch.Tensor)]
-        inputs = {_storage(t) for t, _ in touched}
-        touched += [(t, True) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
-                    and (stream.name == "compute" or _storage(t) in inputs)]
-        for t, wrote in touched:
-            span = _storage(t)
-            if span is None:
-                continue
-            if stream.name == "compute":
-                self.compute_ops.append((now, *span, wrote, str(func)))
-                continue
-            self.checked += 1
-            known = stream.known.get("compute", 0)
-            for c, start, end, w, op in reversed(self.compute_ops):
-                if c <= known:
-                    break
-                if start < span[1] and span[0] < end and (w or wrote):
-                    self.races.append((stream.name, str(func), op))
-                    break
+        stream = self.current[-1]
+        with self.lock:
+            if func in self.ALLOC:
+                for t in pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        self._block_of(t, stream.name)
+                return out
+            now, c10d, touched = next(self.clock), func.namespace == "c10d", []
+            named = {a.name: a for a in func._schema.arguments}
+            pairs = [] if func in self.META else [*zip(func._schema.arguments, args),
+                                                  *((named.get(k), v) for k, v in kwargs.items())]
+            for a, value in pairs:
+                wrote = a is not None and (bool(a.alias_info and a.alias_info.is_write) or a.name == "out"
+                                           or (c10d and a.name in self.C10D_OUT))
+                touched += [(t, wrote, None) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+            # A new output is this stream's allocation.
+            touched += [(t, True, stream.name) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            for t, wrote, new_on in touched:
+                found = self._block_of(t, new_on)
+                if found is None:
+                    continue
+                block, lo, hi = found
+                self.checked += 1
+                for name, ops in block.ops.items():
+                    known = stream.known.get(name, 0)
+                    for c, olo, ohi, w, op in reversed(ops) if name != stream.name else ():
+                        if c <= known:
+                            break
+                        if olo < hi and lo < ohi and (w or wrote):
+                            self.races.append((stream.name, str(func), name, op))
+                            break
+                block.ops[stream.name].append((now, lo, hi, wrote, str(func)))
         return out
 
 
@@ -208,10 +312,10 @@ def _train(model, rank: int, log: list, clock=None):
     return torch.stack(losses), [local_of(p).detach().clone() for p in model.parameters()]
 
 
-def _watched(door: str, layout: str, rank: int, world: int):
+def _watched(door: str, layout: str, rank: int, world: int, drop=None):
     """Train under stand-in streams and the race detector: (losses, parameters, log, races, checked)."""
     log: list = []
-    with _stand_in_streams(log) as (clock, current):
+    with _stand_in_streams(log, drop) as (clock, current):
         model = _build(door, layout, world)
         races = _Races(clock, current)
         with races:
@@ -262,6 +366,15 @@ def _check(rank, world):
             unit_module.issue_all_gather = original
             POOL.__dict__.pop("_take_storage", None)
         assert len(races) >= 2, f"{door}: the race detector missed a dropped wait ({races})"
+    # Each stream's side of the schedule is checked too: the compute stream reading a collective's output,
+    # a side stream the copy-in's or the reduce-scatter's, with the wait dropped.
+    for door, layout, drop in (("wrapper", "sharded", {("all_gather", "compute")}),
+                               ("fully_shard", "sharded", {("reduce_scatter", "compute")}),
+                               ("fully_shard", "hybrid", {("all_reduce", "compute")}),
+                               ("fully_shard", "sharded", {("copy_in", "all_gather")}),
+                               ("wrapper", "hybrid", {("reduce_scatter", "all_reduce")})):
+        races = _watched(door, layout, rank, world, drop)[3]
+        assert races, f"{door} {layout}: the race detector missed the dropped waits {drop}"
     races, checked = _block_after_failed_root_forward(rank, world)
     assert checked and not races, f"a block called after a failed root forward and a step races: {races[:3]}"
     for door in ("wrapper", "fully_shard"):
