@@ -161,6 +161,19 @@ def _hsdp_case(rank, world):
 
 
 # --------------------------------------- reshard after forward / backward
+def _foreach_sgd_post_hook_fails(model):
+    """:func:`_foreach_sgd` whose own post-step hook raises every other step, after the step wrote the shards:
+    torch then runs no global post-step hook."""
+    opt, calls = _foreach_sgd(model), [0]
+
+    def post(optimizer, args, kwargs):
+        calls[0] += 1
+        if calls[0] % 2:
+            raise RuntimeError("post-step hook failed")
+    opt.register_step_post_hook(post)
+    return opt
+
+
 def _reshard_loop(model, opt, rank, sharded, *, after_forward=True, after_backward=True, step_between=False):
     out = []
     if sharded:
@@ -176,7 +189,10 @@ def _reshard_loop(model, opt, rank, sharded, *, after_forward=True, after_backwa
                 assert all(m.unit.state is ShardedState.UNSHARDED for m in _units(model))
             out.append(FP.snap(model, loss))
             if step_between:
-                opt.step()  # the kept full weights are stale now
+                try:
+                    opt.step()  # the kept full weights are stale now
+                except RuntimeError as e:  # the step's own post-hook (the step itself went through)
+                    assert "post-step hook failed" in str(e), e
                 opt.zero_grad()
         if not step_between:
             opt.step()
@@ -195,6 +211,9 @@ def _reshard_case(rank, world):
         "after_backward_false_step_foreach": FP.parity(
             rank, lambda *a: _reshard_loop(*a, after_backward=False, step_between=True),
             optimizer=_foreach_sgd),
+        "after_backward_false_step_foreach_post_hook_fails": FP.parity(
+            rank, lambda *a: _reshard_loop(*a, after_backward=False, step_between=True),
+            optimizer=_foreach_sgd_post_hook_fails),
     }
 
 

@@ -200,7 +200,7 @@ def test_optimizer_step_hooks_run_in_their_fixed_order():
     saved = dict(optim_hooks._PRE), dict(optim_hooks._POST)
     try:
         optim_hooks.add_pre_step("converted state dtype", lambda opt, a, k: calls.append("dtype"))
-        optim_hooks.add_post_step("step count", lambda opt, a, k: calls.append("count"))
+        optim_hooks.add_step_hooks("step count", lambda opt, a, k: calls.append("count"))
         optim_hooks.add_pre_step("sharded optimizer", lambda opt, a, k: calls.append("guard"))
         handles = dict(optim_hooks._HANDLES)
         optim_hooks.add_pre_step("sharded optimizer", lambda opt, a, k: calls.append("guard"))
@@ -208,7 +208,7 @@ def test_optimizer_step_hooks_run_in_their_fixed_order():
         p = nn.Parameter(torch.ones(2))
         p.grad = torch.ones(2)
         torch.optim.SGD([p], lr=0.1).step()
-        assert calls == ["guard", "dtype", "count"]
+        assert calls == ["count", "guard", "dtype", "count"]  # a step is counted before it writes, and after
         with pytest.raises(ValueError, match="not one of"):
             optim_hooks.add_pre_step("mine", lambda opt, a, k: None)
     finally:

@@ -7,17 +7,21 @@ first use), which run the engine's callbacks in a fixed order.
 Every ``optimizer.step()`` of every torch optimizer in the process runs,
 before the step and in this order:
 
-1. ``sharded optimizer`` (core/optim_guard.py): a non-element-wise
+1. ``step count`` (core/unit.py): counts steps, so a unit kept gathered
+   knows its shards may have changed (``Unit.kept_fresh``); added when a
+   unit first records its shard versions. Counted before the step too: a
+   step that raises, or whose own post-step hook raises (torch runs those
+   before the global ones), runs no global post-step hook, yet may have
+   written the shards.
+2. ``sharded optimizer`` (core/optim_guard.py): a non-element-wise
    optimizer stepping on parameters spread over ranks raises; added when
    the first unit is built.
-2. ``converted state dtype`` (core/convert.py): optimizer state made before
+3. ``converted state dtype`` (core/convert.py): optimizer state made before
    a dtype conversion after wrapping raises; added at the first conversion.
 
 and after the step:
 
-1. ``step count`` (core/unit.py): counts steps, so a unit kept gathered
-   knows its shards may have changed (``Unit.kept_fresh``); added when a
-   unit first records its shard versions.
+1. ``step count`` again.
 
 A callback's place in its list is fixed here, not by when it was added;
 one that is not added yet is skipped. A pre-step callback that raises stops
@@ -32,7 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 StepHook = Callable[[torch.optim.Optimizer, tuple, dict], None]
 
-PRE_STEP = ("sharded optimizer", "converted state dtype")
+PRE_STEP = ("step count", "sharded optimizer", "converted state dtype")
 """The pre-step callbacks' names, in the order they run."""
 POST_STEP = ("step count",)
 """The post-step callbacks' names, in the order they run."""
@@ -64,6 +68,12 @@ def add_post_step(name: str, fn: StepHook) -> None:
     _add(_POST, POST_STEP, name, fn)
     if _HANDLES["post"] is None:
         _HANDLES["post"] = register_optimizer_step_post_hook(_run_post)
+
+
+def add_step_hooks(name: str, fn: StepHook) -> None:
+    """:func:`add_pre_step` and :func:`add_post_step` of the same callback."""
+    add_pre_step(name, fn)
+    add_post_step(name, fn)
 
 
 def _add(table: dict[str, StepHook], order: tuple[str, ...], name: str, fn: StepHook) -> None:

@@ -27,7 +27,7 @@ _STEPS = {"count": 0}  # optimizer steps since kept_fresh first needed them
 
 
 def _count_step(optimizer, args, kwargs) -> None:
-    """The optimizer post-step callback ([Note: optimizer step hooks])."""
+    """The optimizer pre- and post-step callback ([Note: optimizer step hooks])."""
     _STEPS["count"] += 1
 
 
@@ -410,7 +410,7 @@ class Unit:
         Foreach ops on DTensors (a ``foreach`` optimizer, the default on
         GPUs) bump none, so every optimizer step counts too. Writes through
         ``p.data`` or other foreach ops go unseen (autograd misses them too)."""
-        optim_hooks.add_post_step("step count", _count_step)
+        optim_hooks.add_step_hooks("step count", _count_step)
         versions = [_STEPS["count"], torch_private.version_counter(self.flat_shard)]
         for slot in self.slots:
             versions.extend(slot.versions())
