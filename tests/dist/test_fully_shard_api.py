@@ -97,6 +97,49 @@ def _no_sync_loop(model, opt, rank, sharded, *, micro=3, zero_at=None, set_to_no
     return out
 
 
+def _window_backward_raises_loop(model, opt, rank, sharded):
+    """The second micro-batch of the first window raises in backward after the last block's backward ran (a
+    hook on the first block's output): the next forward raises once, naming the discarded window, and the
+    window runs again. DDP zeroes and runs it again."""
+    out, fail = [], [False]
+
+    def boom(grad):
+        if fail[0]:
+            raise RuntimeError("injected backward failure")
+
+    def arm(module, args, output):
+        output.register_hook(boom)
+    (model.module if not sharded else model).layers[0].register_forward_hook(arm)
+    for step, i in ((0, 0), (0, 1), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)):
+        sync = i == 2
+        if sharded:
+            model.set_requires_gradient_sync(sync)
+        fail[0] = len(out) == 0 and i == 1
+        if fail[0] and not sharded:  # DDP: the same failure, then zero_grad
+            opt.zero_grad()
+            continue
+        loss = FP.loss_of(model, rank, step * 3 + i)
+        try:
+            if sharded or sync:
+                loss.backward()
+            else:
+                with model.no_sync():
+                    loss.backward()
+        except RuntimeError as e:
+            assert "injected" in str(e), e
+            try:
+                FP.loss_of(model, rank, 99)
+                raise AssertionError("the forward after a failed backward in the window did not raise")
+            except RuntimeError as e:
+                assert "micro-batches were discarded" in str(e) and "\n" not in str(e), e
+            continue
+        if sync:
+            out.append(FP.snap(model, loss))
+            opt.step()
+            opt.zero_grad()
+    return out
+
+
 def _nested_only_loop(model, opt, rank, sharded):
     """layers[1] alone accumulates without sync (recurse=False); DDP syncs
     every micro-batch, which gives the same sums."""
@@ -121,6 +164,7 @@ def _grad_sync_case(rank, world):
         "zero_grad_none": FP.parity(rank, lambda *a: _no_sync_loop(*a, zero_at=0, set_to_none=True)),
         "zero_grad_zeros": FP.parity(rank, lambda *a: _no_sync_loop(*a, zero_at=0, set_to_none=False)),
         "nested_only": FP.parity(rank, _nested_only_loop),
+        "window_backward_raises": FP.parity(rank, _window_backward_raises_loop),
     }
 
 

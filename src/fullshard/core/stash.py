@@ -52,7 +52,7 @@ from typing import Optional
 
 import torch
 
-from . import flat, grads, invariant, offload, torch_private
+from . import collectives, flat, grads, invariant, offload, torch_private
 
 
 class GradStash:
@@ -147,6 +147,28 @@ class GradStash:
     def nbytes(self) -> int:
         """Bytes of the stash's storage (0 without a stash)."""
         return 0 if self.window is None else sum(t.untyped_storage().nbytes() for t in self.window.tensors())
+
+
+def lost_windows(units: list) -> list[str]:
+    """After a backward that raised: the units whose stash still holds gradients the user did not zero. The
+    failed micro-batch reached some units' stashes (or took a synchronizing backward's stash into a reduce
+    that is now dropped) and not others', so what they hold is no sum of whole micro-batches."""
+    for unit in units:
+        unit.stash.check()  # gradients zeroed since are dropped as usual
+    return [unit.name for unit in units if unit.stash.active]
+
+
+def refuse_lost(names: list[str]) -> None:
+    """Raise once for :func:`lost_windows`' units, whose stashes the caller has discarded.
+
+    Raises:
+        RuntimeError: ``names`` is not empty.
+    """
+    if names:
+        raise RuntimeError(
+            f"[rank {collectives.rank()}] a backward raised inside a gradient accumulation window (no_sync() or "
+            f"set_requires_gradient_sync(False)): the window's micro-batches were discarded, as zero_grad() would "
+            f"(units {names}); run the window again from its first micro-batch")
 
 
 def _fold(unit, window: Optional[Window], count: int) -> None:

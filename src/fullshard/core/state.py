@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from ..api import BackwardPrefetch
-from . import collectives, offload, overlap, torch_private, used_flags
+from . import collectives, offload, overlap, stash, torch_private, used_flags
 from .buffers import POOL
 from .reduce import PendingReduce
 from .settings import UnitSettings
@@ -95,10 +95,7 @@ class RootRuntime:
         self.shards_ready = None
 
     def position(self, rt: "UnitRuntime", order: list["UnitRuntime"]) -> int:
-        for i, other in enumerate(order):
-            if other is rt:
-                return i
-        return -1
+        return next((i for i, other in enumerate(order) if other is rt), -1)
 
 
 class UnitRuntime:
@@ -203,6 +200,7 @@ def start_iteration(root: RootRuntime, discard: bool = False) -> None:
     for rt in root.runtimes:  # before anything is cleared: the user must fix this first
         rt.unit.check_views()
     broken = discard or backward_broken(root)
+    lost = stash.lost_windows([rt.unit for rt in root.runtimes]) if broken and not discard else []
     root.flags.reset()  # a broken backward's reduces that wait for their flags are dropped, as pending ones
     for pending in root.pending:
         pending.abandon()
@@ -234,6 +232,7 @@ def start_iteration(root: RootRuntime, discard: bool = False) -> None:
     if root.order:
         root.prev_order = root.order
     root.order = []
+    stash.refuse_lost(lost)  # once everything above is clean
 
 
 def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
