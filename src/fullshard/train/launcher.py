@@ -45,15 +45,14 @@ TORCHELASTIC_RESTART_COUNT) cannot read the previous round's keys either.
 
 [Note: fork and the store]
 ``--start-method fork`` sets it too. A shared store is served by a thread of
-this process, and accepting a rank's connection makes that thread format the
-peer's address with ``getnameinfo`` (a reverse lookup, which holds glibc's
-resolver lock). A rank forked while it held the lock inherits the lock held and
-deadlocks at its own first lookup (its store connection): seen as one rank
-stuck in ``__resolv_context_get`` and its peers waiting for it in gloo's
-rendezvous; three loops of 4-rank launches here hung within 4, 26
-and 34 launches, and 240 launches after the change none did. Unshared, the
-ranks meet at rank 0's store, and no thread of this process takes the lock
-while it forks.
+this process while the ranks connect, and c10d formats socket addresses with
+``getnameinfo`` (a reverse lookup, which holds glibc's resolver lock). A rank
+forked while a thread here held the lock inherits the lock held and deadlocks
+at its own first lookup (its store connection): seen as one rank stuck in
+``__resolv_context_get`` and its peers waiting for it in gloo's rendezvous;
+three loops of 4-rank launches here hung within 4, 26 and 34 launches, and
+240 launches after the change none did. Unshared, the ranks meet at rank 0's
+store, and no thread of this process serves them while it forks.
 """
 from __future__ import annotations
 
