@@ -197,8 +197,8 @@ def _launch_forked(argv) -> int:
 
 def test_forked_ranks_meet_at_their_own_store():
     """Under --start-method fork the ranks' process group does not use the store that a thread of the
-    launcher serves: that thread takes glibc's resolver lock for each connection it accepts, and a
-    rank forked meanwhile deadlocked at its first lookup (launcher.py [Note: fork and the store])."""
+    launcher serves while the next rank is forked: a rank forked while a thread of the launcher held
+    glibc's resolver lock deadlocked at its first lookup (launcher.py [Note: fork and the store])."""
     proc = harness.run_main(_launch_forked, ["3"], cli_env(), 120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stores = ast.literal_eval(proc.stdout.split("STORES ", 1)[1])
