@@ -63,9 +63,39 @@ def _skip_ref(model, opt, rank, step):
     return loss.detach()
 
 
+def _window_backward_raises(model, opt, rank, step):
+    """In step 1, the second micro-batch of a no_sync window raises in backward after the nested unit's
+    backward: the next forward raises once (the window was discarded, as zero_grad() would); the step then
+    takes its synchronizing micro-batch alone."""
+    if step == 1:
+        for micro in (0, 1):
+            handle = _fail_below(P.inner(model)) if micro == 1 else None
+            x, y = P.batch(rank, step, micro)
+            try:
+                with no_sync(model):
+                    P.mse(model(x), y).backward()
+            except _Boom:
+                assert micro == 1
+            finally:
+                if handle is not None:
+                    handle.remove()
+        with pytest.raises(RuntimeError, match="micro-batches were discarded"):
+            model(x)
+    return _window_ref(model, opt, rank, step)
+
+
+def _window_ref(model, opt, rank, step):
+    x, y = P.batch(rank, step, 2 if step == 1 else 0)
+    loss = P.mse(model(x), y)
+    loss.backward()
+    return loss.detach()
+
+
 def _interrupted(rank, world):
     out = {}
     out["backward_raises"] = P.compare(rank, _skip_on_raise, steps=5, ref_step_fn=_skip_ref)
+    out["backward_raises_in_no_sync_window"] = P.compare(rank, _window_backward_raises, steps=3,
+                                                         ref_step_fn=_window_ref)
     # A forward that raises, then normal training.
     def forward_raises(model, opt, rank, step):
         x, y = P.batch(rank, step)
