@@ -162,6 +162,16 @@ def _refusals(rank: int) -> None:
         _backward(model, rank, 1, 0, sync=True)  # two synchronizing backwards for one step
     with pytest.raises(ValueError, match="no closure"):
         opt.step(lambda: None)
+    # zero_grad() before step() (a step pre-hook that raised, say) cannot put back the steps taken during
+    # backward without max_norm: said once, and the next iteration trains as usual.
+    model = _make("fully_shard")
+    opt = OffloadAdamW(model, lr=LR)
+    _backward(model, rank, 0, 0, sync=True)
+    with pytest.raises(RuntimeError, match="were already stepped during backward"):
+        opt.zero_grad()
+    _backward(model, rank, 1, 0, sync=True)
+    opt.step()
+    opt.zero_grad()
     # A clip after backward comes too late for the steps taken during it: loud, never ignored.
     for door in ("fully_shard", "wrapper"):
         model = _make(door)

@@ -289,10 +289,26 @@ class OffloadAdamW(torch.optim.AdamW):
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """``AdamW.zero_grad``; gradients dropped before :meth:`step` drop the iteration's step: with
+        ``max_norm`` the units stepped during backward are put back.
+
+        Raises:
+            RuntimeError: without ``max_norm``, units were stepped during backward and :meth:`step` did not
+                run (their steps are final: the iteration stays partly applied). Raised once: the next
+                iteration starts afresh.
+        """
         self._drain()
+        final = sorted(self._stepped.values()) if self._done and self.max_norm is None else []
         if self._done and self.max_norm is not None:
             self._undo(defer=False)  # gradients dropped before step(): this iteration takes no step
+        self._stepped, self._done, self._versions, self._known, self._deferred = {}, {}, {}, {}, set()
         super().zero_grad(set_to_none)
+        if final:
+            raise RuntimeError(
+                f"[rank {collectives.rank()}] OffloadAdamW: zero_grad() before step() completed, but units {final} "
+                "were already stepped during backward, and without max_norm those steps are final: this "
+                "iteration is partly applied; call step() after every synchronizing backward (with max_norm "
+                "set, steps taken during backward are put back when the iteration is dropped)")
 
     def state_dict(self):
         self._drain()
