@@ -97,7 +97,7 @@ def _no_sync_loop(model, opt, rank, sharded, *, micro=3, zero_at=None, set_to_no
     return out
 
 
-def _window_backward_raises_loop(model, opt, rank, sharded):
+def _window_backward_raises_loop(model, opt, rank, sharded, knob="set_requires_gradient_sync"):
     """The second micro-batch of the first window raises in backward after the last block's backward ran (a
     hook on the first block's output): the next forward raises once, naming the discarded window, and the
     window runs again. DDP zeroes and runs it again."""
@@ -113,7 +113,7 @@ def _window_backward_raises_loop(model, opt, rank, sharded):
     for step, i in ((0, 0), (0, 1), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)):
         sync = i == 2
         if sharded:
-            model.set_requires_gradient_sync(sync)
+            getattr(model, knob)(sync)
         fail[0] = len(out) == 0 and i == 1
         if fail[0] and not sharded:  # DDP: the same failure, then zero_grad
             opt.zero_grad()
@@ -197,6 +197,9 @@ def _hsdp_case(rank, world):
         assert {p.placements for p in model.parameters()} == {(Replicate(), Shard(0))}
         return model
     out = {"all_reduce": FP.parity(rank, _hsdp_loop, shard_fn=shard_fn)}
+    # A backward raising inside the window drops the replica sums held back (said once; DDP zeroes).
+    out["all_reduce_window_backward_raises"] = FP.parity(
+        rank, lambda *a: _window_backward_raises_loop(*a, knob="set_requires_all_reduce"), shard_fn=shard_fn)
     # The divide factor spans both dimensions: the sum over all 4 ranks / f.
     factors = {"0": 1.0, "root": 3.0}
     loop = _divide_loop(factors)

@@ -150,12 +150,13 @@ class GradStash:
 
 
 def lost_windows(units: list) -> list[str]:
-    """After a backward that raised: the units whose stash still holds gradients the user did not zero. The
-    failed micro-batch reached some units' stashes (or took a synchronizing backward's stash into a reduce
+    """After a backward that raised: the units whose stash still holds gradients the user did not zero, or
+    that hold replica sums back (``set_requires_all_reduce(False)``, ``Unit.partial_out``). The failed
+    micro-batch reached some units' stashes or sums (or took a synchronizing backward's stash into a reduce
     that is now dropped) and not others', so what they hold is no sum of whole micro-batches."""
     for unit in units:
         unit.stash.check()  # gradients zeroed since are dropped as usual
-    return [unit.name for unit in units if unit.stash.active]
+    return [unit.name for unit in units if unit.stash.active or unit.partial_out is not None]
 
 
 def refuse_lost(names: list[str]) -> None:
@@ -166,9 +167,10 @@ def refuse_lost(names: list[str]) -> None:
     """
     if names:
         raise RuntimeError(
-            f"[rank {collectives.rank()}] a backward raised inside a gradient accumulation window (no_sync() or "
-            f"set_requires_gradient_sync(False)): the window's micro-batches were discarded, as zero_grad() would "
-            f"(units {names}); run the window again from its first micro-batch")
+            f"[rank {collectives.rank()}] a backward raised inside a gradient accumulation window (no_sync(), "
+            f"set_requires_gradient_sync(False) or set_requires_all_reduce(False)): the window's micro-batches "
+            f"were discarded, as zero_grad() would (units {names}); run the window again from its first "
+            "micro-batch")
 
 
 def _fold(unit, window: Optional[Window], count: int) -> None:

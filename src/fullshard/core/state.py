@@ -216,7 +216,7 @@ def start_iteration(root: RootRuntime, discard: bool = False) -> None:
         unit.pooled_grad.release(unit.take_full_grad()[0])  # a partial gradient of a backward that raised
         if broken:
             unit.stash.abandon()
-        if discard:
+        if broken:  # reset_iter_state, or sums of a window a backward broke (reported: stash.lost_windows)
             unit.partial_out = None
         unit.restore_all_params()  # a state-dict call that raised between install and restore
         if unit.state is not ShardedState.SHARDED and (broken or not unit.kept_fresh()):
