@@ -21,20 +21,15 @@ from . import collectives, streams
 
 class ShardsReady:
     """A root's forward event (core/state.py ``pre_forward``), recorded after every write to the shards
-    before the forward (the optimizer step, a load), with the version counters of each unit's flat shard and
-    registered parameters at that moment. A unit written in place since (by a forward pre-hook of the root
-    registered after wrapping, or during the forward) gets no early event: its all-gather then waits on all
-    the compute so far. A write through ``.data`` bumps no counter, so it is not seen (as autograd's
-    checks do not see it)."""
+    before the forward (the optimizer step, a load), with each unit's ``Unit.shard_versions`` (the version
+    counters a kept unit is checked by) at that moment. A unit written in place since (by a forward pre-hook
+    of the root registered after wrapping, or during the forward) gets no early event: its all-gather then
+    waits on all the compute so far. A write through ``.data`` bumps no counter, so it is not seen (as
+    autograd's checks do not see it)."""
 
     def __init__(self, event, parts: list):
         self.event = event
-        self._seen = {id(p): (p, p.flat_shard, self._versions(p)) for p in parts}
-
-    @staticmethod
-    def _versions(part) -> tuple:
-        # A DTensor parameter has a counter of its own; a plain one shares the flat shard's.
-        return (part.flat_shard._version, *(-1 if s.sharded is None else s.sharded._version for s in part.slots))
+        self._seen = {id(p): (p, p.flat_shard, p.shard_versions()) for p in parts}
 
     @classmethod
     def record(cls, device: torch.device, runtimes: list) -> Optional["ShardsReady"]:
@@ -47,7 +42,7 @@ class ShardsReady:
         here, or written since)."""
         seen = self._seen.get(id(part))
         fresh = seen is not None and seen[0] is part and seen[1] is send is part.flat_shard
-        return self.event if fresh and seen[2] == self._versions(part) else None
+        return self.event if fresh and seen[2] == part.shard_versions() else None
 
 
 class SideWork:

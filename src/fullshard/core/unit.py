@@ -395,14 +395,14 @@ class Unit:
         in the meantime (an optimizer stepped from a post-accumulate-grad hook before the end of backward keeps
         the unit again) made the full parameters stale."""
         if self._kept_version is None:
-            self._kept_version = self._shard_versions()
+            self._kept_version = self.shard_versions()
 
     def kept_fresh(self) -> bool:
         """Whether the unit was kept gathered and its shards are unchanged since (an optimizer step, ``copy_``
-        or any other in-place write bumps one of the version counters of :meth:`_shard_versions`)."""
-        return self._kept_version is not None and self._kept_version == self._shard_versions()
+        or any other in-place write bumps one of the version counters of :meth:`shard_versions`)."""
+        return self._kept_version is not None and self._kept_version == self.shard_versions()
 
-    def _shard_versions(self) -> tuple[int, ...]:
+    def shard_versions(self) -> tuple[int, ...]:
         """Version counters of the flat shard, each registered parameter and
         its local tensor. All are needed: an in-place op on a DTensor
         parameter (every optimizer step under ``fully_shard``) bumps only the

@@ -217,6 +217,10 @@ class OffloadAdamW(torch.optim.AdamW):
         if not defer:
             self._stepped = {}
 
+    def _forget_iteration(self) -> None:
+        """Forget which units this iteration stepped (after step(), or an iteration dropped by zero_grad())."""
+        self._stepped, self._done, self._versions, self._known, self._deferred = {}, {}, {}, {}, set()
+
     def _before_forward(self) -> None:
         self._drain()
         if self._done and self.max_norm is not None:
@@ -262,7 +266,7 @@ class OffloadAdamW(torch.optim.AdamW):
         try:
             self._drain()
         finally:
-            self._stepped, self._done, self._versions, self._known, self._deferred = {}, {}, {}, {}, set()
+            self._forget_iteration()
         changed = next((p for p, v in versions.values() if not _same(_fingerprint(p), v)), None)
         if changed is not None:
             self._saved.restore(self.state)  # with max_norm: no step of this iteration stays
@@ -301,7 +305,7 @@ class OffloadAdamW(torch.optim.AdamW):
         final = sorted(self._stepped.values()) if self._done and self.max_norm is None else []
         if self._done and self.max_norm is not None:
             self._undo(defer=False)  # gradients dropped before step(): this iteration takes no step
-        self._stepped, self._done, self._versions, self._known, self._deferred = {}, {}, {}, {}, set()
+        self._forget_iteration()
         super().zero_grad(set_to_none)
         if final:
             raise RuntimeError(
