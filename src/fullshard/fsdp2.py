@@ -135,7 +135,10 @@ class FSDPModule(CommMethods, UnitModule):
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: with False, reduce-scattered gradients are summed locally and
         the all-reduce over replicas waits for a backward with True, which
-        all-reduces the sum (``.grad`` is written then)."""
+        all-reduces the sum (``.grad`` is written then). ``zero_grad()`` in
+        between discards the sums, as DDP discards ``param.grad`` (until then a
+        trainable parameter whose ``.grad`` was None holds a zero gradient:
+        core/stash.py [Note: held sums and zero_grad])."""
         for m in self._targets(recurse):
             m._runtime.settings.requires_all_reduce = bool(requires_all_reduce)
 

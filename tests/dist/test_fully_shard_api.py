@@ -73,16 +73,19 @@ def _unshard_case(rank, world):
 
 
 # ------------------------------------------- set_requires_gradient_sync
-def _no_sync_loop(model, opt, rank, sharded, *, micro=3, zero_at=None, set_to_none=True):
+def _no_sync_loop(model, opt, rank, sharded, *, micro=3, zero_at=None, set_to_none=True,
+                  knob="set_requires_gradient_sync"):
     """Two optimizer steps of ``micro`` micro-batches, all but the last without
-    gradient sync (DDP: ``no_sync()``); ``zero_at``: zero_grad after that
-    micro-batch, inside the accumulation window."""
+    gradient sync (DDP: ``no_sync()``; ``knob``: the fullshard setting turned
+    off for them); ``zero_at``: zero_grad after that micro-batch, inside the
+    accumulation window (``set_to_none``: True, False, or None for True in the
+    first step and False in the second)."""
     out = []
     for step in range(2):
         for i in range(micro):
             sync = i == micro - 1
             if sharded:
-                model.set_requires_gradient_sync(sync)
+                getattr(model, knob)(sync)
             loss = FP.loss_of(model, rank, step * micro + i)
             if sharded or sync:
                 loss.backward()
@@ -90,7 +93,7 @@ def _no_sync_loop(model, opt, rank, sharded, *, micro=3, zero_at=None, set_to_no
                 with model.no_sync():
                     loss.backward()
             if i == zero_at:
-                opt.zero_grad(set_to_none=set_to_none)
+                opt.zero_grad(set_to_none=step == 0 if set_to_none is None else set_to_none)
         out.append(FP.snap(model, loss))
         opt.step()
         opt.zero_grad(set_to_none=step == 0)
@@ -178,8 +181,9 @@ def _hsdp_loop(model, opt, rank, sharded):
             loss = FP.loss_of(model, rank, step * 3 + i)
             loss.backward()
             if sharded and i < 2 and step == 0:
-                # torch FSDP2: the partial sums wait for the all-reduce; .grad is written then
-                assert all(p.grad is None for p in model.parameters())
+                # The partial sums wait for the all-reduce; .grad is written then (until then zero
+                # sentinels that let zero_grad reach the sums: core/stash.py).
+                assert all(p.grad is not None and not p.grad.to_local().any() for p in model.parameters())
         out.append(FP.snap(model, loss))
         opt.step()
         opt.zero_grad()
@@ -197,6 +201,11 @@ def _hsdp_case(rank, world):
         assert {p.placements for p in model.parameters()} == {(Replicate(), Shard(0))}
         return model
     out = {"all_reduce": FP.parity(rank, _hsdp_loop, shard_fn=shard_fn)}
+    # zero_grad inside the window discards the replica sums held back, as DDP discards param.grad
+    # (set_to_none=True in the first step, False in the second; torch FSDP2 keeps them).
+    out["all_reduce_zero_grad"] = FP.parity(
+        rank, lambda *a: _no_sync_loop(*a, zero_at=0, set_to_none=None, knob="set_requires_all_reduce"),
+        shard_fn=shard_fn)
     # A backward raising inside the window drops the replica sums held back (said once; DDP zeroes).
     out["all_reduce_window_backward_raises"] = FP.parity(
         rank, lambda *a: _window_backward_raises_loop(*a, knob="set_requires_all_reduce"), shard_fn=shard_fn)

@@ -133,11 +133,14 @@ class PendingReduce:
         self.reduce_in = None
         unit, rep = self.unit, self.unit.cfg.replicate_group
         if rep is not None and not self.all_reduced:
+            if unit.stash.held:  # what the user zeroed is dropped ([Note: held sums and zero_grad])
+                unit.stash.check_held()
             if unit.partial_out is not None:  # sums kept by set_requires_all_reduce(False)
                 self.out.add_(unit.partial_out)
                 unit.partial_out = None
+                unit.stash.release_held()
             if not unit.settings.requires_all_reduce:
-                unit.partial_out = self.out
+                unit.stash.hold(self.out)
                 return
             collectives.all_reduce(self.out, rep, "sum", tag=f"unit '{unit.name}' replicas")
         grad = self.out[:unit.layout.grad_shard_numel]

@@ -75,6 +75,12 @@ class GradStash:
         self.backwards = 0
         # The backwards of the window the last pop folded: every fold of it carries this count.
         self.folding = 0
+        # HSDP, set_requires_all_reduce(False): layout index -> (weakref to the .grad seen, its version) while
+        # replica sums are held back, the sentinels installed for them, and the parameters whose part of the
+        # sums was zeroed since sums last arrived; see [Note: held sums and zero_grad].
+        self.held: dict[int, tuple[weakref.ref, int]] = {}
+        self.held_sentinels: dict[int, weakref.ref] = {}
+        self.held_zeroed: set[int] = set()
 
     @property
     def active(self) -> bool:
@@ -120,9 +126,63 @@ class GradStash:
         return window.pop(full_grad, used)
 
     def check(self) -> None:
-        """Drop the parts of the stash whose gradients the user zeroed."""
+        """Drop the parts of the stash, and of the held replica sums, whose gradients the user zeroed."""
         if self.window is not None and self.window.discard_zeroed():
             self.discard()
+        if self.held:
+            self.check_held()
+
+    def hold(self, out: torch.Tensor) -> None:
+        """HSDP under ``set_requires_all_reduce(False)``: keep ``out`` (this
+        rank's reduced block: the gradient shard, then one used flag per layout
+        parameter) as the replica sums held back, ``Unit.partial_out``, and
+        watch the trainable parameters' ``.grad`` ([Note: held sums and zero_grad])."""
+        unit = self.unit_ref()
+        unit.partial_out = out
+        self.held_zeroed = set()
+        if self.held:  # watched since the window's first held sums
+            return
+        trainable = [i for i, slot in enumerate(unit.slots) if slot.layout.requires_grad]
+        installed = _install_zeros(unit, [i for i in trainable if unit.slots[i].sharded.grad is None])
+        self.held_sentinels = {i: weakref.ref(g) for i, g in installed.items()}
+        self.held = {i: _seen(unit.slots[i].sharded.grad) for i in trainable}
+
+    def check_held(self) -> None:
+        """Zero the held replica sums of every parameter whose ``.grad`` the
+        user dropped, replaced or wrote since they were recorded, and drop the
+        sums once every trainable parameter's part is zeroed."""
+        unit = self.unit_ref()
+        changed = [i for i, (ref, version) in self.held.items()
+                   if (cur := unit.slots[i].sharded.grad) is None or cur is not ref()
+                   or torch_private.version_counter(cur) != version]
+        if not changed:
+            return
+        self.held_zeroed.update(changed)
+        if self.held_zeroed.issuperset(self.held):
+            self.drop_held()
+            return
+        out, n_grad = unit.partial_out, unit.layout.grad_shard_numel
+        views = flat.grad_shard_views(out[:n_grad], unit.layout, unit.rank)
+        for i in changed:
+            views[i].zero_()
+            out[n_grad + i].zero_()
+            if unit.slots[i].sharded.grad is None:
+                self.held_sentinels[i] = weakref.ref(_install_zero(unit, i))
+            self.held[i] = _seen(unit.slots[i].sharded.grad)
+
+    def release_held(self) -> None:
+        """The held sums were taken into the window's all-reduce: stop watching (the sentinels stay for the
+        reduce that writes the gradients, :meth:`take_sentinels`)."""
+        self.held, self.held_zeroed = {}, set()
+
+    def drop_held(self) -> None:
+        """Forget the held replica sums (zeroed by the user, an interrupted window, ``reset_iter_state``) and
+        take back sentinel gradients still installed for them."""
+        unit = self.unit_ref()
+        unit.partial_out = None
+        for i, ref in self.held_sentinels.items():
+            unit.slots[i].drop_sentinel(ref)
+        self.held, self.held_sentinels, self.held_zeroed = {}, {}, set()
 
     def abandon(self) -> None:
         """Forget the stash and the window's backwards (an interrupted iteration, reset_iter_state)."""
@@ -139,9 +199,10 @@ class GradStash:
         self.sentinels = {}
 
     def take_sentinels(self) -> dict[int, weakref.ref]:
-        """The sentinels installed so far, for the reduce that writes the
-        gradients (a sentinel no rank filled goes back to None there)."""
-        sentinels, self.sentinels = self.sentinels, {}
+        """The sentinels installed so far (a window's and held sums'), for the
+        reduce that writes the gradients (a sentinel no rank filled goes back to None there)."""
+        sentinels = {**self.held_sentinels, **self.sentinels}
+        self.sentinels, self.held_sentinels = {}, {}
         return sentinels
 
     def nbytes(self) -> int:
@@ -185,6 +246,29 @@ def _fold(unit, window: Optional[Window], count: int) -> None:
         invariant.start_fold(unit, grad, used).finish(run_hooks=False)
 
 
+def _install_zeros(unit, indices: list[int]) -> dict[int, torch.Tensor]:
+    """Install zero sentinel gradients (``unit.grad_dtype``, this rank's shard shapes) on the parameters
+    ``indices`` (layout order, trainable, ``.grad`` None): views of one allocation, on the host buffer the unit
+    reuses when offloaded (core/offload.py [Note: offloaded gradient buffers]). Returns index -> installed .grad."""
+    if not indices:
+        return {}
+    lay = unit.layout
+    zeros = offload.zeros(unit, lay.grad_shard_numel, unit.grad_dtype) if unit.cfg.offload_params else \
+        torch.zeros(lay.grad_shard_numel, dtype=unit.grad_dtype, device=unit.flat_shard.device)
+    views = flat.grad_shard_views(zeros, lay, unit.rank)
+    return {i: grads.set_grad(unit.slots[i], views[i]) for i in indices}
+
+
+def _seen(grad: torch.Tensor) -> tuple[weakref.ref, int]:
+    return weakref.ref(grad), torch_private.version_counter(grad)
+
+
+def _install_zero(unit, i: int) -> torch.Tensor:
+    """Install a zero sentinel gradient of its own on trainable parameter ``i``; returns the installed .grad."""
+    slot = unit.slots[i]
+    return grads.set_grad(slot, torch.zeros_like(slot.local, dtype=unit.grad_dtype))
+
+
 def _sentinel_freed(stash_ref: weakref.ref, index: int) -> None:
     stash = stash_ref()
     if stash is not None:
@@ -218,31 +302,21 @@ class Window:
         self._install_watch(unit)
 
     def _install_watch(self, unit) -> None:
-        lay = unit.layout
         missing = [i for i, slot in enumerate(unit.slots) if slot.layout.requires_grad and slot.sharded.grad is None]
-        if missing:
-            # One allocation for all sentinels of the unit.
-            # Offloaded: a host buffer the unit reuses (core/offload.py [Note: offloaded gradient buffers]).
-            zeros = offload.zeros(unit, lay.grad_shard_numel, unit.grad_dtype) if unit.cfg.offload_params else \
-                torch.zeros(lay.grad_shard_numel, dtype=unit.grad_dtype, device=unit.flat_shard.device)
-            views = flat.grad_shard_views(zeros, lay, unit.rank)
-            for i in missing:
-                self._install_sentinel(unit, i, views[i])
+        for i, installed in _install_zeros(unit, missing).items():  # one allocation for all of them
+            self._register_sentinel(unit, i, installed)
         for i, slot in enumerate(unit.slots):
             if slot.layout.requires_grad:
                 self._watch(unit, i)
 
-    def _install_sentinel(self, unit, i: int, zeros: torch.Tensor) -> None:
-        installed = grads.set_grad(unit.slots[i], zeros)
+    def _register_sentinel(self, unit, i: int, installed: torch.Tensor) -> None:
         unit.stash.sentinels[i] = weakref.ref(installed)
         weakref.finalize(installed, _sentinel_freed, weakref.ref(self), i)
 
     def _watch(self, unit, i: int) -> None:
-        slot = unit.slots[i]
-        if slot.sharded.grad is None:
-            self._install_sentinel(unit, i, torch.zeros_like(slot.local, dtype=unit.grad_dtype))
-        grad = slot.sharded.grad
-        self.watch[i] = (weakref.ref(grad), torch_private.version_counter(grad))
+        if unit.slots[i].sharded.grad is None:
+            self._register_sentinel(unit, i, _install_zero(unit, i))
+        self.watch[i] = _seen(unit.slots[i].sharded.grad)
 
     def add(self, full_grad: torch.Tensor, used: list[bool], index: int = 0) -> None:
         self.discard_zeroed()

@@ -217,7 +217,7 @@ def start_iteration(root: RootRuntime, discard: bool = False) -> None:
         if broken:
             unit.stash.abandon()
         if broken:  # reset_iter_state, or sums of a window a backward broke (reported: stash.lost_windows)
-            unit.partial_out = None
+            unit.stash.drop_held()
         unit.restore_all_params()  # a state-dict call that raised between install and restore
         if unit.state is not ShardedState.SHARDED and (broken or not unit.kept_fresh()):
             # Gathered by a forward with no backward, or kept gathered
