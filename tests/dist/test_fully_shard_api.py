@@ -100,10 +100,12 @@ def _no_sync_loop(model, opt, rank, sharded, *, micro=3, zero_at=None, set_to_no
     return out
 
 
-def _window_backward_raises_loop(model, opt, rank, sharded, knob="set_requires_gradient_sync"):
+def _window_backward_raises_loop(model, opt, rank, sharded, knob="set_requires_gradient_sync", late=False):
     """The second micro-batch of the first window raises in backward after the last block's backward ran (a
     hook on the first block's output): the next forward raises once, naming the discarded window, and the
-    window runs again. DDP zeroes and runs it again."""
+    window runs again. DDP zeroes and runs it again. ``late``: the window's synchronizing backward raises
+    instead, after every unit's backward ran (a term of the loss made before the forward, so autograd runs
+    its node last): the reduces that took the window's sums never wrote ``.grad``."""
     out, fail = [], [False]
 
     def boom(grad):
@@ -112,16 +114,22 @@ def _window_backward_raises_loop(model, opt, rank, sharded, knob="set_requires_g
 
     def arm(module, args, output):
         output.register_hook(boom)
-    (model.module if not sharded else model).layers[0].register_forward_hook(arm)
-    for step, i in ((0, 0), (0, 1), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)):
+    if not late:
+        (model.module if not sharded else model).layers[0].register_forward_hook(arm)
+    # The first window up to the micro-batch that fails, then both windows whole.
+    first = ((0, 0), (0, 1)) if not late else ((0, 0), (0, 1), (0, 2))
+    for k, (step, i) in enumerate(first + ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2))):
         sync = i == 2
         if sharded:
             getattr(model, knob)(sync)
-        fail[0] = len(out) == 0 and i == 1
+        fail[0] = k == len(first) - 1
         if fail[0] and not sharded:  # DDP: the same failure, then zero_grad
             opt.zero_grad()
             continue
-        loss = FP.loss_of(model, rank, step * 3 + i)
+        if late:
+            extra = torch.zeros((), requires_grad=True) * 1.0  # made before the forward: its node runs last
+            extra.register_hook(boom)
+        loss = FP.loss_of(model, rank, step * 3 + i) + (extra if late else 0.0)
         try:
             if sharded or sync:
                 loss.backward()
@@ -168,6 +176,7 @@ def _grad_sync_case(rank, world):
         "zero_grad_zeros": FP.parity(rank, lambda *a: _no_sync_loop(*a, zero_at=0, set_to_none=False)),
         "nested_only": FP.parity(rank, _nested_only_loop),
         "window_backward_raises": FP.parity(rank, _window_backward_raises_loop),
+        "window_sync_backward_raises": FP.parity(rank, lambda *a: _window_backward_raises_loop(*a, late=True)),
     }
 
 
@@ -209,6 +218,9 @@ def _hsdp_case(rank, world):
     # A backward raising inside the window drops the replica sums held back (said once; DDP zeroes).
     out["all_reduce_window_backward_raises"] = FP.parity(
         rank, lambda *a: _window_backward_raises_loop(*a, knob="set_requires_all_reduce"), shard_fn=shard_fn)
+    out["all_reduce_window_sync_backward_raises"] = FP.parity(
+        rank, lambda *a: _window_backward_raises_loop(*a, knob="set_requires_all_reduce", late=True),
+        shard_fn=shard_fn)
     # The divide factor spans both dimensions: the sum over all 4 ranks / f.
     factors = {"0": 1.0, "root": 3.0}
     loop = _divide_loop(factors)

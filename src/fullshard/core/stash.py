@@ -81,6 +81,9 @@ class GradStash:
         self.held: dict[int, tuple[weakref.ref, int]] = {}
         self.held_sentinels: dict[int, weakref.ref] = {}
         self.held_zeroed: set[int] = set()
+        # The watched .grad of the parameters whose stash or held sums a synchronizing reduce took, until that
+        # reduce writes .grad: a backward that raises before then drops the reduce (lost_windows).
+        self.taken: dict[int, Optional[tuple[weakref.ref, int]]] = {}
 
     @property
     def active(self) -> bool:
@@ -123,7 +126,9 @@ class GradStash:
             return full_grad, used
         if window is None:
             return full_grad, used
-        return window.pop(full_grad, used)
+        out = window.pop(full_grad, used)
+        self.taken.update((i, seen) for i, seen in window.watch.items() if window.used[i])
+        return out
 
     def check(self) -> None:
         """Drop the parts of the stash, and of the held replica sums, whose gradients the user zeroed."""
@@ -152,9 +157,7 @@ class GradStash:
         user dropped, replaced or wrote since they were recorded, and drop the
         sums once every trainable parameter's part is zeroed."""
         unit = self.unit_ref()
-        changed = [i for i, (ref, version) in self.held.items()
-                   if (cur := unit.slots[i].sharded.grad) is None or cur is not ref()
-                   or torch_private.version_counter(cur) != version]
+        changed = [i for i, seen in self.held.items() if _changed(unit, i, seen)]
         if not changed:
             return
         self.held_zeroed.update(changed)
@@ -173,6 +176,7 @@ class GradStash:
     def release_held(self) -> None:
         """The held sums were taken into the window's all-reduce: stop watching (the sentinels stay for the
         reduce that writes the gradients, :meth:`take_sentinels`)."""
+        self.taken.update((i, seen) for i, seen in self.held.items() if i not in self.held_zeroed)
         self.held, self.held_zeroed = {}, set()
 
     def drop_held(self) -> None:
@@ -188,6 +192,14 @@ class GradStash:
         """Forget the stash and the window's backwards (an interrupted iteration, reset_iter_state)."""
         self.discard()
         self.backwards = 0
+        self.taken = {}
+
+    def lost(self) -> bool:
+        """After a backward that raised: whether gradients the user did not zero since are lost with it: a
+        stash or held sums still waiting, or taken into a reduce that never wrote ``.grad``."""
+        self.check()  # gradients zeroed since are dropped as usual
+        return self.active or self.unit_ref().partial_out is not None or \
+            not all(seen is None or _changed(self.unit_ref(), i, seen) for i, seen in self.taken.items())
 
     def discard(self) -> None:
         """Forget the stash and take back sentinel gradients still installed;
@@ -202,7 +214,7 @@ class GradStash:
         """The sentinels installed so far (a window's and held sums'), for the
         reduce that writes the gradients (a sentinel no rank filled goes back to None there)."""
         sentinels = {**self.held_sentinels, **self.sentinels}
-        self.sentinels, self.held_sentinels = {}, {}
+        self.sentinels, self.held_sentinels, self.taken = {}, {}, {}
         return sentinels
 
     def nbytes(self) -> int:
@@ -211,27 +223,32 @@ class GradStash:
 
 
 def lost_windows(units: list) -> list[str]:
-    """After a backward that raised: the units whose stash still holds gradients the user did not zero, or
-    that hold replica sums back (``set_requires_all_reduce(False)``, ``Unit.partial_out``). The failed
-    micro-batch reached some units' stashes or sums (or took a synchronizing backward's stash into a reduce
-    that is now dropped) and not others', so what they hold is no sum of whole micro-batches."""
-    for unit in units:
-        unit.stash.check()  # gradients zeroed since are dropped as usual
-    return [unit.name for unit in units if unit.stash.active or unit.partial_out is not None]
+    """After a backward that raised: the units whose accumulation window (a ``no_sync`` stash, or replica
+    sums held back by ``set_requires_all_reduce(False)``) holds gradients the user did not zero since, or
+    was taken into a synchronizing reduce that never wrote ``.grad``. The failed micro-batch reached some
+    units' windows and not others', so what they hold is no sum of whole micro-batches."""
+    return [unit.name for unit in units if unit.stash.lost()]
 
 
-def refuse_lost(names: list[str]) -> None:
-    """Raise once for :func:`lost_windows`' units, whose stashes the caller has discarded.
+def refuse_lost(names: list[str], units: list) -> None:
+    """Raise once for :func:`lost_windows`' units, whose stashes the caller has discarded, after setting
+    every trainable parameter's ``.grad`` of ``units`` to None (a synchronizing reduce that landed before the
+    backward raised wrote the window's sums into some of them), as ``zero_grad()`` does.
 
     Raises:
         RuntimeError: ``names`` is not empty.
     """
-    if names:
-        raise RuntimeError(
-            f"[rank {collectives.rank()}] a backward raised inside a gradient accumulation window (no_sync(), "
-            f"set_requires_gradient_sync(False) or set_requires_all_reduce(False)): the window's micro-batches "
-            f"were discarded, as zero_grad() would (units {names}); run the window again from its first "
-            "micro-batch")
+    if not names:
+        return
+    for unit in units:
+        for slot in unit.slots:
+            if slot.layout.requires_grad:
+                slot.sharded.grad = None
+    raise RuntimeError(
+        f"[rank {collectives.rank()}] a backward raised inside a gradient accumulation window (no_sync(), "
+        f"set_requires_gradient_sync(False) or set_requires_all_reduce(False)): the window's micro-batches "
+        f"were discarded (units {names}) and every gradient set to None, as zero_grad() does; run the window "
+        "again from its first micro-batch")
 
 
 def _fold(unit, window: Optional[Window], count: int) -> None:
@@ -261,6 +278,12 @@ def _install_zeros(unit, indices: list[int]) -> dict[int, torch.Tensor]:
 
 def _seen(grad: torch.Tensor) -> tuple[weakref.ref, int]:
     return weakref.ref(grad), torch_private.version_counter(grad)
+
+
+def _changed(unit, i: int, seen: tuple[weakref.ref, int]) -> bool:
+    """Whether parameter ``i``'s ``.grad`` was dropped, replaced or written in place since ``seen``."""
+    cur = unit.slots[i].sharded.grad
+    return cur is None or cur is not seen[0]() or torch_private.version_counter(cur) != seen[1]
 
 
 def _install_zero(unit, i: int) -> torch.Tensor:
@@ -361,9 +384,7 @@ class Window:
         unit = self.unit_ref()
         lay = unit.layout
         for i, seen in list(self.watch.items()):
-            cur = unit.slots[i].sharded.grad
-            if seen is not None and cur is not None and cur is seen[0]() and \
-                    torch_private.version_counter(cur) == seen[1]:
+            if seen is not None and not _changed(unit, i, seen):
                 continue
             if self.used[i]:
                 p = lay.params[i]

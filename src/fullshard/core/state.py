@@ -232,7 +232,7 @@ def start_iteration(root: RootRuntime, discard: bool = False) -> None:
     if root.order:
         root.prev_order = root.order
     root.order = []
-    stash.refuse_lost(lost)  # once everything above is clean
+    stash.refuse_lost(lost, [rt.unit for rt in root.runtimes])  # once everything above is clean
 
 
 def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
