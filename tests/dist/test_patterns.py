@@ -119,6 +119,34 @@ def _interrupted(rank, world):
             return None
         return _skip_ref(model, opt, rank, step)
     out["nested_forward_raises"] = P.compare(rank, nested_forward_raises, steps=4, ref_step_fn=_skip_ref)
+    # A graph kept with retain_graph=True across its optimizer step: one process and DDP refuse its backward
+    # (autograd's in-place check), so does fullshard (core/stale_graph.py); training then goes on as DDP's.
+    kept = {}
+
+    def graph_kept_across_step(model, opt, rank, step):
+        if id(model) in kept and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            with pytest.raises(RuntimeError, match="graph whose forward ran before the unit's parameters"):
+                kept.pop(id(model)).backward()
+        x, y = P.batch(rank, step)
+        loss = P.mse(model(x), y)
+        loss.backward(retain_graph=step == 0)
+        if step == 0:
+            kept[id(model)] = loss
+        return loss.detach()
+    out["graph_kept_across_step"] = P.compare(rank, graph_kept_across_step, steps=3)
+    out["gan_steps_between_forward_and_backward"] = _gan(rank)
+
+    # A gradient penalty (WGAN-GP, R1): a backward with create_graph=True to the input, then a backward through
+    # the graph it built, which saved the full parameters (units stay gathered until then).
+    def gradient_penalty(model, opt, rank, step):
+        x, y = P.batch(rank, step)
+        x.requires_grad_()
+        out = model(x)
+        g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        loss = P.mse(out, y) + g.pow(2).sum()
+        loss.backward()
+        return loss.detach()
+    out["gradient_penalty"] = P.compare(rank, gradient_penalty, steps=3)
     # After the interrupted iteration, the next forward starts clean.
     for how in (P.STRATEGIES[0], FULLY_SHARD):
         model = shard(P.make(), how, P.policy())
@@ -140,6 +168,37 @@ def _interrupted(rank, world):
 
 
 # ------------------------------------------- 2. no_grad / inference / checkpoint
+def _gan(rank):
+    """GAN training: the discriminator steps between the generator's forward and the generator loss's
+    backward through it, which leaves the generator's graph valid (its parameters did not change): the same
+    losses and parameters as DDP, no stale-graph error. Returns the largest difference to DDP."""
+    def train(g, d):
+        g_opt, d_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (g, d))
+        losses = []
+        for step in range(3):
+            x, real = P.batch(rank, step)
+            fake = g(x)
+            d_loss = d(torch.cat([fake.detach(), x[:, :2]], 1)).mean() - d(torch.cat([real, x[:, :2]], 1)).mean()
+            d_loss.backward()
+            d_opt.step()
+            d_opt.zero_grad()
+            g_loss = -d(torch.cat([fake, x[:, :2]], 1)).mean()
+            g_loss.backward()
+            g_opt.step()
+            g_opt.zero_grad()
+            d_opt.zero_grad()
+            losses += [float(d_loss), float(g_loss)]
+        return losses, [P.full_state(m)[0] for m in (g, d)]
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    want = train(*(DDP(P.make(seed), find_unused_parameters=True) for seed in (0, 1)))
+    worst = 0.0
+    for how in P.WRAPPINGS:
+        got = train(*(shard(P.make(seed), how, P.policy()) for seed in (0, 1)))
+        torch.testing.assert_close(got, want, rtol=P.RTOL, atol=P.ATOL, msg=lambda m: f"{P.label(how)}: {m}")
+        worst = max([worst] + [abs(a - b) for a, b in zip(got[0], want[0])])
+    return worst
+
+
 def _branch(mode):
     def step(model, opt, rank, s):
         x, y = P.batch(rank, s)

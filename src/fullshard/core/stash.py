@@ -44,6 +44,24 @@ backwards run none (NO_SHARD, units kept unsharded). Where they run
 all-gathers (FULL_SHARD, SHARD_GRAD_OP) the extra forward's all-gathers meet
 the other ranks' folds first: a collective mismatch the process group
 reports (gloo aborts on the size check) or a hang, as under torch FSDP.
+
+[Note: held sums and zero_grad]
+Under HSDP with ``set_requires_all_reduce(False)`` a unit reduce-scatters each
+micro-batch over its shard group but holds the sums back
+(``Unit.partial_out``) instead of all-reducing them over the replicas, so
+``.grad`` is written only by the window's last backward. Under DDP the same
+micro-batches sit in ``param.grad``, where ``zero_grad()`` discards them
+(torch FSDP2's ``zero_grad`` does not reach its partial reduce output). So the
+held sums are watched as a stash is: when sums are first held, trainable
+parameters whose ``.grad`` is None get a zero sentinel, and every ``.grad``
+is recorded with its version counter. At the next root forward, and before
+the next reduce adds into the sums, a parameter whose ``.grad`` was dropped,
+replaced or written since has its part of the sums (its gradient elements
+and its used flag) zeroed; when every trainable parameter's part is zeroed,
+the sums are dropped. Until a synchronizing reduce writes ``.grad``, the
+sums it took (and a stash it took) stay watched: a backward that raises
+before then loses them, and the next root forward says so
+(:func:`lost_windows`).
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from ..api import BackwardPrefetch
-from . import collectives, offload, overlap, stash, torch_private, used_flags
+from . import collectives, offload, overlap, stale_graph, stash, torch_private, used_flags
 from .buffers import POOL
 from .reduce import PendingReduce
 from .settings import UnitSettings
@@ -334,7 +334,7 @@ def post_forward(rt: UnitRuntime, output: Any, extra: tuple = ()) -> Any:
     if grad_on and rt.is_root:  # activations peak next: cache nothing beside them (buffers.py [Note: buffer reuse])
         POOL.clear()
     if grad_on:
-        hook = PreBackwardHook(weakref.ref(rt))
+        hook = PreBackwardHook(weakref.ref(rt), stale_graph.snapshot(rt.unit))
         for t in tensors_in((output, extra)):
             if t.requires_grad:
                 t.register_hook(hook)
@@ -362,13 +362,14 @@ class PreBackwardHook:
     """Tensor hook on a unit's forward outputs: gathers the unit before its
     backward runs. Fires once per output; the first firing prefetches."""
 
-    def __init__(self, rt_ref: weakref.ref):
-        self.rt_ref = rt_ref
+    def __init__(self, rt_ref: weakref.ref, seen: tuple[int, int]):
+        self.rt_ref, self.seen = rt_ref, seen  # seen: what the forward ran on ([Note: stale graphs])
 
     def __call__(self, grad: torch.Tensor) -> None:
         rt = self.rt_ref()
         if rt is None:
             return None
+        stale_graph.check(rt.unit, self.seen)
         _queue_end_of_backward(rt.root)
         if rt.state is not TrainingState.PRE_BACKWARD:
             rt.transition(TrainingState.PRE_BACKWARD)
@@ -425,18 +426,22 @@ class PostBackwardHook:
 
 
 def _reshard_after_backward(rt: UnitRuntime) -> None:
-    if rt.unit.state is not ShardedState.SHARDED:
-        if rt.settings.reshard_after_backward:
-            rt.unit.reshard()
-        else:
-            rt.unit.keep_unsharded()
+    _reshard_or_keep(rt)
     if rt.settings.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch_backward(rt)
 
 
+def _reshard_or_keep(rt: UnitRuntime) -> None:
+    if rt.unit.state is not ShardedState.SHARDED:
+        # Grad mode is on in a backward with create_graph=True, whose graph may save the full parameters.
+        if rt.settings.reshard_after_backward and not torch.is_grad_enabled():
+            rt.unit.reshard()
+        else:
+            rt.unit.keep_unsharded()
+
+
 class EndOfBackward:
-    """Autograd-engine callback at the end of backward: waits for every
-    reduce-scatter, writes gradient shards, returns units to IDLE."""
+    """Autograd-engine callback at the end of backward: waits for every reduce-scatter, writes gradient shards."""
 
     def __init__(self, root_ref: weakref.ref):
         self.root_ref = root_ref
@@ -489,11 +494,7 @@ def end_of_backward(root: RootRuntime) -> None:
     root.flags.reset()
     for rt in root.runtimes:
         rt.unit.drop_partial()  # a unit the backward did not reach
-        if rt.unit.state is not ShardedState.SHARDED:
-            if rt.settings.reshard_after_backward:
-                rt.unit.reshard()
-            else:
-                rt.unit.keep_unsharded()
+        _reshard_or_keep(rt)
         rt.state = TrainingState.IDLE
         rt.pre_backward_done = False
     root.callback_queued = False

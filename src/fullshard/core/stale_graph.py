@@ -1,0 +1,63 @@
+"""Refusing a backward through a graph built before its unit's parameters changed.
+
+[Note: stale graphs]
+A unit gathers its full parameters again for backward, into storage whose
+version counter the gather does not bump: the views its forward saved must
+stay valid across reshard and re-gather (core/unit.py). So autograd's own
+check, which makes one process and DDP raise when a tensor saved for
+backward was written in place, cannot see an optimizer step that ran between
+a forward and the backward of its graph (a graph kept with
+``retain_graph=True`` and used again after ``optimizer.step()``, or kept from
+an earlier iteration): the backward would silently gather the new parameters
+into the old graph, a gradient of no function. So each forward records, per
+unit, the optimizer steps that named the unit's parameters and the flat
+shard's version counter, and the unit's pre-backward hook compares them and
+raises. Steps are counted per unit, not per process: a discriminator's step
+between a generator's forward and its backward (GAN training) leaves the
+generator's graph valid, as under DDP. An optimizer stepping inside backward
+(post-accumulate-grad hooks) steps a unit after the unit's own backward, so
+it never trips the check. Writes that bypass both (``p.data``, or a foreach
+op on a ``fully_shard`` DTensor outside an optimizer) go unseen, as
+autograd misses ``.data`` writes too.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import collectives, optim_hooks, registry, torch_private
+
+# unit -> optimizer steps that named one of its registered parameters
+_STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _count(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Pre-step callback ([Note: optimizer step hooks]): count the step for each unit it touches."""
+    units = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            found = registry.find(p)
+            if found is not None:
+                units[id(found[0])] = found[0]
+    for unit in units.values():
+        _STEPS[unit] = _STEPS.get(unit, 0) + 1
+
+
+def snapshot(unit) -> tuple[int, int]:
+    """What a forward of ``unit`` ran on: the optimizer steps that touched it and its flat shard's version."""
+    optim_hooks.add_pre_step("unit steps", _count)
+    return _STEPS.get(unit, 0), torch_private.version_counter(unit.flat_shard)
+
+
+def check(unit, seen: tuple[int, int]) -> None:
+    """Before ``unit``'s backward of a forward that recorded ``seen`` (:func:`snapshot`).
+
+    Raises:
+        RuntimeError: the unit's parameters were stepped or written in place since that forward.
+    """
+    if snapshot(unit) != seen:
+        raise RuntimeError(
+            f"[rank {collectives.rank()}] unit '{unit.name}': backward through a graph whose forward ran before "
+            "the unit's parameters were updated (an optimizer step or an in-place write since, e.g. a graph kept "
+            "with retain_graph=True across optimizer.step()); run the forward again")
