@@ -147,6 +147,25 @@ def _interrupted(rank, world):
         loss.backward()
         return loss.detach()
     out["gradient_penalty"] = P.compare(rank, gradient_penalty, steps=3)
+
+    # Gradient hooks on parameters (param.register_hook), registered before wrapping (enc.a.weight) and
+    # after (head.weight, on the parameter the model holds then): DDP runs them on each rank's local
+    # gradient before averaging; fullshard on the unit's full gradient before the reduce-scatter.
+    def hooked():
+        model = P.make()
+        model.enc.a.weight.register_hook(lambda g: g * 3.0)
+        return model
+
+    def hook_after_wrapping(model, opt, rank, step):
+        if step == 0:
+            for name, p in model.named_parameters():
+                if name.endswith("head.weight"):
+                    p.register_hook(lambda g: -g)
+        x, y = P.batch(rank, step)
+        loss = P.mse(model(x), y)
+        loss.backward()
+        return loss.detach()
+    out["gradient_hooks"] = P.compare(rank, hook_after_wrapping, steps=2, make_fn=hooked)
     # After the interrupted iteration, the next forward starts clean.
     for how in (P.STRATEGIES[0], FULLY_SHARD):
         model = shard(P.make(), how, P.policy())
@@ -167,7 +186,6 @@ def _interrupted(rank, world):
     return out
 
 
-# ------------------------------------------- 2. no_grad / inference / checkpoint
 def _gan(rank):
     """GAN training: the discriminator steps between the generator's forward and the generator loss's
     backward through it, which leaves the generator's graph valid (its parameters did not change): the same
@@ -199,6 +217,7 @@ def _gan(rank):
     return worst
 
 
+# ------------------------------------------- 2. no_grad / inference / checkpoint
 def _branch(mode):
     def step(model, opt, rank, s):
         x, y = P.batch(rank, s)

@@ -4,7 +4,7 @@ pipelining (no weight staleness).
 - pp=2 x dp=2, for GPipe, 1F1B, Interleaved1F1B (2 stages per rank) and the split-backward
   ZBVZeroBubble (V-shaped: the first rank holds the first and last stages) and InterleavedZeroBubble,
   in both gradient accumulation modes, and DualPipeV, equals one process training the plain tied GPT
-  on the same global batch (per-update losses, gradient norms, every parameter);
+  on the same global batch (per-update losses, gradient norms, every parameter, the validation loss);
 - fullshard.pipelining.PipelineStage under torch's split-backward schedules (ZBVZeroBubble,
   DualPipeV; fully_shard and the FSDP1 wrapper, both modes): every unit's sharded gradient equals
   plain autograd's on the whole batch, none zero, reduce-scattered once per micro-batch or once;
@@ -100,6 +100,14 @@ def _train(cfg, rank, world, updates, start=0, trainer=None):
     return trainer, history
 
 
+def _valid_loss(trainer, rank, world) -> float:
+    """The trained model's mean token loss on a batch of its own (update UPDATES's), through valid_step."""
+    dp = world // trainer.cfg.pipeline_parallel_size
+    x, y = _rank_batch(UPDATES, rank % dp, dp)[0]
+    out = trainer.valid_step([(x, y, torch.ones(len(x), dtype=torch.bool))])
+    return out["loss_sum"] / out["ntokens"]
+
+
 def _reference(updates: int) -> dict:
     """One process, the plain tied GPT, the whole global batch, AdamW and clipping as the trainer's."""
     from fullshard.models import build_model
@@ -121,7 +129,10 @@ def _reference(updates: int) -> dict:
         opt.zero_grad()
         history.append((loss.item(), norm.item()))
     params = {n: p.detach().numpy().copy() for n, p in model.state_dict().items()}
-    return dict(history=history, params=params)
+    with torch.no_grad():
+        tok = _global_batch(updates)
+        valid = F.cross_entropy(model(tok[:, :-1]).reshape(-1, VOCAB), tok[:, 1:].reshape(-1)).item()
+    return dict(history=history, params=params, valid=valid)
 
 
 # --world-size-invariant: 8 sequences per update in pipeline micro-batches of one sequence
@@ -258,12 +269,14 @@ def _pipelined_cases(rank, world, tmp):
                        pipeline_microbatches=2, pipeline_grad_accumulation=mode)
             trainer, history = _train(cfg, rank, world, UPDATES)
             out[(schedule, mode)] = dict(history=history, params=_full_params(trainer.model),
-                                         reduce_scatters=trainer.reduce_scatters)
+                                         reduce_scatters=trainer.reduce_scatters,
+                                         valid=_valid_loss(trainer, rank, world))
     if SPLIT_OK:  # DualPipeV needs a micro-batch per stage (M = 4 of one sequence).
         cfg = _cfg(2, pipeline_parallel_size=2, pipeline_schedule="DualPipeV", pipeline_stages_per_rank=2,
                    pipeline_microbatches=4, pipeline_grad_accumulation="unsharded")
         trainer, history = _train(cfg, rank, world, UPDATES)
-        out["DualPipeV"] = dict(history=history, params=_full_params(trainer.model))
+        out["DualPipeV"] = dict(history=history, params=_full_params(trainer.model),
+                                valid=_valid_loss(trainer, rank, world))
     out["split_backward"] = _split_backward_cases()
     out["reference"] = _reference(UPDATES) if rank == 0 else None
     for schedule, v, mode in FSDP1_CASES:
@@ -385,6 +398,9 @@ def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
         for mode in MODES:
             key = (schedule, mode)
             _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want, f"pp=2 x dp=2 {schedule} {mode}")
+            # validation (a forward-only run of the schedule; V-shaped ones: core.torch_private)
+            for out in per_rank:
+                np.testing.assert_allclose(out[key]["valid"], want["valid"], rtol=RTOL, atol=ATOL, err_msg=str(key))
         # reduce_scatter: each unit reduce-scatters once per pipeline micro-batch (2); unsharded: once.
         for out in per_rank:
             every = out[(schedule, "reduce_scatter")]["reduce_scatters"]
@@ -397,6 +413,8 @@ def test_pp2_dp2_equals_one_process_and_resumes_without_pipelining():
     if SPLIT_OK:
         _assert_close(per_rank[0]["DualPipeV"]["history"], _merge(per_rank, "DualPipeV"), want,
                       "pp=2 x dp=2 DualPipeV unsharded")
+        for out in per_rank:
+            np.testing.assert_allclose(out["DualPipeV"]["valid"], want["valid"], rtol=RTOL, atol=ATOL)
     for schedule, _, mode in FSDP1_CASES:
         key = ("fsdp1", schedule, mode)
         _assert_close(per_rank[0][key]["history"], _merge(per_rank, key), want,

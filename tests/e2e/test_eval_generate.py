@@ -48,6 +48,21 @@ def test_eval_lm_equals_trainer_valid_loss(cli, corpus_dir, trained):
     assert got["valid_num_updates"] == "0" and valid["valid_num_updates"] == "4"  # a file records no updates
 
 
+def test_eval_lm_reads_a_pipelined_checkpoint(cli, corpus_dir, tmp_path):
+    """A --pipeline-parallel-size 2 run's checkpoint (its stages' parts in one directory) evaluates as one
+    model at world size 1, to the pipelined trainer's last logged valid loss (the same sums in another
+    order: within the log's rounding)."""
+    train = [*TRAIN[:-1], "2", "--pipeline-parallel-size", "2", "--save-dir", str(tmp_path)]
+    proc = cli("train", str(corpus_dir), *train)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    valid = json_records(proc.stdout)["valid"][-1]
+    proc = cli("eval-lm", str(corpus_dir), "--path", str(tmp_path / "checkpoint_last"), "--nproc-per-node", "1",
+               "--log-format", "json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json_records(proc.stdout)["valid"][-1]
+    assert abs(float(got["valid_loss"]) - float(valid["valid_loss"])) <= 1e-3, (got, valid)
+
+
 def test_eval_lm_bad_input(capsys, corpus_dir, trained, tmp_path):
     """Missing checkpoint or data, a .pt without --arch, a wrong --arch, too long blocks, data of another
     tokenizer: one line, exit 2."""

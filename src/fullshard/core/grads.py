@@ -51,6 +51,7 @@ class UnflattenFull(torch.autograd.Function):
         if unit is None:  # the model is gone; any correct gradient will do
             out = torch.zeros(layout.unsharded_numel, dtype=like.dtype, device=like.device)
         else:
+            grads = _run_gradient_hooks(unit, grads)
             out = unit.pooled_grad.take(unit.layout.unsharded_numel, like.dtype, like.device)
         with torch.no_grad():  # the reduce path is not differentiable either
             zero, dst, src = [], [], []
@@ -73,6 +74,24 @@ class UnflattenFull(torch.autograd.Function):
             if zero:
                 torch_private.foreach_zero_(zero)
         return out, None, None
+
+
+def _run_gradient_hooks(unit, grads: tuple) -> tuple:
+    """Run the hooks a user registered on a sharded parameter (``param.register_hook``) on its full
+    gradient of this backward, as autograd runs them on a leaf's gradient before accumulating it, and as
+    DDP runs them before averaging: each hook gets this rank's unsharded gradient (a plain tensor of the
+    parameter's full shape) and may return a replacement."""
+    out = None
+    for i, (slot, g) in enumerate(zip(unit.slots, grads)):
+        hooks = torch_private.gradient_hooks(slot.sharded) if g is not None else ()
+        for hook in hooks:
+            new = hook(g)
+            if new is not None:
+                g = new
+        if hooks:
+            out = out or list(grads)
+            out[i] = g
+    return grads if out is None else tuple(out)
 
 
 class PooledGrad:

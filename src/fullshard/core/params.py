@@ -141,6 +141,7 @@ class ParamSlot:
         if self.own_local:
             view = extensions.local_shard(self.param, world, rank)
         self.make_sharded(view, self.param.requires_grad)
+        torch_private.carry_gradient_hooks(self.sharded, self.param)  # registered before sharding
         self.param = None
 
     def make_sharded(self, view: torch.Tensor, requires_grad: bool) -> None:

@@ -16,7 +16,8 @@ library and by most wrappers of modules.
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,26 @@ def post_accumulate_grad_hooks(param: torch.Tensor) -> list[Callable]:
     return list(hooks.values()) if hooks else []
 
 
+def gradient_hooks(param: torch.Tensor) -> list[Callable]:
+    """The hooks ``param.register_hook`` registered on a leaf, in registration
+    order (``param._backward_hooks``, an OrderedDict or None). No public API
+    runs them: autograd does only for a gradient that reaches ``param`` in the
+    graph, and a sharded parameter is not in it (its unit's full parameters
+    are)."""
+    hooks = getattr(param, "_backward_hooks", None)
+    return list(hooks.values()) if hooks else []
+
+
+def carry_gradient_hooks(new: torch.Tensor, old: torch.Tensor) -> None:
+    """Give ``new`` (a sharded parameter) the gradient hooks registered on ``old`` (the parameter it
+    replaces) with ``register_hook`` and ``register_post_accumulate_grad_hook``: the same dicts, so a
+    handle made on ``old`` still removes its hook. No public API moves hooks between tensors."""
+    for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        hooks = getattr(old, name, None)
+        if hooks:
+            setattr(new, name, hooks)
+
+
 def dispatch_mode_active() -> bool:
     """Whether a ``TorchDispatchMode`` (``CommDebugMode``, a user's op
     counter) is active on this thread
@@ -146,6 +167,34 @@ def default_store() -> dist.Store:
         ValueError, RuntimeError: no default process group.
     """
     return dist.distributed_c10d._get_default_store()
+
+
+@contextlib.contextmanager
+def forward_actions_only(schedule) -> Iterator[None]:
+    """While the block runs, a runtime pipeline schedule (``ZBVZeroBubble``, ``DualPipeV``) keeps only
+    its forward actions, their sends and receives, and its unshards and reshards (an ``OVERLAP_F_B``
+    action gives its forward part), for evaluation.
+
+    torch 2.13's ``eval()`` of these schedules replays their backward actions as well, and the
+    hand-off of a gradient between a rank's two stages then fails (``can't steal_bwd_input if this
+    stage doesn't have backward``). No public API runs a schedule's forward actions alone; the
+    runtime's lowered action lists (``pipeline_order_with_comms``) are private.
+    """
+    from torch.distributed.pipelining import schedules as sch
+
+    keep = {sch.FORWARD, sch.SEND_F, sch.RECV_F, sch.UNSHARD, sch.RESHARD}
+
+    def forward_part(actions):
+        for action in actions:
+            for part in (action.sub_actions or ()) if action.computation_type == sch.OVERLAP_F_B else (action,):
+                if part.computation_type in keep:
+                    yield part
+    whole = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {rank: list(forward_part(actions)) for rank, actions in whole.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = whole
 
 
 # ---------------------------------------------------------------- profiler

@@ -133,7 +133,9 @@ def prepare(p: OneLineArgumentParser, args) -> EvalJob:
         nproc_per_node=world, log_format=args.log_format, log_file=None, no_save=True,
         finetune_from_model=None, checkpoint_activations=False, offload_activations=False,
         # launched here, on this machine, whatever the training run used
-        max_restarts=0, start_method=None, nnodes="1", node_rank=0, rdzv_endpoint="localhost:0", hybrid_shard=False)
+        max_restarts=0, start_method=None, nnodes="1", node_rank=0, rdzv_endpoint="localhost:0", hybrid_shard=False,
+        # and evaluated as one model, as `generate` does: a pipelined run's checkpoint holds every layer
+        **{f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name.startswith("pipeline_")})
     return EvalJob(cfg, args.path, args.gen_subset, spec.num_updates or 0)
 
 

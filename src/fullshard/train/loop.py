@@ -200,8 +200,9 @@ class Run:
         parts += [flag for flag, on in (("cpu-offload", cfg.cpu_offload),
                                         ("checkpoint-activations", cfg.checkpoint_activations),
                                         ("offload-activations", cfg.offload_activations)) if on]
-        if cfg.update_freq > 1:
-            parts.append(f"update-freq {cfg.update_freq} accumulated by {cfg.accumulate_mode}")
+        if cfg.update_freq > 1:  # under pipelining, --pipeline-grad-accumulation decides (the pipeline line)
+            how = "the pipeline" if cfg.pipeline_parallel_size > 1 else cfg.accumulate_mode
+            parts.append(f"update-freq {cfg.update_freq} accumulated by {how}")
         if parts:
             logger.info("precision and memory: " + ", ".join(parts))
         if cfg.log_memory and cfg.ddp_backend == "c10d":
@@ -225,7 +226,8 @@ class Run:
                         + "; an incomplete last update of an epoch is dropped")
         elif cfg.global_batch_size is not None:
             logger.info(f"global batch {cfg.global_batch_size} = {cfg.batch_size} sequences x {cfg.update_freq} "
-                        f"micro-batches x {dist.get_world_size()} ranks")
+                        f"micro-batches x {pipeline.data_parallel(cfg)[1]} ranks"
+                        + (" of each pipeline stage" if cfg.pipeline_parallel_size > 1 else ""))
 
     def _strategy(self) -> str:
         version = f"; fsdp-version {self.cfg.fsdp_version}"

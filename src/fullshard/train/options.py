@@ -396,7 +396,14 @@ def check_tokens_per_sample(p: OneLineArgumentParser, args, shape: ArchSpec) -> 
 
 def _check_pipeline(p: OneLineArgumentParser, args, world_size: int) -> int:
     """The --pipeline-* flags (`pipeline_checks.check`); returns the data-parallel size, world / P."""
-    if args.pipeline_parallel_size != 1:
+    if args.pipeline_parallel_size == 1:
+        ignored = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(TrainConfig)
+                   if f.name.startswith("pipeline_") and f.name != "pipeline_parallel_size"
+                   and getattr(args, f.name) != f.default]
+        if ignored:
+            p.fail(f"{', '.join(ignored)}: {'apply' if len(ignored) > 1 else 'applies'} only under pipelining; "
+                   f"set --pipeline-parallel-size > 1 or drop {'them' if len(ignored) > 1 else 'it'}")
+    else:
         try:
             shape = resolve_arch(args.arch, vars(args))
             pipeline_checks.check(args, world_size, shape.num_layers)

@@ -38,6 +38,7 @@ shards are summed by a two-rank all-reduce (a + b = b + a, bitwise).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Optional
@@ -49,7 +50,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import schedules
 
 from fullshard.activation_checkpointing import apply_activation_checkpointing
-from fullshard.core import collectives, norms
+from fullshard.core import collectives, norms, torch_private
 from fullshard.models import TransformerBlock, build_model, make_param_init_fn
 from fullshard.models.stages import check_split, cut_gpt, even_split, join_stages
 from fullshard.pipelining import PipelineStage
@@ -253,7 +254,9 @@ class Pipeline:
             module.eval()
         masked = targets.masked_fill(~counted.bool()[:, None], -100)
         self._sums, self._seq_sums = [], []
-        self._run(self.schedule.eval, inputs, masked)
+        with torch_private.forward_actions_only(self.schedule) if self.cfg.pipeline_schedule in V_SHAPED else \
+                contextlib.nullcontext():
+            self._run(self.schedule.eval, inputs, masked)
         if not self.cfg.world_size_invariant:
             return self._row(masked)
         mask = counted.double()

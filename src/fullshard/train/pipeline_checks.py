@@ -80,6 +80,10 @@ def check(cfg, world_size: int, num_layers: int) -> None:
     if schedule in SPLIT_BACKWARD and cfg.world_size_invariant:
         raise ValueError(f"--pipeline-schedule {schedule} with --world-size-invariant: the invariant fold counts one "
                          "micro-batch per backward and a split backward runs two; use GPipe, 1F1B or Interleaved1F1B")
+    if schedule == "LoopedBFS" and cfg.world_size_invariant:
+        raise ValueError("--pipeline-schedule LoopedBFS with --world-size-invariant: it runs a stage's backwards in "
+                         "descending micro-batch order and the invariant fold needs them ascending; use GPipe, 1F1B "
+                         "or Interleaved1F1B")
     m = microbatches(cfg)
     check_schedule(schedule, p, v, m, num_layers, fsdp_version=cfg.fsdp_version)
     if cfg.batch_size % m:
