@@ -241,14 +241,26 @@ def test_tokenizer_of_more_than_65536_ids_trains(cli, tmp_path):
           f"ids truncated to uint16 {truncated:.4f}; train.bin {(data / 'train.bin').stat().st_size} bytes")
 
 
-def _bad_dirs(tmp_path, llama_dir) -> dict:
+def _bad_dirs(tmp_path, llama_dir, gpt2: bool) -> dict:
     empty = tmp_path / "empty"
     empty.mkdir()
     unknown = tmp_path / "unknown"
     unknown.mkdir()
     (unknown / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
     (unknown / "model.safetensors").write_bytes(b"")
-    return {"empty": empty, "unknown": unknown}
+    if not gpt2:
+        return {"empty": empty, "unknown": unknown}
+    # A tiny GPT-2 (its decoder layers' weights are transformers' Conv1D, not nn.Linear) with the Llama's tokenizer.
+    import shutil
+
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    gpt2 = tmp_path / "gpt2"
+    AutoModelForCausalLM.from_config(GPT2Config(vocab_size=300, n_embd=16, n_layer=1, n_head=2, n_positions=64)) \
+        .save_pretrained(gpt2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(llama_dir / name, gpt2 / name)
+    return {"empty": empty, "unknown": unknown, "gpt2": gpt2}
 
 
 @pytest.mark.parametrize("case, extra, expected", [
@@ -262,13 +274,16 @@ def _bad_dirs(tmp_path, llama_dir) -> dict:
     ("llama", ["--quantize-base", "nf4"], "--quantize-base nf4 needs --lora-rank"),
     ("llama", ["--lora-rank", "4", "--quantize-base", "nf4", "--fsdp-version", "1"],
      "--quantize-base nf4 needs --fsdp-version 2"),
+    ("gpt2", ["--lora-rank", "4", "--quantize-base", "nf4", "--fsdp-version", "2"],
+     "--quantize-base nf4: the decoder layers of"),
     ("llama", ["--tokens-per-sample", "65"], "exceeds the 64 positions"),
     ("vocab", [], "preprocess with the model's tokenizer"),
     (None, ["--lora-rank", "4"], "--lora-rank needs --hf-model"),
 ])
 def test_bad_input_one_line_exit_2(capsys, corpus_dir, llama_data, llama_dir, tmp_path, case, extra, expected):
-    dirs = {**_bad_dirs(tmp_path, llama_dir), "missing": tmp_path / "nowhere", "llama": llama_dir,
-            "vocab": llama_dir}
+    dirs = {**_bad_dirs(tmp_path, llama_dir, gpt2=case == "gpt2"), "missing": tmp_path / "nowhere",
+            "llama": llama_dir, "vocab": llama_dir}
+    capsys.readouterr()  # save_pretrained's progress lines
     # GPT-2 BPE data has 50,257 ids, more than the Llama's 300
     data = corpus_dir if case in (None, "vocab") else llama_data
     argv = ["train", str(data), "--tokens-per-sample", str(T), "--batch-size", "2", "--no-save",

@@ -1,6 +1,7 @@
 """The pieces of the sharded Hugging Face load (fullshard/train/hf_model.py) in one process: row reads
 equal the stored tensor's rows in every stored dtype, a model with no decoder-layer list is refused in
-one line, and a checkpoint whose tensors do not match its config is refused naming the tensor."""
+one line, and a checkpoint whose tensors do not match its config (or that holds more) is refused naming the
+tensor."""
 from __future__ import annotations
 
 import json
@@ -64,3 +65,22 @@ def test_tensor_of_another_shape_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(hf_model.HFModelError, match="mlp.*has shape|mlp.*is F32"):
         hf_model.load_meta(types.SimpleNamespace(lora_rank=0), str(tmp_path))
+
+
+def test_tensors_the_config_has_no_place_for_are_refused(tmp_path):
+    """A config.json of fewer layers than the files (transformers only warns, and training would drop the
+    layer silently) is refused naming the tensors; GPT-2's file, with its layers' persistent attention
+    buffers, loads."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, bos_token_id=0, eos_token_id=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    cfg = json.loads((tmp_path / "llama" / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(hf_model.HFModelError, match=r"hold 9 tensors .* no place for \('model\.layers\.1\."):
+        hf_model.load_meta(types.SimpleNamespace(lora_rank=0), str(tmp_path / "llama"))
+    AutoModelForCausalLM.from_config(GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=8)) \
+        .save_pretrained(tmp_path / "gpt2")
+    hf_model.load_meta(types.SimpleNamespace(lora_rank=0), str(tmp_path / "gpt2"))

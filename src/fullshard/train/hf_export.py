@@ -93,6 +93,22 @@ def _plain_model(config, state: dict) -> nn.Module:
     return model
 
 
+def _untie_merged_weights(plain) -> None:
+    """Before ``merge_and_unload``: PEFT merges each LoRA delta into its base weight in place, so with
+    tied input and output embeddings (``tie_word_embeddings``) an adapter on either would change the
+    other too, and the merged model would no longer compute what was trained. Then the output
+    embedding gets a copy of its own and the exported config says the weights are untied."""
+    model = plain.get_base_model()
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if inp is None or out is None:
+        return
+    inp, out = getattr(inp, "base_layer", inp), getattr(out, "base_layer", out)
+    targeted = any(hasattr(m, "base_layer") and m.base_layer in (inp, out) for m in model.modules())
+    if targeted and out.weight is inp.weight:
+        out.weight = nn.Parameter(inp.weight.detach().clone(), requires_grad=False)
+        model.config.tie_word_embeddings = False
+
+
 def _copy_side_files(src: str, dst: str) -> None:
     for name in os.listdir(src):
         path = os.path.join(src, name)
@@ -120,9 +136,18 @@ def export(cfg, model: nn.Module, peft_model=None, out_dir: str | None = None) -
     return out_dir
 
 
+def _is_export_file(name: str) -> bool:
+    """A file of a Hugging Face model or PEFT adapter export: weights (one file or shards), their index,
+    the model or adapter config."""
+    weights = name.startswith(("model", "pytorch_model", "adapter_model")) and name.endswith((".safetensors", ".bin"))
+    return weights or name.endswith(".index.json") or name in (hf_model.CONFIG, "adapter_config.json")
+
+
 def write_dir(out_dir: str, write) -> None:
     """Run ``write(tmp)`` on a new hidden sibling directory of ``out_dir``, then move its files into
-    ``out_dir`` (made if missing; files of other names there are kept). If ``write`` raises, the
+    ``out_dir`` (made if missing). Files of an earlier export there that this one did not write (an
+    adapter beside a merged model, weight shards of another count) are removed, since
+    ``from_pretrained`` would load them with the new ones; other files are kept. If ``write`` raises, the
     sibling is removed and ``out_dir`` is untouched."""
     out_dir = os.path.abspath(out_dir)
     parent, base = os.path.split(out_dir)
@@ -134,8 +159,12 @@ def write_dir(out_dir: str, write) -> None:
         if not os.path.exists(out_dir):
             os.rename(tmp, out_dir)
             return
-        for name in os.listdir(tmp):  # same file system: each a rename
+        written = set(os.listdir(tmp))
+        for name in written:  # same file system: each a rename
             os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+        for name in os.listdir(out_dir):
+            if name not in written and _is_export_file(name) and os.path.isfile(os.path.join(out_dir, name)):
+                os.remove(os.path.join(out_dir, name))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -164,6 +193,7 @@ def _write(cfg, state: dict, peft_model, out_dir: str) -> None:
             if result.unexpected_keys:
                 raise RuntimeError(f"[rank 0] --merge-lora: adapter tensors {result.unexpected_keys[:5]} did not "
                                    "load; report this")
+            _untie_merged_weights(plain)
             plain.merge_and_unload().save_pretrained(out_dir)
         else:
             from safetensors.torch import save_file

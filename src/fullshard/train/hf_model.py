@@ -194,10 +194,15 @@ class RowReader:
         path: the checkpoint directory.
         base_names: ``{id(parameter): [its names in the plain transformers model]}`` (every tied name).
         adapters: ``{name in model: initial value}`` of parameters that are not in the files.
+        expected: whether a file tensor that is no parameter's has a place in the model anyway (a
+            persistent buffer, a name transformers ignores on load); None: every one has.
+    Raises:
+        HFModelError: a parameter the files lack or hold in another shape or dtype, or a file tensor
+            the model has no place for (a config.json of fewer layers than the files, say).
     """
 
     def __init__(self, model: nn.Module, path: str, base_names: dict[int, list[str]],
-                 adapters: dict[str, torch.Tensor]):
+                 adapters: dict[str, torch.Tensor], expected=None):
         self._where: dict[str, tuple[str, dict, int]] = {}  # tensor name -> (file, header entry, data start)
         for file in safetensors_files(path):
             header, start = read_header(file)
@@ -222,6 +227,12 @@ class RowReader:
                     raise HFModelError(f"--hf-model {path!r}: tensor {found[0]!r} is {entry['dtype']} "
                                        f"{list(entry['shape'])}, its config.json gives {list(p.shape)} (floating "
                                        "dtypes: F32, F16, BF16, F64); the checkpoint does not match it")
+        named = {n for names in base_names.values() for n in names}
+        extra = sorted(k for k in self._where if k not in named and expected is not None and not expected(k))
+        if extra:  # transformers only warns; training would silently drop them
+            raise HFModelError(f"--hf-model {path!r}: its safetensors files hold {len(extra)} tensors the model of "
+                               f"its config.json has no place for ({', '.join(map(repr, extra[:3]))}"
+                               f"{', ...' if len(extra) > 3 else ''}); the checkpoint does not match its config.json")
 
     def __call__(self, module: nn.Module) -> None:
         raise RuntimeError("the Hugging Face loader initializes rows only (init_rows); report this")
@@ -340,6 +351,7 @@ def load_meta(cfg, path: Optional[str] = None):
         for p in model.parameters():  # meta: no memory; ties kept (same parameter objects)
             p.data = p.data.to(base)
     names = base_names(model)
+    expected = _expected_extra(model)
     adapters: dict[str, torch.Tensor] = {}
     if cfg.lora_rank:
         model, adapters = apply_lora(model, cfg, path)
@@ -347,7 +359,21 @@ def load_meta(cfg, path: Optional[str] = None):
         if wrong:  # PEFT upcasts its adapters (autocast_adapter_dtype); a trainable base copy would not be
             raise HFModelError(f"--base-dtype {cfg.base_dtype}: trainable parameters {wrong[:3]} are not fp32; "
                                "train adapters only (--lora-target-modules) or use --base-dtype fp32")
-    return model, layers, RowReader(model, path, names, adapters)
+    return model, layers, RowReader(model, path, names, adapters, expected)
+
+
+def _expected_extra(model: nn.Module):
+    """Whether a checkpoint tensor that is none of ``model``'s parameters belongs in its files anyway: a
+    persistent buffer of the plain model, or a name its class tells ``from_pretrained`` to ignore
+    (``_keys_to_ignore_on_load_unexpected``: GPT-2's old attention masks; old checkpoints' rotary
+    ``inv_freq`` and ``position_ids`` buffers, which transformers also skips)."""
+    import re
+
+    buffers = {n for n, _ in model.named_buffers()}
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) | \
+        {r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"}
+    ignored = re.compile("|".join(f"({p})" for p in patterns))
+    return lambda key: key in buffers or ignored.search(key) is not None
 
 
 BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

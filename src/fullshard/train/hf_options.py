@@ -53,9 +53,16 @@ def check(p, args, meta: dict) -> Optional[int]:
     try:
         config = hf_model.read_config(args.hf_model)
         # The structure on meta (no weights read): decoder layers found, LoRA targets matched, files complete.
-        hf_model.load_meta(args, args.hf_model)
+        _, layers, _ = hf_model.load_meta(args, args.hf_model)
     except hf_model.HFModelError as e:
         p.fail(str(e))
+    if args.quantize_base != "none" and not any(qlora.base_linears(layer) for layer in layers):
+        kinds = sorted({type(m).__name__ for layer in layers for m in layer.modules()
+                        if getattr(m, "weight", None) is not None and not m.weight.requires_grad
+                        and m.weight.dim() == 2})
+        p.fail(f"--quantize-base {args.quantize_base}: the decoder layers of {args.hf_model!r} hold no frozen "
+               f"torch.nn.Linear to quantize (their frozen weights are in {', '.join(kinds) or 'no module'}); "
+               "drop --quantize-base")
     data_vocab, vocab = int(meta["vocab_size"]), int(config.vocab_size)
     if data_vocab > vocab:
         p.fail(f"the data in {args.data_dir!r} has {data_vocab:,} token ids ({meta.get('tokenizer')}), the model in "
