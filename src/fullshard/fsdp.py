@@ -345,12 +345,18 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
 
         Raises:
             ValueError: ``writeback`` with ``rank0_only``.
+            TypeError: ``module`` holds ``fully_shard`` modules.
             RuntimeError: called during forward or backward; a forward run
                 inside the context.
         """
         units = FullyShardedDataParallel.fsdp_modules(module)
         if not recurse:
             units = [u for u in units if not any(u is not o and u in o.modules() for o in units)]
+        other = next((u for u in units if not isinstance(u, FullyShardedDataParallel)), None)
+        if other is not None:
+            raise TypeError(f"[rank {collectives.rank()}] summon_full_params: {type(other).__name__} is a "
+                            "fully_shard module, not a FullyShardedDataParallel wrapper; gather it with its "
+                            "unshard() (reshard() after), or take a full state dict")
         for u in units:
             u._require_root_idle("summon_full_params()", root_only=False)
         with gather.full_params([u.unit for u in units], writeback, rank0_only, offload_to_cpu, with_grads):

@@ -62,6 +62,10 @@ def _unshard_during_forward(rank):
         FP.loss_of(model, rank, 0)
     hook.remove()
     FP.loss_of(model, rank, 0).backward()  # the next iteration starts clean
+    # The wrapper's summon_full_params on fully_shard modules: one clear error, not an AttributeError.
+    with pytest.raises(TypeError, match="summon_full_params: .* is a fully_shard module"):
+        with fullshard.FullyShardedDataParallel.summon_full_params(model):
+            pass
 
 
 def _unshard_case(rank, world):

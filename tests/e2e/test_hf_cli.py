@@ -267,7 +267,8 @@ def _bad_dirs(tmp_path, llama_dir, gpt2: bool) -> dict:
     ("missing", [], "is not a directory"),
     ("empty", [], "has no config.json"),
     ("unknown", [], "transformers cannot read its config.json"),
-    ("llama", ["--lora-rank", "4", "--lora-target-modules", "nope_proj"], "--lora-target-modules 'nope_proj' matches"),
+    ("llama", ["--lora-rank", "4", "--lora-target-modules", "nope_proj"],
+     "--lora-target-modules 'nope_proj': PEFT cannot adapt it"),
     ("llama", ["--merge-lora"], "--merge-lora needs --lora-rank"),
     ("llama", ["--base-dtype", "bf16"], "--base-dtype bf16 needs --lora-rank"),
     ("llama", ["--lora-rank", "4", "--base-dtype", "fp16", "--bf16"], "--base-dtype fp16 with --bf16 would cast"),
@@ -277,6 +278,7 @@ def _bad_dirs(tmp_path, llama_dir, gpt2: bool) -> dict:
     ("gpt2", ["--lora-rank", "4", "--quantize-base", "nf4", "--fsdp-version", "2"],
      "--quantize-base nf4: the decoder layers of"),
     ("llama", ["--tokens-per-sample", "65"], "exceeds the 64 positions"),
+    ("llama", ["--save-hf", "{file}"], "is a file; the export is a directory"),
     ("vocab", [], "preprocess with the model's tokenizer"),
     (None, ["--lora-rank", "4"], "--lora-rank needs --hf-model"),
 ])
@@ -284,6 +286,8 @@ def test_bad_input_one_line_exit_2(capsys, corpus_dir, llama_data, llama_dir, tm
     dirs = {**_bad_dirs(tmp_path, llama_dir, gpt2=case == "gpt2"), "missing": tmp_path / "nowhere",
             "llama": llama_dir, "vocab": llama_dir}
     capsys.readouterr()  # save_pretrained's progress lines
+    (tmp_path / "a_file").write_text("")
+    extra = [str(tmp_path / "a_file") if x == "{file}" else x for x in extra]
     # GPT-2 BPE data has 50,257 ids, more than the Llama's 300
     data = corpus_dir if case in (None, "vocab") else llama_data
     argv = ["train", str(data), "--tokens-per-sample", str(T), "--batch-size", "2", "--no-save",

@@ -84,3 +84,18 @@ def test_tensors_the_config_has_no_place_for_are_refused(tmp_path):
     AutoModelForCausalLM.from_config(GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=8)) \
         .save_pretrained(tmp_path / "gpt2")
     hf_model.load_meta(types.SimpleNamespace(lora_rank=0), str(tmp_path / "gpt2"))
+
+
+def test_lora_all_linear_adapts_every_decoder_linear(tmp_path):
+    """--lora-target-modules all-linear is PEFT's shorthand (every Linear but the output layer), not a
+    module name (it was refused as "matches no module")."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, bos_token_id=0, eos_token_id=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    cfg = types.SimpleNamespace(lora_rank=2, lora_alpha=4, lora_dropout=0.0, lora_target_modules="all-linear",
+                                base_dtype="fp32", seed=0)
+    model, _, _ = hf_model.load_meta(cfg, str(tmp_path))
+    adapted = {n.split(".")[-4] for n, _ in model.named_parameters() if "lora_A" in n}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}, adapted

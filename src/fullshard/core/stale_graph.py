@@ -10,15 +10,15 @@ a forward and the backward of its graph (a graph kept with
 ``retain_graph=True`` and used again after ``optimizer.step()``, or kept from
 an earlier iteration): the backward would silently gather the new parameters
 into the old graph, a gradient of no function. So each forward records, per
-unit, the optimizer steps that named the unit's parameters and the flat
-shard's version counter, and the unit's pre-backward hook compares them and
-raises. Steps are counted per unit, not per process: a discriminator's step
+unit, the optimizer steps that named the unit's parameters, and the unit's
+pre-backward hook compares and raises. (Not the shards' version counters:
+the engine itself writes some shards in place between a forward and its
+backward, an all-gather extension's, say.) Steps are counted per unit, not per process: a discriminator's step
 between a generator's forward and its backward (GAN training) leaves the
 generator's graph valid, as under DDP. An optimizer stepping inside backward
 (post-accumulate-grad hooks) steps a unit after the unit's own backward, so
-it never trips the check. Writes that bypass both (``p.data``, or a foreach
-op on a ``fully_shard`` DTensor outside an optimizer) go unseen, as
-autograd misses ``.data`` writes too.
+it never trips the check. In-place writes outside an optimizer step (a
+``load_state_dict`` between a forward and its backward) go unseen.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from . import collectives, optim_hooks, registry, torch_private
+from . import collectives, optim_hooks, registry
 
 # unit -> optimizer steps that named one of its registered parameters
 _STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -44,13 +44,13 @@ def _count(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         _STEPS[unit] = _STEPS.get(unit, 0) + 1
 
 
-def snapshot(unit) -> tuple[int, int]:
-    """What a forward of ``unit`` ran on: the optimizer steps that touched it and its flat shard's version."""
+def snapshot(unit) -> int:
+    """What a forward of ``unit`` ran on: the optimizer steps that named its parameters so far."""
     optim_hooks.add_pre_step("unit steps", _count)
-    return _STEPS.get(unit, 0), torch_private.version_counter(unit.flat_shard)
+    return _STEPS.get(unit, 0)
 
 
-def check(unit, seen: tuple[int, int]) -> None:
+def check(unit, seen: int) -> None:
     """Before ``unit``'s backward of a forward that recorded ``seen`` (:func:`snapshot`).
 
     Raises:
@@ -59,5 +59,5 @@ def check(unit, seen: tuple[int, int]) -> None:
     if snapshot(unit) != seen:
         raise RuntimeError(
             f"[rank {collectives.rank()}] unit '{unit.name}': backward through a graph whose forward ran before "
-            "the unit's parameters were updated (an optimizer step or an in-place write since, e.g. a graph kept "
-            "with retain_graph=True across optimizer.step()); run the forward again")
+            "an optimizer step updated the unit's parameters (a graph kept with retain_graph=True across "
+            "optimizer.step()); run the forward again")

@@ -362,7 +362,7 @@ class PreBackwardHook:
     """Tensor hook on a unit's forward outputs: gathers the unit before its
     backward runs. Fires once per output; the first firing prefetches."""
 
-    def __init__(self, rt_ref: weakref.ref, seen: tuple[int, int]):
+    def __init__(self, rt_ref: weakref.ref, seen: int):
         self.rt_ref, self.seen = rt_ref, seen  # seen: what the forward ran on ([Note: stale graphs])
 
     def __call__(self, grad: torch.Tensor) -> None:

@@ -156,6 +156,8 @@ def lora_config(cfg):
 
     targets = [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()] \
         if cfg.lora_target_modules else None
+    if targets == ["all-linear"]:  # PEFT's shorthand (every Linear but the output layer): a string, not a name
+        targets = "all-linear"
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=targets, task_type="CAUSAL_LM")
 
@@ -178,9 +180,10 @@ def apply_lora(model: nn.Module, cfg, path: str = "") -> tuple[nn.Module, dict[s
                       get_peft_model(_skeleton(model), copy.deepcopy(config)).named_parameters() if p.requires_grad}
         peft_model = get_peft_model(model, config)
     except ValueError as e:
-        raise HFModelError(f"--lora-target-modules {cfg.lora_target_modules!r} matches no module of "
-                           f"{type(model).__name__} in {path!r} ({str(e).splitlines()[0][:160]}); name Linear "
-                           "layers it has, e.g. q_proj,v_proj (Llama, Qwen2) or c_attn (GPT-2)") from None
+        raise HFModelError(f"--lora-target-modules {cfg.lora_target_modules!r}: PEFT cannot adapt it in "
+                           f"{type(model).__name__} of {path!r} ({str(e).splitlines()[0][:160]}); name Linear "
+                           "layers it has, e.g. q_proj,v_proj (Llama, Qwen2) or c_attn (GPT-2), or all-linear") \
+            from None
     return peft_model, values
 
 

@@ -3,6 +3,7 @@
 starts."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from fullshard.train import hf_model, qlora
@@ -29,6 +30,8 @@ def check(p, args, meta: dict) -> Optional[int]:
         return None
     if args.ddp_backend != "fully_sharded":
         p.fail("--hf-model needs --ddp-backend fully_sharded")
+    if args.save_hf and os.path.exists(args.save_hf) and not os.path.isdir(args.save_hf):
+        p.fail(f"--save-hf {args.save_hf!r} is a file; the export is a directory: give a directory's path")
     if args.lora_rank < 0:
         p.fail(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {args.lora_rank}")
     if not 0.0 <= args.lora_dropout < 1.0:
