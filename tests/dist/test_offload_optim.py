@@ -13,7 +13,8 @@ bit for bit, the parameters and AdamW state of ``backward()``,
 ``fullshard.clip_grad_norm_`` and ``torch.optim.AdamW(fused=True).step()``, and
 the same norms; each gradient must live in the same host storage at every
 step. Then, with ``max_norm``: an iteration dropped by ``zero_grad()`` before
-``step()``, and two synchronizing backwards for one step, equal the reference.
+``step()``, two synchronizing backwards for one step, and lr / weight decay set
+after backward, equal the reference; what cannot be done is refused.
 """
 from __future__ import annotations
 
@@ -145,6 +146,41 @@ def _dropped_and_accumulated(door: str, rank: int, overlap: bool, max_norm: floa
     return _state(model, opt) | dropped | {"norms": torch.stack(norms)}
 
 
+def _lr_after_backward(door: str, rank: int, overlap: bool) -> dict:
+    """lr and weight decay set after each backward, before step() (a warmup written that way): OffloadAdamW
+    with max_norm redoes the steps taken during backward with the new settings."""
+    model = _make(door)
+    opt = OffloadAdamW(model, lr=LR, max_norm=HIGH) if overlap else \
+        torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    for step in range(3):
+        _backward(model, rank, step, 0, sync=True)
+        for group in opt.param_groups:
+            group["lr"], group["weight_decay"] = LR * (step + 2), 0.01 * step
+        if not overlap:
+            fullshard.clip_grad_norm_(model, HIGH)
+        opt.step()
+        opt.zero_grad()
+    return _state(model, opt)
+
+
+def _twice_reentrant():
+    """A unit called in two reentrant-checkpointed segments: each recomputation reduces its gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = checkpoint(self.block, x, use_reentrant=True)
+            return self.head(checkpoint(self.block, torch.tanh(h), use_reentrant=True))
+    torch.manual_seed(0)
+    model = Twice()
+    fullshard.fully_shard(model.block, offload_policy=fullshard.CPUOffloadPolicy())
+    return fullshard.fully_shard(model, offload_policy=fullshard.CPUOffloadPolicy())
+
+
 def _refusals(rank: int) -> None:
     model = _make("fully_shard")
     _backward(model, rank, 0, 0, sync=True)  # the root is known after the first forward
@@ -183,6 +219,25 @@ def _refusals(rank: int) -> None:
             model.clip_grad_norm_(1e-3)
         with pytest.raises(RuntimeError, match="changed after it was stepped during backward"):
             opt.step()
+    # Settings changed after backward, without max_norm: the steps taken during backward are final.
+    model = _make("fully_shard")
+    opt = OffloadAdamW(model, lr=LR)
+    _backward(model, rank, 0, 0, sync=True)
+    opt.param_groups[0]["lr"] = 2 * LR
+    with pytest.raises(RuntimeError, match="changed after units were stepped with the old one"):
+        opt.step()
+    # A unit reduced twice in one backward after its speculative step (its second recomputation may have
+    # gathered the stepped shards): refused; speculate=False steps it once at step().
+    for speculate in (True, False):
+        model = _twice_reentrant()
+        opt = OffloadAdamW(model, lr=LR, max_norm=HIGH, speculate=speculate)
+        loss = model(torch.randn(4, 8, requires_grad=True)).sum()
+        if speculate:
+            with pytest.raises(RuntimeError, match="got a gradient again in the backward that stepped it"):
+                loss.backward()
+        else:
+            loss.backward()
+            opt.step()
 
 
 def _ranks(rank: int, world: int):
@@ -211,6 +266,10 @@ def _ranks(rank: int, world: int):
             for name in want:
                 assert torch.equal(got[name], want[name]), (door, max_norm, name)
             report[f"{door} max_norm={max_norm} dropped + accumulated"] = "bitwise equal"
+        want, got = _lr_after_backward(door, rank, False), _lr_after_backward(door, rank, True)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (door, "lr after backward", name)
+        report[f"{door} lr changed after backward"] = "bitwise equal"
     _refusals(rank)
     dist.barrier()
     return report

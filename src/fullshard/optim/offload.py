@@ -158,6 +158,7 @@ class OffloadAdamW(torch.optim.AdamW):
         self._versions: dict[int, tuple] = {}
         self._known: dict[int, tuple] = {}  # id(gradient shard) -> (it, its norm): norms.reduced_norm's known
         self._saved = Snapshots()  # what the speculative steps (max_norm) overwrote
+        self._hyper: Optional[list[dict]] = None  # the group settings this iteration's unit steps used
         me = weakref.ref(self)
 
         def ready(unit, me=me):
@@ -178,6 +179,16 @@ class OffloadAdamW(torch.optim.AdamW):
                 "opt.step(); it steps each unit in the backward that reduces the unit's gradient, so call "
                 "opt.step() after every synchronizing backward and accumulate micro-batches under no_sync() "
                 "(set_requires_gradient_sync(False))")
+        if id(unit) in self._stepped and id(unit) not in self._deferred and \
+                any(id(s.sharded) in self._done for s in unit.slots):
+            # Reduced twice in one backward (reentrant checkpointing recomputing it in two segments): the
+            # second recomputation may have gathered the shards this speculative step had changed.
+            self._undo(defer=False)
+            raise RuntimeError(
+                f"[rank {collectives.rank()}] OffloadAdamW: unit '{unit.name}' got a gradient again in the "
+                "backward that stepped it speculatively, so a recomputation in between may have run on the "
+                "stepped parameters; pass speculate=False (units then step at opt.step()), or checkpoint "
+                "non-reentrantly")
         if id(unit) in self._stepped and id(unit) not in self._deferred:
             self._undo()  # its gradient grows after its speculative step: put every such step back
         self._stepped[id(unit)] = unit.name
@@ -187,17 +198,19 @@ class OffloadAdamW(torch.optim.AdamW):
             unit.wait_unshard()
         params = [s.sharded for s in unit.slots if s.sharded.grad is not None]
         self._done.update((id(p), p) for p in params)
+        if self._hyper is None:  # read here, on the caller's thread: step() checks nothing changed since
+            self._hyper = _hyperparameters(self.param_groups)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fullshard-offload-adamw")
-        self._jobs.append(self._pool.submit(self._step_unit, unit, params))
+        self._jobs.append(self._pool.submit(self._step_unit, unit, params, self._hyper))
 
-    def _step_unit(self, unit, params: list[torch.Tensor]) -> None:
+    def _step_unit(self, unit, params: list[torch.Tensor], hyper: list[dict]) -> None:
         offload.wait(unit)  # its gradient copy has landed on the host
         self._versions.update((id(p), (p, _fingerprint(p))) for p in params)
         if self.max_norm is not None:
             self._saved.save(self.state, params)
             self._known.update((id(g), (g, norms.grad_norm(g, self.norm_type))) for g in norms.counted_grads(unit))
-        self._update(params)
+        self._update(params, hyper)
         self.unit_steps_in_backward += 1
 
     def _drain(self) -> None:
@@ -213,13 +226,14 @@ class OffloadAdamW(torch.optim.AdamW):
         self._drain()
         self._saved.restore(self.state)
         self._deferred = set(self._stepped) | self._deferred if defer else set()
-        self._done, self._versions, self._known = {}, {}, {}
+        self._done, self._versions, self._known, self._hyper = {}, {}, {}, None
         if not defer:
             self._stepped = {}
 
     def _forget_iteration(self) -> None:
         """Forget which units this iteration stepped (after step(), or an iteration dropped by zero_grad())."""
         self._stepped, self._done, self._versions, self._known, self._deferred = {}, {}, {}, {}, set()
+        self._hyper = None
 
     def _before_forward(self) -> None:
         self._drain()
@@ -227,10 +241,13 @@ class OffloadAdamW(torch.optim.AdamW):
             self._undo()  # the forward reads the parameters before this update
 
     @torch.no_grad()
-    def _update(self, params: list[torch.Tensor]) -> None:
-        """``AdamW.step()`` restricted to ``params`` (each group's settings; the same kernel and arguments)."""
+    def _update(self, params: list[torch.Tensor], hyper: Optional[list[dict]] = None) -> None:
+        """``AdamW.step()`` restricted to ``params`` (each group's settings, or ``hyper``'s copy of them;
+        the same kernel and arguments)."""
         ids = {id(p) for p in params}
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
+            if hyper is not None:
+                group = dict(hyper[i], params=group["params"])
             mine = dict(group, params=[p for p in group["params"] if id(p) in ids])
             if not mine["params"]:
                 continue
@@ -262,11 +279,20 @@ class OffloadAdamW(torch.optim.AdamW):
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             raise RuntimeError("OffloadAdamW cannot be stepped through a gradient scaler: its units step before "
                                "the scaler's inf check; train in bfloat16 or float32 without one")
-        model, done, versions, known = self._model(), self._done, self._versions, self._known
+        model, done, versions, known, hyper = self._model(), self._done, self._versions, self._known, self._hyper
         try:
             self._drain()
         finally:
             self._forget_iteration()
+        if done and not _same_hyperparameters(hyper, self.param_groups):
+            if self.max_norm is None:  # the steps taken during backward are final
+                raise RuntimeError(
+                    f"[rank {collectives.rank()}] OffloadAdamW: lr, weight_decay or another setting of a parameter "
+                    "group changed after units were stepped with the old one during backward; change settings "
+                    "before the forward (after step()), or pass max_norm=... so such steps are redone")
+            self._saved.restore(self.state)  # put the steps back; every unit steps below with the new settings
+            self.redone_steps += 1
+            done = {}
         changed = next((p for p, v in versions.values() if not _same(_fingerprint(p), v)), None)
         if changed is not None:
             self._saved.restore(self.state)  # with max_norm: no step of this iteration stays
@@ -321,6 +347,27 @@ class OffloadAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict) -> None:
         self._drain()
         super().load_state_dict(state_dict)
+
+
+def _hyperparameters(groups: list[dict]) -> list[dict]:
+    """A copy of each parameter group's settings (tensors cloned), without its parameters."""
+    return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+            for g in groups]
+
+
+def _same_hyperparameters(seen: Optional[list[dict]], groups: list[dict]) -> bool:
+    now = _hyperparameters(groups)
+    if seen is None:
+        return True
+    if len(seen) != len(now) or any(a.keys() != b.keys() for a, b in zip(seen, now)):
+        return False
+    return all(_equal(a[k], b[k]) for a, b in zip(seen, now) for k in a)
+
+
+def _equal(x, y) -> bool:
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):  # a tensor lr (capturable)
+        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+    return x == y
 
 
 _STRIDE = 61  # every 61st element: about 2% of a pass over the gradient
