@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import construct, dtensor_specs, fsdp2_state, wrap
 from .api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
-from .core import backward_guard, collectives, consistency, deferred_init, extensions, state, stored
+from .core import backward_guard, collectives, consistency, deferred_init, extensions, stale_graph, state, stored
 from .core.convert import adopt
 from .core.module import UnitModule, unit_modules
 from .core.settings import UnitSettings
@@ -412,6 +412,7 @@ def _before_load(module: FSDPModule, *args) -> None:
     rt = module._runtime
     if rt.root is not None:
         state.require_idle(rt.root, "load_state_dict()")
+    stale_graph.updated(rt.unit)  # a graph of an earlier forward must not backpropagate through the new values
     if rt.unit.state is not ShardedState.SHARDED:
         rt.unit.reshard()
 

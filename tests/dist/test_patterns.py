@@ -119,15 +119,22 @@ def _interrupted(rank, world):
             return None
         return _skip_ref(model, opt, rank, step)
     out["nested_forward_raises"] = P.compare(rank, nested_forward_raises, steps=4, ref_step_fn=_skip_ref)
-    # A graph kept with retain_graph=True across its optimizer step: one process and DDP refuse its backward
-    # (autograd's in-place check), so does fullshard (core/stale_graph.py); training then goes on as DDP's.
+    # A graph kept with retain_graph=True across its optimizer step, or a load_state_dict between a forward and
+    # its backward: one process and DDP refuse the backward (autograd's in-place check), so does fullshard
+    # (core/stale_graph.py); training then goes on as DDP's.
     kept = {}
 
     def graph_kept_across_step(model, opt, rank, step):
-        if id(model) in kept and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            with pytest.raises(RuntimeError, match="graph whose forward ran before an optimizer step"):
+        sharded = not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if id(model) in kept and sharded:
+            with pytest.raises(RuntimeError, match="graph whose forward ran before the unit.s parameters were updated"):
                 kept.pop(id(model)).backward()
         x, y = P.batch(rank, step)
+        if step == 2 and sharded:  # a load_state_dict between a forward and its backward: the same
+            loss = P.mse(model(x), y)
+            model.load_state_dict(model.state_dict())
+            with pytest.raises(RuntimeError, match="graph whose forward ran before the unit.s parameters were updated"):
+                loss.backward()
         loss = P.mse(model(x), y)
         loss.backward(retain_graph=step == 0)
         if step == 0:

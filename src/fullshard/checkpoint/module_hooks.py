@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from ..api import StateDictType
 from ..construct import WRAPPER_SEGMENTS, clean_name
-from ..core import collectives, flat as flat_layout, mixed, torch_private
+from ..core import collectives, flat as flat_layout, mixed, stale_graph, torch_private
 from ..core.gather import gather_full
 from . import state_dict as state_dicts
 
@@ -203,6 +203,7 @@ def _load_pre(unit_module: nn.Module, state_dict: dict, prefix: str, local_metad
               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
     _check_usable(unit_module, "load_state_dict()")
     unit, st = unit_module.unit, state_dicts.settings(unit_module)
+    stale_graph.updated(unit)  # a graph of an earlier forward must not backpropagate through the new values
     where = f"[rank {collectives.rank()}] unit '{unit.name}'"
     if local_metadata.get("assign_to_params_buffers"):
         raise ValueError(f"{where}: load_state_dict(assign=True) is not supported (values are copied into "

@@ -17,8 +17,9 @@ backward, an all-gather extension's, say.) Steps are counted per unit, not per p
 between a generator's forward and its backward (GAN training) leaves the
 generator's graph valid, as under DDP. An optimizer stepping inside backward
 (post-accumulate-grad hooks) steps a unit after the unit's own backward, so
-it never trips the check. In-place writes outside an optimizer step (a
-``load_state_dict`` between a forward and its backward) go unseen.
+it never trips the check. ``load_state_dict`` into a unit counts as a step
+(:func:`updated`); other in-place writes to the parameters between a
+forward and its backward go unseen.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 
 from . import collectives, optim_hooks, registry
 
-# unit -> optimizer steps that named one of its registered parameters
+# unit -> optimizer steps that named one of its registered parameters, and loads into it
 _STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -42,6 +43,11 @@ def _count(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 units[id(found[0])] = found[0]
     for unit in units.values():
         _STEPS[unit] = _STEPS.get(unit, 0) + 1
+
+
+def updated(unit) -> None:
+    """``unit``'s shards are being written outside an optimizer step (``load_state_dict``): count it as a step."""
+    _STEPS[unit] = _STEPS.get(unit, 0) + 1
 
 
 def snapshot(unit) -> int:
@@ -59,5 +65,5 @@ def check(unit, seen: int) -> None:
     if snapshot(unit) != seen:
         raise RuntimeError(
             f"[rank {collectives.rank()}] unit '{unit.name}': backward through a graph whose forward ran before "
-            "an optimizer step updated the unit's parameters (a graph kept with retain_graph=True across "
-            "optimizer.step()); run the forward again")
+            "the unit's parameters were updated (by an optimizer step or load_state_dict: a graph kept with "
+            "retain_graph=True across optimizer.step(), say); run the forward again")
