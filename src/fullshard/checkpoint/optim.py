@@ -96,8 +96,10 @@ def _is_rows(optim: torch.optim.Optimizer, param, key: str, v, shape: torch.Size
 
 def init_optim_state(optim: torch.optim.Optimizer) -> None:
     """Create an empty optimizer's state (zeros) by one step with zero
-    gradients at learning rate 0, so it has templates to load into.
-    Parameters are unchanged (the update and decoupled weight decay scale with lr)."""
+    gradients at learning rate 0, so it has templates to load into, for every
+    parameter it holds: frozen ones too, whose state a checkpoint may hold
+    (frozen since it was saved). Parameters are unchanged (the update and
+    decoupled weight decay scale with lr)."""
     if optim.state:
         return
     lrs = []
@@ -105,7 +107,7 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
         lrs.append(g["lr"])
         g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
         for p in g["params"]:
-            if p.requires_grad and p.grad is None:
+            if p.grad is None:
                 p.grad = torch.zeros_like(p)
     try:
         optim.step()

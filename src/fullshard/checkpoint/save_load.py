@@ -48,6 +48,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -428,6 +429,8 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
         optim_state.init_optim_state(optimizer)
     state = _states_in_parts(model, optimizer, process_group)
     check_model_keys(path, state["model"], process_group)
+    if optimizer is not None:
+        _only_saved_optim_state(path, state["optim"])
     world = _world(group)
     with warnings.catch_warnings():  # one rank: DCP's "assuming ... a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
@@ -435,7 +438,10 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
     if _is_fully_shard(model) and optimizer is None:
         set_model_state_dict(model, state["model"])
     elif _is_fully_shard(model):
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # Not strict: the model's keys were checked above, and the optimizer template holds what was saved.
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))
+        _frozen_optim_state(model, optimizer, state["optim"])
     elif fsdp:
         prev = state_dicts.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
         try:
@@ -450,6 +456,32 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
             plain = optim_state.plain_optim_state_dict_to_load(_plain(model), optimizer, state["optim"])
             optimizer.load_state_dict(plain)
     return read_extra(path, _rank(group))
+
+
+def _only_saved_optim_state(path: str, optim: dict) -> None:
+    """Drop from the load template the optimizer state the checkpoint does not hold: a parameter that had
+    none when it was saved (not used yet) then has none after the load, as ``optimizer.load_state_dict``
+    leaves it (the template, made by ``init_optim_state``, has an entry for every parameter)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    per_param = optim.get("state", {})
+    for name in list(per_param):
+        entry = per_param[name]
+        for key in [k for k in entry if f"optim.state.{name}.{k}" not in saved]:
+            del entry[key]
+        if not entry:
+            del per_param[name]
+
+
+def _frozen_optim_state(model: nn.Module, optimizer, optim: dict) -> None:
+    """torch's ``set_state_dict`` loads no optimizer state for a frozen parameter (``requires_grad``
+    False); a parameter frozen since the save keeps the saved state, as ``optimizer.load_state_dict`` and
+    the FSDP1 door keep it, so it trains on from it when unfrozen."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = optim.get("state", {}).get(names.get(id(p)))
+            if not p.requires_grad and entry:
+                optimizer.state[p] = dict(entry)
 
 
 def read_extra(checkpoint_dir: str, rank: int = 0) -> Any:
