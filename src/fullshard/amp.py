@@ -145,10 +145,16 @@ class ShardedGradScaler:
         ranks, whether any is inf/NaN (one all-reduce of a 1-element flag).
 
         Raises:
-            RuntimeError: called twice for one optimizer before ``update()``.
+            RuntimeError: called twice for one optimizer before ``update()``; ``optimizer`` is an
+                ``OffloadAdamW`` (its units step during backward, before any inf check).
         """
         if not self._enabled:
             return
+        from fullshard.optim.offload import OffloadAdamW
+
+        if isinstance(optimizer, OffloadAdamW):
+            raise RuntimeError("ShardedGradScaler cannot drive OffloadAdamW: its units step during backward, before "
+                               "the scaler's inf check; train in bfloat16 or float32 without a scaler")
         state = self._per_optimizer.setdefault(id(optimizer), {"unscaled": False, "found_inf": False})
         if state["unscaled"]:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")

@@ -4,7 +4,8 @@ An inf (or NaN) put into ONE rank's gradient shard must make every rank skip
 that step and back off together; skipping is exact (fp32 parameters equal a
 run that never saw the bad batch, since scaling by powers of two is exact);
 the scale grows after ``growth_interval`` clean steps; backing off to
-``min_loss_scale`` raises fairseq's FloatingPointError.
+``min_loss_scale`` raises fairseq's FloatingPointError. torch's own
+``GradScaler`` over the wrapper's gradient shards is refused.
 """
 from __future__ import annotations
 
@@ -90,6 +91,27 @@ def _skip_and_growth(rank, world):
                 "learning rate, using gradient clipping or increasing the batch size.")
             assert scaler.get_scale() == 0.5
         opt.zero_grad()
+
+    # torch.amp.GradScaler checks only this rank's gradient shard: refused at the wrapper's first step
+    # (core/optim_guard.py [Note: torch's GradScaler over plain shards]); under fully_shard (DTensor
+    # gradients) torch reduces the check itself and it steps.
+    import fullshard
+
+    for door in ("wrapper", "fully_shard"):
+        model = M.clone(M.make_model("gpt"))
+        if door == "wrapper":
+            model = FSDP(model, auto_wrap_policy=M.unit_policy("gpt"))
+        else:
+            fullshard.fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+        x, y = M.batch("gpt", rank, 0)
+        scaler.scale(M.loss_fn("gpt", model, x, y)).backward()
+        if door == "wrapper":
+            with pytest.raises(RuntimeError, match="use fullshard.ShardedGradScaler"):
+                scaler.step(opt)
+        else:
+            scaler.step(opt)
     return scales
 
 

@@ -219,6 +219,13 @@ def _refusals(rank: int) -> None:
             model.clip_grad_norm_(1e-3)
         with pytest.raises(RuntimeError, match="changed after it was stepped during backward"):
             opt.step()
+    # A gradient scaler: its inf check would come after the units' steps.
+    model = _make("fully_shard")
+    opt = OffloadAdamW(model, lr=LR)
+    _backward(model, rank, 0, 0, sync=True)
+    with pytest.raises(RuntimeError, match="ShardedGradScaler cannot drive OffloadAdamW"):
+        fullshard.ShardedGradScaler().step(opt)
+    opt.step()
     # Settings changed after backward, without max_norm: the steps taken during backward are final.
     model = _make("fully_shard")
     opt = OffloadAdamW(model, lr=LR)

@@ -19,6 +19,7 @@ optimizer until its parameter groups change.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Optional
 
@@ -77,8 +78,9 @@ def disallow(cls: type) -> None:
 
 
 def install() -> None:
-    """Add the step check to the optimizer pre-step callbacks (idempotent)."""
+    """Add the step checks to the optimizer pre-step callbacks (idempotent)."""
     optim_hooks.add_pre_step("sharded optimizer", _check_step)
+    optim_hooks.add_pre_step("torch grad scaler", _check_scaler)
 
 
 def describe(param: torch.Tensor, info: ShardInfo) -> str:
@@ -129,4 +131,51 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         _VERDICTS[optimizer] = seen
     if seen[1] is not None:
         raise ShardedOptimizerError(seen[1])
+    return None
+
+
+# optimizer -> (its parameter groups' structure, whether it holds plain gradient shards split over ranks)
+_PLAIN_SHARDS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _check_scaler(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Refuse a step that ``torch.amp.GradScaler.step`` drives over the wrapper's gradient shards.
+
+    [Note: torch's GradScaler over plain shards]
+    ``torch.amp.GradScaler`` looks for inf/NaN in the gradients this rank
+    holds. Under ``FullyShardedDataParallel`` those are plain tensors holding
+    this rank's shard, so an overflow in one rank's shard makes that rank
+    skip the step and halve its scale while the others step: the ranks'
+    models part (0.036 off DDP in an audit). Under ``fully_shard`` the
+    gradients are DTensors and torch reduces the check over the mesh.
+    ``fullshard.ShardedGradScaler`` all-reduces it. torch's scaler is found
+    by its frame on the stack (``_maybe_opt_step`` calls ``optimizer.step``):
+    it has no hook, and nothing on the optimizer names it. A rank whose
+    scaler skipped the step never gets here, so the refusal comes at the
+    first step any rank takes.
+
+    Raises:
+        RuntimeError: ``torch.amp.GradScaler`` steps an optimizer over plain gradient shards split over ranks.
+    """
+    key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+    seen = _PLAIN_SHARDS.get(optimizer)
+    if seen is None or seen[0] != key:
+        plain = any(found is not None and found[1].spec is None and collectives.group_size(found[0].cfg.shard_group) > 1
+                    for g in optimizer.param_groups for p in g["params"] for found in [registry.find(p)])
+        seen = (key, plain)
+        _PLAIN_SHARDS[optimizer] = seen
+    if not seen[1]:
+        return None
+    from torch.amp.grad_scaler import GradScaler
+
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if isinstance(frame.f_locals.get("self"), GradScaler):
+            raise RuntimeError(
+                f"[rank {collectives.rank()}] torch.amp.GradScaler steps an optimizer over FullyShardedDataParallel's "
+                "gradient shards: each rank checks only its own shard for inf/NaN, so ranks would disagree on "
+                "skipping a step; use fullshard.ShardedGradScaler (the same interface)")
+        frame = frame.f_back
     return None
