@@ -150,9 +150,7 @@ class ShardedGradScaler:
         """
         if not self._enabled:
             return
-        from fullshard.optim.offload import OffloadAdamW
-
-        if isinstance(optimizer, OffloadAdamW):
+        if getattr(optimizer, "steps_in_backward", False):  # OffloadAdamW (amp imports only core)
             raise RuntimeError("ShardedGradScaler cannot drive OffloadAdamW: its units step during backward, before "
                                "the scaler's inf check; train in bfloat16 or float32 without a scaler")
         state = self._per_optimizer.setdefault(id(optimizer), {"unscaled": False, "found_inf": False})

@@ -125,6 +125,9 @@ class OffloadAdamW(torch.optim.AdamW):
             inf check must precede the step).
     """
 
+    steps_in_backward = True
+    """Units step during backward: no gradient scaler can drive it (``ShardedGradScaler`` refuses it)."""
+
     def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  max_norm: Optional[float] = None, norm_type: float = 2.0, fused: bool = True,
