@@ -72,13 +72,21 @@ def test_tutorial_model_state_dict_round_trip():
 
 
 class Scaled(nn.Module):
-    """A linear layer with quantization-style extra state (a scale and metadata)."""
+    """A linear layer with quantization-style extra state (a scale and metadata), of version 2: it
+    records the version its loads see (``nn.Module`` passes it in ``local_metadata``)."""
+
+    _version = 2
 
     def __init__(self, n_in, n_out):
         super().__init__()
         self.lin = nn.Linear(n_in, n_out)
         self.scale = torch.tensor(1.0)
         self.fmt = "e4m3"
+        self.versions_seen = []
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        self.versions_seen.append(local_metadata.get("version"))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
 
     def forward(self, x):
         return self.lin(x) * self.scale
@@ -162,11 +170,16 @@ def _extra_state_and_hooks(rank, world, tmp):
                 assert kv[k].requires_grad == v.requires_grad, k
         # A legacy name goes through the user's load pre-hook; extra state is set.
         other = build(7, [])
-        legacy = dict(other.state_dict())
+        legacy = other.state_dict()  # with its _metadata (module versions)
         legacy["b.lin.w"] = legacy.pop("b.lin.weight")
         log.clear()
         model.load_state_dict(legacy)
         assert ("post", 0) in log, log
+        # Each module's version travels with the state dict, under the plain names both ways.
+        assert model.module.a.versions_seen == model.module.b.versions_seen == [2], strategy
+        back = build(9, [])
+        back.load_state_dict(model.state_dict())
+        assert back.a.versions_seen == back.b.versions_seen == [2], strategy
         got = model.state_dict()
         for k, v in other.state_dict().items():
             if not k.endswith("_extra_state"):

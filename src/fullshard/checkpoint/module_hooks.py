@@ -152,6 +152,7 @@ def _save_post(unit_module: nn.Module, state_dict: dict, prefix: str, local_meta
         for part in mixed.parts(unit):
             part.restore_params()
         unit_module._sd_installed = False
+    _clean_metadata(state_dict, prefix)
     mine = [k for k in state_dict if k.startswith(prefix)]
     drop = st.type is StateDictType.FULL_STATE_DICT and st.config.rank0_only and not state_dicts.first_rank(unit_module)
     for k in mine:  # re-inserted in order: they are the dict's last entries
@@ -163,6 +164,32 @@ def _save_post(unit_module: nn.Module, state_dict: dict, prefix: str, local_meta
         state_dict[prefix + FLAT_PARAM_KEY] = flat.to("cpu", copy=True) if st.config.offload_to_cpu else flat
     elif not drop:
         _buffers_in_saved_dtype(unit_module, state_dict, prefix)
+
+
+def _clean_metadata(state_dict: dict, prefix: str) -> None:
+    """The state dict's ``_metadata`` (each module's ``_version``, by module name) under the plain
+    model's names, as its keys: the wrapped module's entry in place of its unit's. Without this a
+    module's version is not found when the state dict loads into the plain model (its
+    ``_load_from_state_dict`` then takes it for a version-less one)."""
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is None:
+        return
+    inner = prefix + SEGMENT[:-1]
+    for key in [k for k in metadata if k == inner or k.startswith(inner + ".")]:
+        metadata[prefix[:-1] + key[len(inner):] if key == inner else prefix + key[len(inner) + 1:]] = \
+            metadata.pop(key)
+
+
+def _alias_metadata(unit_module: nn.Module, state_dict: dict, prefix: str) -> None:
+    """At the start of a load: each module's ``_metadata`` entry of the plain model's names also under
+    its name in the wrapped model, where ``nn.Module.load_state_dict`` looks it up."""
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is None:
+        return
+    for name, _ in unit_module.named_modules():
+        plain = clean_name(name)
+        if name != plain and (prefix + plain).rstrip(".") in metadata:
+            metadata[(prefix + name).rstrip(".")] = metadata[(prefix + plain).rstrip(".")]
 
 
 def _buffers_in_saved_dtype(unit_module: nn.Module, state_dict: dict, prefix: str) -> None:
@@ -204,6 +231,7 @@ def _load_pre(unit_module: nn.Module, state_dict: dict, prefix: str, local_metad
     _check_usable(unit_module, "load_state_dict()")
     unit, st = unit_module.unit, state_dicts.settings(unit_module)
     stale_graph.updated(unit)  # a graph of an earlier forward must not backpropagate through the new values
+    _alias_metadata(unit_module, state_dict, prefix)
     where = f"[rank {collectives.rank()}] unit '{unit.name}'"
     if local_metadata.get("assign_to_params_buffers"):
         raise ValueError(f"{where}: load_state_dict(assign=True) is not supported (values are copied into "
