@@ -133,6 +133,39 @@ def _add_hooks(model: Hooked, log: list) -> None:
     model.b.register_load_state_dict_post_hook(lambda m, keys: log.append(("post", len(keys.missing_keys))))
 
 
+class Grown(nn.Module):
+    """A table grown since the save: its load copies the saved rows and keeps the new ones (it reads the
+    parameter's current value during the load)."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(rows, 4))
+
+    def forward(self, x):
+        return x @ self.table
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        saved = state_dict.pop(prefix + "table")
+        with torch.no_grad():
+            self.table[:len(saved)].copy_(saved)
+
+
+def _partial_load(rank, world) -> None:
+    """A full-state-dict load through such a module equals the plain model's (the rows it keeps were
+    uninitialized memory before)."""
+    from fullshard import FSDP
+
+    torch.manual_seed(0)
+    small = Grown(3).state_dict()
+    torch.manual_seed(1)
+    plain = Grown(5)
+    torch.manual_seed(1)
+    model = FSDP(Grown(5))
+    plain.load_state_dict(small)
+    model.load_state_dict(small)
+    torch.testing.assert_close(model.state_dict()["table"], plain.table.detach(), rtol=0, atol=0)
+
+
 def _extra_state_and_hooks(rank, world, tmp):
     from fullshard import FSDP, ShardingStrategy, StateDictType, checkpoint
     from fullshard.wrap import ModuleWrapPolicy
@@ -206,6 +239,7 @@ def _extra_state_and_hooks(rank, world, tmp):
         for k, v in again.state_dict().items():
             if not k.endswith("_extra_state"):
                 torch.testing.assert_close(v, got[k], rtol=0, atol=0, msg=k)
+    _partial_load(rank, world)
     return True
 
 

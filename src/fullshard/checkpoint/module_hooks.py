@@ -38,6 +38,7 @@ next state-dict call of that unit.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable, Optional
 
 import torch
@@ -284,9 +285,15 @@ def _load_targets(unit, kind: StateDictType) -> list[Optional[nn.Parameter]]:
                 value = torch.zeros(lay.shape, dtype=view.dtype, device=view.device)
             targets.append(nn.Parameter(value, requires_grad=lay.requires_grad))
         return targets
+    # Full targets hold the current full values (one all-gather of the unit, as state_dict() makes): a
+    # _load_from_state_dict that writes only some rows (a vocabulary grown since the save) or a load hook
+    # that reads the parameter sees what the plain model would.
     dev = unit.flat_shard.device
-    return [nn.Parameter(torch.empty(slot.layout.shape, dtype=unit.flat_shard.dtype, device=dev),
-                         requires_grad=slot.layout.requires_grad) for slot in unit.slots]
+    full = gather_full(unit)
+    return [nn.Parameter(value.to(dev) if value is not None else
+                         torch.empty(slot.layout.shape, dtype=unit.flat_shard.dtype, device=dev),
+                         requires_grad=slot.layout.requires_grad)
+            for slot, value in itertools.zip_longest(unit.slots, full)]
 
 
 def _local_flat(unit, flat: Optional[torch.Tensor], prefix: str, missing_keys: list) -> Optional[torch.Tensor]:
