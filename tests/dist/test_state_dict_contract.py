@@ -165,6 +165,33 @@ def _partial_load(rank, world) -> None:
     model.load_state_dict(small)
     torch.testing.assert_close(model.state_dict()["table"], plain.table.detach(), rtol=0, atol=0)
 
+    # A load post-hook that edits the loaded parameters in place (on a module above the units): its edits
+    # stay, as on the plain model; a load that then raises still leaves every shard as it was.
+    from fullshard.wrap import ModuleWrapPolicy
+
+    def halve(module, keys):
+        with torch.no_grad():
+            for p in module.parameters():
+                p.mul_(0.5)
+    nets = []
+    for wrapped in (False, True):
+        torch.manual_seed(2)
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        net.register_load_state_dict_post_hook(halve)
+        nets.append(FSDP(net, auto_wrap_policy=ModuleWrapPolicy({nn.Linear})) if wrapped else net)
+    torch.manual_seed(3)
+    source = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).state_dict()
+    for net in nets:
+        net.load_state_dict(source)
+    want, got = nets[0].state_dict(), nets[1].state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+    bad = {**source, "2.weight": torch.zeros(1)}
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        nets[1].load_state_dict(bad)
+    for k, v in nets[1].state_dict().items():
+        torch.testing.assert_close(v, got[k], rtol=0, atol=0, msg=k)
+
 
 def _extra_state_and_hooks(rank, world, tmp):
     from fullshard import FSDP, ShardingStrategy, StateDictType, checkpoint

@@ -53,7 +53,7 @@ class StateDictMethods:
             raise ValueError("FullyShardedDataParallel.load_state_dict: assign=True is not supported "
                              "(values are copied into the shards); call it without assign")
         try:
-            with module_hooks.deferred_row_copies():
+            with module_hooks.deferred_row_copies(immediate=module_hooks.has_own_load_post_hooks(self)):
                 return super().load_state_dict(state_dict, strict)
         except RuntimeError as e:
             if str(e).startswith("[rank"):

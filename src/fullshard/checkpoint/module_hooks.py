@@ -30,7 +30,11 @@ takes part through four hooks registered at construction:
 
 When the load runs through a unit's ``load_state_dict`` those copies wait
 until the whole load succeeded, so a load that raises (missing keys, a
-shape mismatch) leaves every shard as it was, for each state-dict type. A state-dict call that raised
+shape mismatch) leaves every shard as it was, for each state-dict type.
+Where some module has a load post-hook of its own, the copies run at once
+instead (such a hook may edit the loaded parameters in place, and a copy
+run after it would undo the edit), each unit's flat shards first copied
+aside and put back if the load raises. A state-dict call that raised
 half-way leaves targets registered only until the next forward (the root's
 pre-forward restores them, ``core/state.py`` ``start_iteration``) or the
 next state-dict call of that unit.
@@ -74,7 +78,7 @@ class _LoadTargets:
 
 # Unit module -> its pending load; row copies deferred by a unit's load_state_dict.
 _LOADS: dict[int, list[tuple[object, _LoadTargets]]] = {}  # one (part, targets) per dtype part
-_DEFERRED: list[Optional[list[Callable[[], None]]]] = [None]
+_DEFERRED: list = [None]  # per load: a list of deferred copies, a _Restorer (copies run at once), or None
 
 
 def register(unit_module: nn.Module) -> None:
@@ -342,9 +346,12 @@ def _load_post(unit_module: nn.Module, incompatible_keys) -> None:
         for fn in copies:
             fn()
 
-    if _DEFERRED[-1] is not None:
-        _DEFERRED[-1].append(copy_rows)
+    pending = _DEFERRED[-1]
+    if isinstance(pending, list):
+        pending.append(copy_rows)
     elif not error_msgs:
+        if isinstance(pending, _Restorer):
+            pending.keep([part for part, _ in loads])
         copy_rows()
 
 
@@ -370,19 +377,51 @@ def _load_post_part(unit, pending: _LoadTargets) -> Callable[[], None]:
     return copy_rows
 
 
+class _Restorer:
+    """The flat shards of the units a load copied into at once, as they were, until the load ends."""
+
+    def __init__(self):
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep(self, parts) -> None:
+        self.saved.extend((p.flat_shard, p.flat_shard.detach().clone()) for p in parts)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for flat, before in reversed(self.saved):
+            flat.copy_(before)
+
+
 class deferred_row_copies:
     """Context of a unit's ``load_state_dict``: the row copies of every unit
-    below wait until the load returned without error, then run."""
+    below wait until the load returned without error, then run; with
+    ``immediate`` (a module has a load post-hook of its own) they run at
+    once and are undone if the load raises.
+
+    Args:
+        immediate: run the copies in the units' post-hooks.
+    """
+
+    def __init__(self, immediate: bool = False):
+        self.immediate = immediate
 
     def __enter__(self):
-        _DEFERRED.append([])
+        _DEFERRED.append(_Restorer() if self.immediate else [])
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        copies = _DEFERRED.pop()
-        if exc_type is None:
-            for fn in copies:
+        pending = _DEFERRED.pop()
+        if isinstance(pending, _Restorer):
+            if exc_type is not None:
+                pending.restore()
+        elif exc_type is None:
+            for fn in pending:
                 fn()
+
+
+def has_own_load_post_hooks(module: nn.Module) -> bool:
+    """Whether a module of ``module`` has a load post-hook other than a unit's."""
+    return any(h is not _load_post for m in module.modules() for h in m._load_state_dict_post_hooks.values())
 
 
 def forget_load(unit_module: nn.Module) -> None:
