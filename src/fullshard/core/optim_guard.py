@@ -149,8 +149,8 @@ def _check_scaler(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     models part (0.036 off DDP in an audit). Under ``fully_shard`` the
     gradients are DTensors and torch reduces the check over the mesh.
     ``fullshard.ShardedGradScaler`` all-reduces it. torch's scaler is found
-    by its frame on the stack (``_maybe_opt_step`` calls ``optimizer.step``):
-    it has no hook, and nothing on the optimizer names it. A rank whose
+    by its method's frame on the stack (``_maybe_opt_step`` calls
+    ``optimizer.step``): it has no hook, and nothing on the optimizer names it. A rank whose
     scaler skipped the step never gets here, so the refusal comes at the
     first step any rank takes.
 
@@ -168,11 +168,14 @@ def _check_scaler(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         return None
     from torch.amp.grad_scaler import GradScaler
 
+    # By code object, not f_locals: reading a frame's locals caches them on the frame, which would keep
+    # the caller's objects (the model) alive after the caller deleted them.
+    scaler_code = (GradScaler._maybe_opt_step.__code__, GradScaler.step.__code__)
     frame = sys._getframe(1)
     for _ in range(8):
         if frame is None:
             return None
-        if isinstance(frame.f_locals.get("self"), GradScaler):
+        if frame.f_code in scaler_code:
             raise RuntimeError(
                 f"[rank {collectives.rank()}] torch.amp.GradScaler steps an optimizer over FullyShardedDataParallel's "
                 "gradient shards: each rank checks only its own shard for inf/NaN, so ranks would disagree on "
