@@ -13,9 +13,9 @@ into the old graph, a gradient of no function. So each forward records, per
 unit, the optimizer steps that named the unit's parameters, and the unit's
 pre-backward hook compares and raises. (Not the shards' version counters:
 the engine itself writes some shards in place between a forward and its
-backward, an all-gather extension's, say.) Steps are counted per unit, not per process: a discriminator's step
-between a generator's forward and its backward (GAN training) leaves the
-generator's graph valid, as under DDP. An optimizer stepping inside backward
+backward, an all-gather extension's, say.) Steps are counted per unit, not
+per process: a discriminator's step between a generator's forward and its
+backward (GAN training) leaves the generator's graph valid, as under DDP. An optimizer stepping inside backward
 (post-accumulate-grad hooks) steps a unit after the unit's own backward, so
 it never trips the check. ``load_state_dict`` into a unit counts as a step
 (:func:`updated`); other in-place writes to the parameters between a
@@ -60,7 +60,7 @@ def check(unit, seen: int) -> None:
     """Before ``unit``'s backward of a forward that recorded ``seen`` (:func:`snapshot`).
 
     Raises:
-        RuntimeError: the unit's parameters were stepped or written in place since that forward.
+        RuntimeError: an optimizer step or a ``load_state_dict`` updated the unit's parameters since that forward.
     """
     if snapshot(unit) != seen:
         raise RuntimeError(
