@@ -320,6 +320,10 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     construct.apply_placements(slots, shard_placement_fn, where, ragged_ok=False)
     originals = [s.param for s in slots]
     dtensor_specs.assign_specs(slots, mesh, placements, where)  # DTensor (TP) slots now hold their local part
+    tp = next((s.fqn for s in slots if s.spec is not None and s.spec.full_mesh is not None), None)
+    if world_size_invariant and tp is not None:
+        raise ValueError(f"{where}: world_size_invariant=True with tensor-parallel parameters ('{tp}'): the "
+                         "invariant fold and its exact norm run over the data-parallel ranks only; drop one of them")
     own = [o for m in modules for o in wrap._unwrapped_modules(m, is_unit, set())]
     if not any(b.is_meta for o in own for b in o.buffers(recurse=False)):  # meta: to_empty moves them
         deferred_init.move_buffers(own, device, None)

@@ -113,10 +113,18 @@ def _clip(model, plan: str):
     ``blocks`` model mixes parameters on mesh["dp"] and on the (dp, tp) mesh, which one
     ``clip_grad_norm_`` call cannot stack (torch raises): there the norm is taken per mesh, combined,
     and applied with ``clip_grads_with_norm_`` (what docs should recommend for mixed meshes)."""
+    import fullshard
+
     params = dict(model.named_parameters())
     sub = torch.nn.utils.get_total_norm([params[n].grad for n in TP_NAMES]).full_tensor().item()
+    # fullshard's clip_grad_norm_, both forms, by an infinite max_norm (no clipping): the same global norm on
+    # every rank (ColwiseParallel's _StridedShard dp dimension and the TP dimensions summed too).
+    ours = [fullshard.clip_grad_norm_(model.parameters(), float("inf")).item(),
+            fullshard.clip_grad_norm_(model, float("inf")).item()]
     if plan == "full":
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).full_tensor().item(), sub
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).full_tensor().item()
+        assert all(abs(o - norm) <= 1e-6 * norm for o in ours), (plan, ours, norm)
+        return norm, sub
     by_mesh: dict = {}
     for p in params.values():
         by_mesh.setdefault(p.device_mesh, []).append(p)
@@ -125,6 +133,7 @@ def _clip(model, plan: str):
     total = torch.linalg.vector_norm(torch.stack(norms))
     for group in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, MAX_NORM, total)
+    assert all(abs(o - total.item()) <= 1e-6 * total.item() for o in ours), (plan, ours, total.item())
     return total.item(), sub
 
 
@@ -265,12 +274,13 @@ def _edge_cases(mesh) -> dict:
     out["hsdp placements"] = {n: tuple(p.placements) for n, p in model.named_parameters()}
     out["hsdp grads"] = {n: p.grad.full_tensor().numpy() for n, p in model.named_parameters()}
     errors = []
-    for what in ("partial", "world mesh"):
+    for what in ("partial", "world mesh", "invariant"):
         layer = parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel())
         if what == "partial":
             layer.weight = nn.Parameter(DTensor.from_local(torch.zeros(4, 4), mesh["tp"], (Partial(),)))
         try:
-            fully_shard(layer, mesh=dp if what == "partial" else init_device_mesh("cpu", (4,)))
+            fully_shard(layer, mesh=init_device_mesh("cpu", (4,)) if what == "world mesh" else dp,
+                        world_size_invariant=what == "invariant")
         except ValueError as e:
             errors.append(str(e))
     out["errors"] = errors
@@ -340,7 +350,8 @@ def test_fully_shard_tp_edge_cases(ranks):
     torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).backward()
     for name, p in model.named_parameters():
         _close(edge["hsdp grads"][name], p.grad, f"HSDP + TP gradient of {name}")
-    partial, overlap = edge["errors"]
+    partial, overlap, invariant = edge["errors"]
+    assert "world_size_invariant=True with tensor-parallel parameters ('weight')" in invariant, invariant
     assert partial.startswith("[rank 0] fully_shard(Linear): parameter 'weight' is a DTensor with placements "
                               "(Partial(sum),)"), partial
     assert overlap.startswith("[rank 0] fully_shard(Linear): parameter 'weight' is a DTensor on mesh") and \

@@ -128,7 +128,7 @@ def _shard_groups(t) -> list:
         if dt_placement.is_partial():
             raise ValueError(f"clip_grad_norm_: a gradient is a Partial DTensor ({t.placements}); reduce it "
                              "(redistribute to Shard or Replicate) before clipping")
-        if dt_placement.is_shard():
+        if not dt_placement.is_replicate():  # Shard, and _StridedShard (FSDP + TP), whose is_shard() is False
             groups.append(t.device_mesh.get_group(dim))
     return groups
 
@@ -162,6 +162,10 @@ def _root_parts(rt, params: list[nn.Parameter]) -> list[tuple[tuple, list[torch.
     gradients each rank counts (:func:`grads_by_kind`, in the root's unit
     order) summed over the root's groups, replicate group first, then the
     unmanaged (replicated) gradients once."""
+    if any(slot.spec is not None and slot.spec.full_mesh is not None
+           for r in rt.root.runtimes for slot in r.unit.slots):
+        # Tensor-parallel parameters: a local gradient is also one TP part, to sum over the TP mesh dims too.
+        return _placement_parts([p for p in params if p.grad is not None])
     counted, local = grads_by_kind(rt.root.runtimes, params)
     cfg = rt.unit.cfg
     return [(tuple(collectives.multi_rank_groups(cfg.shard_group, cfg.replicate_group)), counted), ((), local)]
