@@ -1,6 +1,7 @@
 """Trainer checkpoints: exact resume (bit-identical parameters), interval
 saves with --keep-interval-updates, resume at another --nproc-per-node,
-c10d <-> fully_sharded, --finetune-from-model, --reset-* flags; 7 short CLI runs, two at a
+c10d <-> fully_sharded, --finetune-from-model, --reset-* flags, a resume with another lr schedule
+and update size; 8 short CLI runs, two at a
 time where one doesn't need another's checkpoint (each run costs mostly process start-up)."""
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ def test_exact_resume_interval_keep_reshard_c10d_and_resets(cli, corpus_dir, tmp
         # Resume the 2-update checkpoint on 1 rank (resharded), same data position (16 samples = 4 updates of 4).
         one = runs.submit(_train, cli, corpus_dir, tmp_path / "c", "--restore-file", str(half / "checkpoint_1_2"),
                           nproc=1, updates=4)
+        # Resumed with other flags: its own lr schedule (a new --lr and --total-num-update, as when a run is
+        # extended) at the saved update count, and the saved sample position in updates of its new size.
+        changed = runs.submit(_train, cli, corpus_dir, tmp_path / "e", "--restore-file", str(half / "checkpoint_1_2"),
+                              "--lr", "0.002", "--total-num-update", "6", "--update-freq", "2", updates=4)
     _, straight = straight.result()
     out, resumed = resume.result()
     assert "loaded checkpoint" in out and "epoch 1 offset 2 @ 2 updates" in out
@@ -63,6 +68,10 @@ def test_exact_resume_interval_keep_reshard_c10d_and_resets(cli, corpus_dir, tmp
     out, one = one.result()
     assert "saved by 2 ranks" in out and "offset 4 @ 2 updates" in out
     assert [r["num_updates"] for r in one["train_inner"]] == ["3", "4"]
+    out, rec = changed.result()
+    assert "epoch 1 offset 1 @ 2 updates" in out, out[-2000:]  # 16 sequences = 1 update of 2 x 4 x 2
+    # polynomial decay from 0.002 over 6 updates, warmup 1: the lr logged after update n is 0.002 * (1 - (n-1)/5)
+    assert [(r["num_updates"], round(float(r["lr"]), 8)) for r in rec["train_inner"]] == [("3", 0.0012), ("4", 0.0008)]
     (out, rec), (out2, rec2), (_, rec3) = chain.result()
     assert "for fine-tuning" in out and [r["num_updates"] for r in rec["train_inner"]] == ["1", "2"]
     assert "@ 2 updates" in out2 and [r["num_updates"] for r in rec2["train_inner"]] == ["3", "4"]

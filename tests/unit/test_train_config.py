@@ -195,3 +195,17 @@ def test_plan_sizes_an_archs_own_position_table(monkeypatch, capsys):
                      "--vocab-size", "100"]) == 0
     c = 64  # Ψ = V·C + P·C + L·(12C² + 13C) + 2C with the arch's P = 128 positions
     assert f"Ψ={100 * c + 128 * c + 2 * (12 * c * c + 13 * c) + 2 * c:,}" in capsys.readouterr().out
+
+
+def test_keep_interval_updates_zero_keeps_every_interval_checkpoint(tmp_path):
+    """--keep-interval-updates: N > 0 keeps the last N interval checkpoints; 0 and -1 keep all (fairseq's
+    meaning; 0 deleted the checkpoints the log had just announced as saved)."""
+    from fullshard.train.checkpoint_utils import _prune
+
+    for name in ("checkpoint_1_2", "checkpoint_1_4", "checkpoint_last"):
+        (tmp_path / name).mkdir()
+    for keep in (-1, 0):
+        _prune(str(tmp_path), keep)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1_2", "checkpoint_1_4", "checkpoint_last"]
+    _prune(str(tmp_path), 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1_4", "checkpoint_last"]

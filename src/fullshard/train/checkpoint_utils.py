@@ -114,7 +114,7 @@ def save(run, epoch: int, offset: int, end_of_epoch: bool) -> str:
 
 
 def _prune(save_dir: str, keep: int) -> None:
-    if keep < 0:
+    if keep <= 0:  # fairseq's: -1 (and 0) keeps every interval checkpoint
         return
     found = sorted((int(m.group(2)), name) for name in os.listdir(save_dir)
                    if (m := _INTERVAL.match(name)) and os.path.isdir(os.path.join(save_dir, name)))
@@ -152,18 +152,21 @@ def load(run) -> tuple[int, int]:
     if not cfg.reset_optimizer:
         trainer.num_updates = ts["num_updates"]
         trainer.scaler.load_state_dict(extra["loss_scaler"])
-    if not cfg.reset_lr_scheduler:
-        trainer.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+    _schedule_at(trainer, 0 if cfg.reset_lr_scheduler else trainer.num_updates)
     if not cfg.reset_meters:
         vars(run.inner).update(extra["meters"])
     set_rng_state(extra["rng"])
     epoch, offset = 1, 0
     world = collectives.world_size()
-    dp, saved_dp = pipeline.data_parallel(cfg)[1], extra.get("data_parallel_size", extra["world_size"])
+    dp = pipeline.data_parallel(cfg)[1]
     if not cfg.reset_dataloader:
-        epoch, offset = ts["epoch"], ts["offset"]
-        if saved_dp != dp:
-            offset = ts["samples"] // (cfg.batch_size * cfg.update_freq * dp)
+        # The position in sequences, in updates of this run's size (--batch-size, --update-freq,
+        # --global-batch-size and the data-parallel size may all have changed since the save).
+        epoch, per_update = ts["epoch"], cfg.batch_size * cfg.update_freq * dp
+        offset, repeated = divmod(ts.get("samples", ts["offset"] * per_update), per_update)
+        if repeated:
+            logger.warning(f"the checkpoint is {repeated} sequences into an update of {per_update} sequences of "
+                           f"this run: those sequences of epoch {epoch} are trained again")
     logger.info(f"loaded checkpoint {path} (epoch {epoch} offset {offset} @ {trainer.num_updates} updates, "
                 f"saved by {extra['world_size']} ranks) ({time.perf_counter() - start:.2f} seconds)")
     if extra["world_size"] != world:  # e.g. an elastic job (--nnodes MIN:MAX) lost or gained a node
@@ -172,6 +175,17 @@ def load(run) -> tuple[int, int]:
                     f"{trainer.num_updates} (epoch {epoch}, update {offset} of it) from {path}; "
                     f"update-freq {saved_freq} -> {cfg.update_freq}")
     return epoch, offset
+
+
+def _schedule_at(trainer, steps: int) -> None:
+    """Put the lr schedule of this run's flags at ``steps`` updates: a resumed run follows its own
+    ``--lr``, ``--lr-scheduler``, ``--warmup-updates``, ``--max-update`` / ``--total-num-update`` (extending
+    a finished run), not the saved run's, as fairseq does; only the update count comes from the
+    checkpoint (the optimizer's saved ``lr`` is replaced)."""
+    sched = trainer.lr_scheduler
+    sched.last_epoch = steps
+    for group, base, f in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["initial_lr"], group["lr"] = base, base * f(steps)
 
 
 def load_weights(path: str, model, parts_group=None) -> Optional[dict]:

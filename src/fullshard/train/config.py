@@ -380,7 +380,7 @@ class LoggingCheckpointOptions:
     no_save: bool = flag(False, "write no checkpoint")
     save_interval_updates: int = flag(0, "also save checkpoint_<epoch>_<updates> every N updates (0 = only at "
                                       "the end)")
-    keep_interval_updates: int = flag(-1, "keep only the last N interval checkpoints (-1 = all)")
+    keep_interval_updates: int = flag(-1, "keep only the last N interval checkpoints (0 or -1 = all)")
     restore_file: str = flag("checkpoint_last", "checkpoint to resume from: a path, or a name in --save-dir "
                              "(default: %(default)s; resumed automatically when it exists)")
     reset_optimizer: bool = flag(False, "resume the model only: fresh optimizer state and update counter")
