@@ -76,3 +76,13 @@ def test_exact_resume_interval_keep_reshard_c10d_and_resets(cli, corpus_dir, tmp
     assert "for fine-tuning" in out and [r["num_updates"] for r in rec["train_inner"]] == ["1", "2"]
     assert "@ 2 updates" in out2 and [r["num_updates"] for r in rec2["train_inner"]] == ["3", "4"]
     assert [r["num_updates"] for r in rec3["train_inner"]] == ["1"]
+
+
+def test_invariant_resume_keeps_the_global_batch(cli, corpus_dir, tmp_path):
+    """A --world-size-invariant run without --global-batch-size records the update size it derived at
+    launch (2 ranks x 4 = 8 sequences); resumed at 1 rank it would take 4 per update, no longer the same
+    run: refused on every rank, naming the flag to pass."""
+    _train(cli, corpus_dir, tmp_path, "--world-size-invariant", updates=1)
+    proc = cli("train", str(corpus_dir), *COMMON, "--nproc-per-node", "1", "--max-update", "2", "--save-dir",
+               str(tmp_path), "--world-size-invariant")
+    assert proc.returncode != 0 and "pass --global-batch-size 8 to continue it" in proc.stderr, proc.stderr[-2000:]
