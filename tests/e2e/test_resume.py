@@ -22,6 +22,10 @@ def _train(cli, corpus_dir, save_dir, *extra, nproc=2, updates=8):
     return proc.stdout, json_records(proc.stdout)
 
 
+def _epoch_line(records):
+    return [(r["train_loss"], r["train_gnorm"], r["train_num_updates"]) for r in records["train"]]
+
+
 def _losses(records):
     return [(r["num_updates"], r["loss"], r["ppl"], r["lr"]) for r in records["train_inner"]]
 
@@ -60,6 +64,8 @@ def test_exact_resume_interval_keep_reshard_c10d_and_resets(cli, corpus_dir, tmp
     out, resumed = resume.result()
     assert "loaded checkpoint" in out and "epoch 1 offset 2 @ 2 updates" in out
     assert _losses(resumed) == _losses(straight)[2:]
+    # The epoch's train line (printed at the stop) covers the whole epoch, the updates before the resume too.
+    assert _epoch_line(resumed) == _epoch_line(straight) and _epoch_line(straight), _epoch_line(resumed)
     a, extra = checkpoint_params(corpus_dir, tmp_path / "a" / "checkpoint_last")
     b, _ = checkpoint_params(corpus_dir, half / "checkpoint_last")
     assert extra["train_state"]["num_updates"] == 4 and extra["world_size"] == 2

@@ -86,7 +86,8 @@ def save(run, epoch: int, offset: int, end_of_epoch: bool) -> str:
     samples = offset * cfg.batch_size * cfg.update_freq * dp
     extra = dict(train_state=dict(epoch=epoch, offset=offset, samples=samples, num_updates=trainer.num_updates),
                  lr_scheduler=trainer.lr_scheduler.state_dict(), loss_scaler=trainer.scaler.state_dict(),
-                 rng=rng_state(), meters=_meters_state(run.inner), args=cfg.to_dict(),
+                 rng=rng_state(), meters=_meters_state(run.inner), epoch_meters=_meters_state(run.epoch_meters),
+                 args=cfg.to_dict(),
                  world_size=collectives.world_size(), data_parallel_size=dp, tokenizer=run.train_data.tokenizer)
     last = os.path.join(cfg.save_dir, "checkpoint_last")
     n = trainer.num_updates
@@ -161,6 +162,7 @@ def load(run) -> tuple[int, int]:
     _schedule_at(trainer, 0 if cfg.reset_lr_scheduler else trainer.num_updates)
     if not cfg.reset_meters:
         vars(run.inner).update(extra["meters"])
+        vars(run.epoch_meters).update(extra.get("epoch_meters", {}))
     set_rng_state(extra["rng"])
     epoch, offset = 1, 0
     world = collectives.world_size()

@@ -173,6 +173,7 @@ class Run:
         self.valid_set = valid_batches(cfg, self.valid_data)
         self.start = time.perf_counter()
         self.inner = UpdateMeters()  # train_inner: reset after each log, not per epoch (as fairseq)
+        self.epoch_meters = UpdateMeters()  # the epoch's train line; saved, so a mid-epoch resume continues it
 
     def log_header(self) -> None:
         n = self.trainer.num_params
@@ -256,7 +257,9 @@ class Run:
         groups = epoch_updates(cfg, self.train_data, epoch)
         logger.info(f"begin training epoch {epoch}" + (f" at update {offset} of it" if offset else ""))
         bar = progress_bar(cfg.log_format, epoch, len(groups), cfg.log_interval)
-        inner, whole = self.inner, UpdateMeters()
+        if not offset:  # else resumed mid-epoch: the meters restored from the checkpoint go on
+            self.epoch_meters = UpdateMeters()
+        inner, whole = self.inner, self.epoch_meters
         stop = False
         for i, group in enumerate(groups):
             if i < offset:
