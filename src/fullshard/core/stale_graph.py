@@ -31,18 +31,24 @@ from . import collectives, optim_hooks, registry
 
 # unit -> optimizer steps that named one of its registered parameters, and loads into it
 _STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# optimizer -> (its parameter groups' structure, weak references to the units its parameters belong to)
+_UNITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _count(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Pre-step callback ([Note: optimizer step hooks]): count the step for each unit it touches."""
-    units = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            found = registry.find(p)
-            if found is not None:
-                units[id(found[0])] = found[0]
-    for unit in units.values():
-        _STEPS[unit] = _STEPS.get(unit, 0) + 1
+    """Pre-step callback ([Note: optimizer step hooks]): count the step for each unit it touches (the units
+    found once per parameter-group structure, not at every step)."""
+    key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+    seen = _UNITS.get(optimizer)
+    if seen is None or seen[0] != key:
+        units = {id(found[0]): weakref.ref(found[0]) for g in optimizer.param_groups for p in g["params"]
+                 for found in [registry.find(p)] if found is not None}
+        seen = (key, list(units.values()))
+        _UNITS[optimizer] = seen
+    for ref in seen[1]:
+        unit = ref()
+        if unit is not None:
+            _STEPS[unit] = _STEPS.get(unit, 0) + 1
 
 
 def updated(unit) -> None:

@@ -146,14 +146,13 @@ def load(run) -> tuple[int, int]:
                         f"({time.perf_counter() - start:.2f} seconds)")
         return 1, 0
     start = time.perf_counter()
-    extra = checkpoint.read_extra(path, collectives.rank())
-    saved_global = ((extra or {}).get("args") or {}).get("global_batch_size")
+    extra = checkpoint.load(path, trainer.model, None if cfg.reset_optimizer else trainer.optimizer,
+                            process_group=trainer.checkpoint_group)
+    saved_global = (extra.get("args") or {}).get("global_batch_size")
     if cfg.world_size_invariant and saved_global and saved_global != cfg.global_batch_size:
         raise ValueError(f"[rank {collectives.rank()}] --world-size-invariant: {path} was trained with "
                          f"{saved_global} sequences per update, this run takes {cfg.global_batch_size}; pass "
                          f"--global-batch-size {saved_global} to continue it")
-    extra = checkpoint.load(path, trainer.model, None if cfg.reset_optimizer else trainer.optimizer,
-                            process_group=trainer.checkpoint_group)
     trainer.after_load()
     ts = extra["train_state"]
     if not cfg.reset_optimizer:
