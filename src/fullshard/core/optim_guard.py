@@ -36,7 +36,7 @@ ELEMENTWISE = frozenset({
 """torch's element-wise optimizers (exact classes; ``foreach`` and ``fused`` variants included)."""
 
 _ALLOWED: set = set()
-# optimizer -> (its parameter groups' structure, the error message or None)
+# optimizer -> (its parameter groups' structure, the error message or None): optim_hooks.per_optimizer
 _VERDICTS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
 # Replacements by optimizer class name.
 _REPLACEMENTS = {"muon": "fullshard.optim.Muon (with shard_placement_fn=fullshard.optim.muon_placement_fn(model))",
@@ -124,18 +124,20 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     cls = type(optimizer)
     if cls in ELEMENTWISE or cls in _ALLOWED:
         return None
-    key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
-    seen = _VERDICTS.get(optimizer)
-    if seen is None or seen[0] != key:
-        seen = (key, _problem(optimizer))
-        _VERDICTS[optimizer] = seen
-    if seen[1] is not None:
-        raise ShardedOptimizerError(seen[1])
+    problem = optim_hooks.per_optimizer(_VERDICTS, optimizer, _problem)
+    if problem is not None:
+        raise ShardedOptimizerError(problem)
     return None
 
 
-# optimizer -> (its parameter groups' structure, whether it holds plain gradient shards split over ranks)
+# optimizer -> (its parameter groups' structure, _holds_plain_shards): optim_hooks.per_optimizer
 _PLAIN_SHARDS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _holds_plain_shards(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps a plain (not DTensor) parameter sharded over more than one rank."""
+    return any(found is not None and found[1].spec is None and collectives.group_size(found[0].cfg.shard_group) > 1
+               for g in optimizer.param_groups for p in g["params"] for found in [registry.find(p)])
 
 
 def _check_scaler(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -157,14 +159,7 @@ def _check_scaler(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     Raises:
         RuntimeError: ``torch.amp.GradScaler`` steps an optimizer over plain gradient shards split over ranks.
     """
-    key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
-    seen = _PLAIN_SHARDS.get(optimizer)
-    if seen is None or seen[0] != key:
-        plain = any(found is not None and found[1].spec is None and collectives.group_size(found[0].cfg.shard_group) > 1
-                    for g in optimizer.param_groups for p in g["params"] for found in [registry.find(p)])
-        seen = (key, plain)
-        _PLAIN_SHARDS[optimizer] = seen
-    if not seen[1]:
+    if not optim_hooks.per_optimizer(_PLAIN_SHARDS, optimizer, _holds_plain_shards):
         return None
     from torch.amp.grad_scaler import GradScaler
 

@@ -34,6 +34,7 @@ the step (and the callbacks after it).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -79,6 +80,19 @@ def add_step_hooks(name: str, fn: StepHook) -> None:
     """:func:`add_pre_step` and :func:`add_post_step` of the same callback."""
     add_pre_step(name, fn)
     add_post_step(name, fn)
+
+
+def per_optimizer(cache: "weakref.WeakKeyDictionary", optimizer: torch.optim.Optimizer,
+                  compute: Callable[[torch.optim.Optimizer], Any]) -> Any:
+    """``compute(optimizer)``, kept in ``cache`` (a ``WeakKeyDictionary`` of
+    the caller's) until the optimizer's parameter groups change: what a
+    callback learns from the parameters once, not at every step."""
+    key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+    seen = cache.get(optimizer)
+    if seen is None or seen[0] != key:
+        seen = (key, compute(optimizer))
+        cache[optimizer] = seen
+    return seen[1]
 
 
 def _add(table: dict[str, StepHook], order: tuple[str, ...], name: str, fn: StepHook) -> None:

@@ -31,21 +31,21 @@ from . import collectives, optim_hooks, registry
 
 # unit -> optimizer steps that named one of its registered parameters, and loads into it
 _STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# optimizer -> (its parameter groups' structure, weak references to the units its parameters belong to)
+# optimizer -> (its parameter groups' structure, _units_of): optim_hooks.per_optimizer
 _UNITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _units_of(optimizer: torch.optim.Optimizer) -> list[weakref.ref]:
+    """Weak references to the units whose registered parameters ``optimizer`` steps."""
+    units = {id(found[0]): weakref.ref(found[0]) for g in optimizer.param_groups for p in g["params"]
+             for found in [registry.find(p)] if found is not None}
+    return list(units.values())
 
 
 def _count(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Pre-step callback ([Note: optimizer step hooks]): count the step for each unit it touches (the units
     found once per parameter-group structure, not at every step)."""
-    key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
-    seen = _UNITS.get(optimizer)
-    if seen is None or seen[0] != key:
-        units = {id(found[0]): weakref.ref(found[0]) for g in optimizer.param_groups for p in g["params"]
-                 for found in [registry.find(p)] if found is not None}
-        seen = (key, list(units.values()))
-        _UNITS[optimizer] = seen
-    for ref in seen[1]:
+    for ref in optim_hooks.per_optimizer(_UNITS, optimizer, _units_of):
         unit = ref()
         if unit is not None:
             _STEPS[unit] = _STEPS.get(unit, 0) + 1
