@@ -209,3 +209,24 @@ def test_keep_interval_updates_zero_keeps_every_interval_checkpoint(tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1_2", "checkpoint_1_4", "checkpoint_last"]
     _prune(str(tmp_path), 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1_4", "checkpoint_last"]
+
+
+def test_resumed_meters_divide_by_the_time_their_counts_took():
+    """A resumed run's first wps/ups: the restored interval's tokens over the seconds they took plus the time
+    since the load (fairseq's TimeMeter), not over the age of the new process (which includes the model build)."""
+    import time
+
+    import torch
+
+    from fullshard.train.checkpoint_utils import _meters_state, _restore_meters
+    from fullshard.train.progress import UpdateMeters
+
+    saved = UpdateMeters()
+    saved.start = time.perf_counter() - 10.0  # 10 s of training before the save
+    saved.add(3.0, 1000, 8, 1.0, 10.0)
+    state = _meters_state(saved)
+    resumed = UpdateMeters()
+    resumed.start = time.perf_counter() - 100.0  # the new process is 100 s old at the load
+    _restore_meters(resumed, state)
+    wps = resumed.stats(1, 1e-3, torch.device("cpu"), 0.0)["wps"]
+    assert 90 < wps <= 100, wps  # 1000 tokens / ~10 s; the old code gave 1000 / ~100 s

@@ -63,7 +63,18 @@ def set_rng_state(state: dict) -> None:
 
 
 def _meters_state(meters) -> dict:
-    return {k: v for k, v in vars(meters).items() if k != "start"}
+    # Seconds elapsed, not the start time: a resumed run's wps/ups divide the restored counts by the time they
+    # took plus the time since the load (as fairseq's TimeMeter state does), not by this process's age.
+    state = {k: v for k, v in vars(meters).items() if k != "start"}
+    state["elapsed"] = time.perf_counter() - meters.start
+    return state
+
+
+def _restore_meters(meters, state: dict) -> None:
+    state = dict(state)
+    elapsed = state.pop("elapsed", 0.0)
+    vars(meters).update(state)
+    meters.start = time.perf_counter() - elapsed
 
 
 def save(run, epoch: int, offset: int, end_of_epoch: bool) -> str:
@@ -160,8 +171,8 @@ def load(run) -> tuple[int, int]:
         trainer.scaler.load_state_dict(extra["loss_scaler"])
     _schedule_at(trainer, 0 if cfg.reset_lr_scheduler else trainer.num_updates)
     if not cfg.reset_meters:
-        vars(run.inner).update(extra["meters"])
-        vars(run.epoch_meters).update(extra.get("epoch_meters", {}))
+        _restore_meters(run.inner, extra["meters"])
+        _restore_meters(run.epoch_meters, extra.get("epoch_meters", {}))
     set_rng_state(extra["rng"])
     epoch, offset = 1, 0
     world = collectives.world_size()
