@@ -27,6 +27,9 @@ from .forward_methods import _hook_direct_calls, register_fsdp_forward_method  #
 from .fsdp_settings import FSDP1Attributes, check_prefetch
 
 
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+
+
 class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
     """Shard a module's parameters, gradients and optimizer state over ranks.
 
@@ -199,6 +202,29 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["_fsdp_wrapped_module"], name)
+
+    def _forwards(self, name: str) -> Optional[nn.Module]:
+        """The wrapped module when ``name`` is its attribute and not the wrapper's: ``unit.weight = t`` (what
+        ``torch.func.functional_call`` does through the original names) must land where the wrapped
+        module's forward reads it and the engine checks it, not on the wrapper, where it was silently
+        ignored (and left an attribute that broke the next ``functional_call``)."""
+        inner = self.__dict__.get("_modules", {}).get("_fsdp_wrapped_module")
+        if inner is None or name in self.__dict__ or any(name in getattr(self, d) for d in _REGISTRIES):
+            return None
+        return inner if name in inner.__dict__ or any(name in getattr(inner, d) for d in _REGISTRIES) else None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        inner = self._forwards(name)
+        if inner is not None and name in inner._parameters and not isinstance(value, nn.Parameter):
+            raise RuntimeError(f"[rank {collectives.rank()}] parameter '{name}' of a {type(inner).__name__} "
+                               "inside a FullyShardedDataParallel unit cannot be replaced by a plain tensor (what "
+                               "torch.func.functional_call does): the unit computes from its own shard and would "
+                               "ignore it; call it on the model before wrapping")
+        (inner.__setattr__ if inner is not None else super().__setattr__)(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        inner = self._forwards(name)
+        (inner.__delattr__ if inner is not None else super().__delattr__)(name)
 
     def __getitem__(self, key: int) -> Any:
         """Index the wrapped module (an ``nn.Sequential`` or ``nn.ModuleList``

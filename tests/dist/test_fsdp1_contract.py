@@ -190,6 +190,28 @@ def _state_dict_config_mismatch():
                                  optim_state_dict_config=ShardedOptimStateDictConfig())
 
 
+def _replace_through_a_unit():
+    """``unit.weight = ...`` through a nested unit's forwarded attribute (torch.func.functional_call does it
+    by the original names) reaches the wrapped module, where it is refused, not the unit, where the forward
+    never read it: functional_call silently gave the plain forward (SHARD_GRAD_OP, NO_SHARD after a
+    forward) and an earlier failed call broke later ones."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    plain, x = _twin(), torch.randn(2, 3)
+    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+        model = FSDP(_twin(), sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        model.load_state_dict(plain.state_dict())
+        for _ in range(2):
+            assert torch.equal(model(x), plain(x))
+            with pytest.raises(RuntimeError, match="cannot be replaced by a plain tensor"):
+                functional_call(model, {"0.weight": torch.zeros(3, 3)}, (x,))
+        assert "weight" not in vars(model.module[0]) and torch.equal(model(x), plain(x))
+        model.module[0].weight = nn.Parameter(torch.zeros(3, 3))  # lands on the Linear: the engine refuses it
+        with pytest.raises(RuntimeError, match="'weight' was replaced"):
+            model(x)
+
+
 # -------------------------------------------------------- clip_grad_norm_
 def _clip_no_gradients():
     model = FSDP(_twin(), mixed_precision=MixedPrecision(param_dtype=torch.float16))
@@ -233,7 +255,7 @@ def _clip_root_module():
 
 CASES = {f.__name__.lstrip("_"): f for f in (
     _unit_settings, _ignored_state_dict, _auto_wrap_over_units, _ignored_unit, _ignored_not_a_module,
-    _apply_in_summon, _param_init_fn_not_callable, _state_dict_config_mismatch, _clip_no_gradients,
+    _apply_in_summon, _replace_through_a_unit, _param_init_fn_not_callable, _state_dict_config_mismatch, _clip_no_gradients,
     _clip_low_precision_dtype, _clip_root_module)}
 
 
