@@ -26,7 +26,6 @@ from .core.settings import UnitSettings
 from .forward_methods import _hook_direct_calls, register_fsdp_forward_method  # noqa: F401 (public here too)
 from .fsdp_settings import FSDP1Attributes, check_prefetch
 
-
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 
 

@@ -255,8 +255,8 @@ def _clip_root_module():
 
 CASES = {f.__name__.lstrip("_"): f for f in (
     _unit_settings, _ignored_state_dict, _auto_wrap_over_units, _ignored_unit, _ignored_not_a_module,
-    _apply_in_summon, _replace_through_a_unit, _param_init_fn_not_callable, _state_dict_config_mismatch, _clip_no_gradients,
-    _clip_low_precision_dtype, _clip_root_module)}
+    _apply_in_summon, _replace_through_a_unit, _param_init_fn_not_callable, _state_dict_config_mismatch,
+    _clip_no_gradients, _clip_low_precision_dtype, _clip_root_module)}
 
 
 def _all_cases(rank, world):

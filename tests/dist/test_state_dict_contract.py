@@ -5,6 +5,7 @@ checkpoint wrappers, and LOCAL_STATE_DICT. Each case is checked against the
 plain model's own state dict."""
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -191,6 +192,20 @@ def _partial_load(rank, world) -> None:
         nets[1].load_state_dict(bad)
     for k, v in nets[1].state_dict().items():
         torch.testing.assert_close(v, got[k], rtol=0, atol=0, msg=k)
+
+    # Parameters with no elements, 0 rows or 0 columns, load from a full state dict as into a plain
+    # model (0 rows failed: "cannot reshape tensor of 0 elements into shape [0, -1]").
+    for shape in ((0, 4), (4, 0)):
+        net = nn.Module()
+        net.lin, net.empty = nn.Linear(4, 2), nn.Parameter(torch.randn(*shape))
+        full = {k: v.clone() for k, v in net.state_dict().items()}
+        torch.manual_seed(4)
+        loaded = FSDP(copy.deepcopy(net).apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None))
+        loaded.load_state_dict(full)
+        got = loaded.state_dict()
+        assert sorted(got) == sorted(full)
+        for k in full:
+            torch.testing.assert_close(got[k], full[k], rtol=0, atol=0, msg=k)
 
 
 def _extra_state_and_hooks(rank, world, tmp):

@@ -284,7 +284,8 @@ def local_rows(unit, slot, value: torch.Tensor, key: str) -> torch.Tensor:
                              "(torch.distributed.checkpoint reshards)")
         return local
     lo, hi = lay.local_row_range(unit.rank)
-    return value.detach().reshape(lay.rows, -1)[lo:hi].reshape(want)
+    rows = value.detach().reshape(lay.rows, -1 if value.numel() else 0)  # -1 is ambiguous for 0 elements
+    return rows[lo:hi].reshape(want)
 
 
 def rechunk(unit, local: torch.Tensor, src: tuple, dst: tuple) -> torch.Tensor:
