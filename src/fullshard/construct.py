@@ -197,6 +197,11 @@ def collect_slots(module: nn.Module, ignored: set[int], skip: frozenset, unit: s
             if p is None or id(p) in sharded or id(p) in skip:
                 continue
             fqn = f"{mname}.{attr}".replace(_PREFIX, "") if mname else attr
+            sparse = getattr(m, "sparse", False) is True and isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+            if sparse and p.requires_grad:
+                raise ValueError(f"[rank {collectives.rank()}] parameter '{fqn}' of unit '{unit}': "
+                                 f"{type(m).__name__}(sparse=True) makes sparse gradients, which a unit cannot "
+                                 "reduce-scatter; use sparse=False (the same gradient, stored dense)")
             holder = registry.holder(p)  # a sharded parameter of a live unit
             if holder is not None:
                 raise ValueError(

@@ -221,6 +221,12 @@ def _errors_case(rank, world):
     scalar = FP.make()
     scalar.temperature = nn.Parameter(torch.tensor(1.0))
     _raises(f"{where} fully_shard.*'temperature' is 0-dimensional", lambda: fully_shard(scalar))
+    # Sparse gradients (failed in backward with "copy_() between dense and sparse Tensors"); a frozen table
+    # makes none and shards.
+    sparse = "parameter 'weight' of unit 'EmbeddingBag': EmbeddingBag\\(sparse=True\\) makes sparse gradients"
+    _raises(f"{where} {sparse}", lambda: fully_shard(nn.EmbeddingBag(8, 4, sparse=True)))
+    _raises(f"{where} {sparse}", lambda: fullshard.FullyShardedDataParallel(nn.EmbeddingBag(8, 4, sparse=True)))
+    fully_shard(nn.Embedding(8, 4, sparse=True).requires_grad_(False))
     # After all these refusals, sharding and training still match DDP.
     return {"after_errors": FP.parity(rank, _train)}
 
