@@ -244,7 +244,43 @@ def _grad_modes(rank, world):
         ref = _branch("non_reentrant" if mode == "reentrant" else mode)
         out[mode] = P.compare(rank, _branch(mode), steps=3, ref_step_fn=ref)
     out["apply_activation_checkpointing_after_wrap"] = _checkpoint_after_wrap(rank)
+    out["writes_to_gathered_parameters"] = _gathered_writes(rank)
     return out
+
+
+def _gathered_writes(rank):
+    """nn.Embedding(max_norm=...) renormalizes rows of its weight in forward; under no_grad the renorm of
+    the gathered full weight was silently dropped at reshard (row norm 7.2 kept where the plain model has
+    1.0). It raises now, where a shard group of one rank keeps the write (NO_SHARD: the full parameters are
+    the shard); the unit then runs on."""
+    import torch.nn as nn
+
+    from fullshard.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))
+    with torch.no_grad():
+        plain[0].weight.mul_(3)
+    idx = torch.tensor([[1, 2, 3]])
+    worst = 0.0
+    for how in P.WRAPPINGS:
+        model = shard(P._clone(plain), how, ModuleWrapPolicy({nn.Embedding}))
+        with torch.no_grad():
+            if how == P.STRATEGIES[2]:
+                model(idx)
+            else:
+                with pytest.raises(RuntimeError, match="unit '.*': a full parameter was written in place while"):
+                    model(idx)
+            model[0].max_norm = None  # no more writes (on a wrapper, set through the unit): evaluation runs on
+            out = model(idx)
+        ref = P._clone(plain)
+        with torch.no_grad():
+            if how == P.STRATEGIES[2]:
+                ref(idx)  # the renorm, kept as by the plain model
+            ref[0].max_norm = None
+            worst = max(worst, (out - ref(idx)).abs().max().item())
+    assert worst == 0.0, worst
+    return worst
 
 
 def _checkpoint_after_wrap(rank):

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from . import collectives, comm, extensions, flat, grads, optim_guard, optim_hooks, placement, registry, torch_private
 from .buffers import POOL
+from .full_writes import check as check_full_writes, record as record_full, written as full_written
 from .invariant import start_fold
 from .overlap import all_gather as issue_all_gather
 from .params import ParamSlot
@@ -126,6 +127,7 @@ class Unit:
         # Shard versions when the unit was deliberately left unsharded
         # (FSDPModule.unshard, reshard_after_backward=False); see kept_fresh.
         self._kept_version: Optional[tuple[int, ...]] = None
+        self.full_version: Optional[int] = None  # core/full_writes.py [Note: writes to gathered parameters]
         # Reduce-scatter outputs summed while requires_all_reduce is False (HSDP), until the replicas' all-reduce.
         self.partial_out: Optional[torch.Tensor] = None
         # Stack of install_params records: (module, attr, previous value).
@@ -317,6 +319,7 @@ class Unit:
             self._gather_buf = None
         extensions.finish(self)
         self.drop_partial()
+        self.full_version = record_full(self)
         self.state = ShardedState.UNSHARDED
 
     def ensure_unsharded(self, after=None) -> None:
@@ -329,13 +332,11 @@ class Unit:
         """Point every owning module attribute at its full-parameter view
         (see [Note: full-parameter views shadow sharded parameters]).
 
-        Under grad, views are made once per iteration (see ``reset_views``)
-        and reused when the unit runs again, so all uses feed one autograd
-        node (:class:`~fullshard.core.grads.UnflattenFull`), which marks the
+        Under grad, views are made once per iteration (see ``reset_views``) and reused when the unit runs again,
+        so all uses feed one autograd node (:class:`~fullshard.core.grads.UnflattenFull`), which marks the
         parameters that received a gradient in the current backward. Without grad (``no_grad``,
-        ``inference_mode``) detached views are made afresh for that call and
-        never cached: a later call with grad in the same iteration must not
-        see them.
+        ``inference_mode``) detached views are made afresh for that call and never cached: a later call with
+        grad in the same iteration must not see them.
         """
         self._check((ShardedState.UNSHARDED,), "expose full parameters")
         if torch.is_grad_enabled() if grad is None else grad:
@@ -390,10 +391,10 @@ class Unit:
         self._views = None
 
     def keep_unsharded(self) -> None:
-        """Leave the unit gathered past the end of this iteration; the next iteration reuses the full
-        parameters only if no shard changed since. A record made earlier since the gather stays: a shard stepped
-        in the meantime (an optimizer stepped from a post-accumulate-grad hook before the end of backward keeps
-        the unit again) made the full parameters stale."""
+        """Leave the unit gathered past the end of this iteration; the next iteration reuses the full parameters
+        only if no shard changed since. A record made earlier since the gather stays: a shard stepped in the meantime
+        (an optimizer stepped from a post-accumulate-grad hook before the end of backward keeps the unit again) made
+        the full parameters stale."""
         if self._kept_version is None:
             self._kept_version = self.shard_versions()
 
@@ -403,13 +404,11 @@ class Unit:
         return self._kept_version is not None and self._kept_version == self.shard_versions()
 
     def shard_versions(self) -> tuple[int, ...]:
-        """Version counters of the flat shard, each registered parameter and
-        its local tensor. All are needed: an in-place op on a DTensor
-        parameter (every optimizer step under ``fully_shard``) bumps only the
-        DTensor's own counter, one on its local tensor only the local's.
-        Foreach ops on DTensors (a ``foreach`` optimizer, the default on
-        GPUs) bump none, so every optimizer step counts too. Writes through
-        ``p.data`` or other foreach ops go unseen (autograd misses them too)."""
+        """Version counters of the flat shard, each registered parameter and its local tensor. All are needed:
+        an in-place op on a DTensor parameter (every optimizer step under ``fully_shard``) bumps only the DTensor's
+        own counter, one on its local tensor only the local's. Foreach ops on DTensors (a ``foreach`` optimizer,
+        the default on GPUs) bump none, so every optimizer step counts too. Writes through ``p.data`` or other
+        foreach ops go unseen (autograd misses them too)."""
         optim_hooks.add_step_hooks("step count", _count_step)
         versions = [_STEPS["count"], torch_private.version_counter(self.flat_shard)]
         for slot in self.slots:
@@ -417,10 +416,9 @@ class Unit:
         return tuple(versions)
 
     def reshard_partial(self) -> None:
-        """Reshard after forward to the post-forward group: keep the rows of
-        the all-gather output that this rank's place in the group stands for
-        (``N/k`` flat shards, compute dtype), so the backward's all-gather
-        runs within the group. UNSHARDED → SHARDED."""
+        """Reshard after forward to the post-forward group: keep the rows of the all-gather output that this
+        rank's place in the group stands for (``N/k`` flat shards, compute dtype), so the backward's all-gather runs
+        within the group. UNSHARDED → SHARDED."""
         group = self.cfg.post_forward_group
         if group is None or self.aliased or not self.slots or self.state is not ShardedState.UNSHARDED:
             return self.reshard()
@@ -443,11 +441,13 @@ class Unit:
         self._kept_version = None
         if self.state is ShardedState.UNSHARDING:  # prefetched but never used
             self.wait_unshard()
+        written = full_written(self)
         self.hide_full_params()
         extensions.free(self)
         if not self.aliased:
             self._free_full()
         self.state = ShardedState.SHARDED
+        check_full_writes(self, written)
 
     # -------------------------------------------------------------- gradients
     def refresh_requires_grad(self) -> bool:
