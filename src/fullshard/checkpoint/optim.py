@@ -95,26 +95,27 @@ def _is_rows(optim: torch.optim.Optimizer, param, key: str, v, shape: torch.Size
 
 
 def init_optim_state(optim: torch.optim.Optimizer) -> None:
-    """Create an empty optimizer's state (zeros) by one step with zero
-    gradients at learning rate 0, so it has templates to load into, for every
-    parameter it holds: frozen ones too, whose state a checkpoint may hold
-    (frozen since it was saved). Parameters are unchanged (the update and
-    decoupled weight decay scale with lr)."""
-    if optim.state:
+    """Create the optimizer's state (zeros) for every parameter it holds that has none, by one step with zero
+    gradients at learning rate 0, so a load has templates to load into: frozen parameters too, whose state a
+    checkpoint may hold (frozen since it was saved), and parameters not used yet when others have state. The
+    step sees only those parameters (the others' gradients are None during it): parameters and existing state
+    are unchanged (the update and decoupled weight decay scale with lr), and every ``.grad`` is as before."""
+    params = [p for g in optim.param_groups for p in g["params"]]
+    todo = {id(p) for p in params if not optim.state.get(p)}
+    if not todo:
         return
-    lrs = []
-    for g in optim.param_groups:
-        lrs.append(g["lr"])
-        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
-        for p in g["params"]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+    lrs, grads = [g["lr"] for g in optim.param_groups], [p.grad for p in params]
     try:
+        for g in optim.param_groups:
+            g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p) if id(p) in todo else None
         optim.step()
     finally:
         for g, lr in zip(optim.param_groups, lrs):
             g["lr"] = lr
-        optim.zero_grad(set_to_none=True)
+        for p, grad in zip(params, grads):
+            p.grad = grad
 
 
 def _agree_keys(units, mine: dict) -> dict:
