@@ -23,9 +23,8 @@ from .core.settings import UnitSettings
 from .core.unit import UnitConfig
 
 _PREFIX = "_fsdp_wrapped_module."
-# Original parameters already taken by a unit, and modules already wrapped:
-# id -> (weakref, unit name). Kept here, never as attributes on foreign objects.
-TAKEN: dict[int, tuple[weakref.ref, str]] = {}
+# Modules already wrapped: id -> (weakref, unit name). Kept here, never as attributes on foreign objects
+# (original parameters a unit took: core/registry.py).
 WRAPPED: dict[int, tuple[weakref.ref, str]] = {}
 # The default HYBRID_SHARD groups, per world group (held weakly: a world made
 # again after destroy_process_group gets new groups) and (local, world) size.
@@ -145,8 +144,8 @@ def build_unit(name: str, slots: list[ParamSlot], taken: list[nn.Parameter], gro
         invariant_layout=None if invariant_where is None else
         invariant.check_layout(shard_group, replicate_group, invariant_where),
         mp_policy=mp if isinstance(mp, MixedPrecisionPolicy) else None)
-    for p in taken:
-        register(TAKEN, p, name)
+    for slot, p in zip(slots, taken):
+        registry.mark_taken(p, name, slot.fqn)
     with torch.no_grad():
         unit = mixed.make_unit(name, slots, cfg, settings)
     return state.UnitRuntime(unit, forward_input_caster=casting.input_caster(mp))
@@ -209,7 +208,7 @@ def collect_slots(module: nn.Module, ignored: set[int], skip: frozenset, unit: s
                     f"of unit '{holder}', which holds this module (fully_shard applied to a parent before its "
                     "children, or to a module inside a FullyShardedDataParallel wrapper); shard the inner modules "
                     "first, then the module that holds them")
-            prior = registered(TAKEN, p)
+            prior = (registry.taken(p) or (None,))[0]
             if prior is not None:
                 raise ValueError(
                     f"[rank {collectives.rank()}] parameter '{fqn}' of unit '{unit}' is already sharded by unit "

@@ -227,6 +227,16 @@ def _errors_case(rank, world):
     _raises(f"{where} {sparse}", lambda: fully_shard(nn.EmbeddingBag(8, 4, sparse=True)))
     _raises(f"{where} {sparse}", lambda: fullshard.FullyShardedDataParallel(nn.EmbeddingBag(8, 4, sparse=True)))
     fully_shard(nn.Embedding(8, 4, sparse=True).requires_grad_(False))
+    # An optimizer made before sharding holds the replaced parameters: its step left the model untrained
+    # (4.2e-2 off one process in an audit, no error); refused at its first step, both doors.
+    for door in (FP.shard, fullshard.FullyShardedDataParallel):
+        base = FP.make()
+        early = torch.optim.AdamW(base.parameters(), lr=0.1)
+        model = door(base)
+        FP.loss_of(model, rank, 0).backward()
+        with pytest.raises(RuntimeError, match=rf"{where} AdamW holds parameter '.*' of unit '.*' and \d+ more as it "
+                                               "was before sharding.*create the optimizer after"):
+            early.step()
     # After all these refusals, sharding and training still match DDP.
     return {"after_errors": FP.parity(rank, _train)}
 

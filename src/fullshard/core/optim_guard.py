@@ -79,6 +79,7 @@ def disallow(cls: type) -> None:
 
 def install() -> None:
     """Add the step checks to the optimizer pre-step callbacks (idempotent)."""
+    optim_hooks.add_pre_step("replaced parameters", _check_replaced)
     optim_hooks.add_pre_step("sharded optimizer", _check_step)
     optim_hooks.add_pre_step("torch grad scaler", _check_scaler)
 
@@ -127,6 +128,36 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     problem = optim_hooks.per_optimizer(_VERDICTS, optimizer, _problem)
     if problem is not None:
         raise ShardedOptimizerError(problem)
+    return None
+
+
+# optimizer -> (its parameter groups' structure, the _replaced message or None): optim_hooks.per_optimizer
+_REPLACED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _replaced(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """The error for an optimizer holding original parameters that sharding replaced, or None."""
+    old = [hit for g in optimizer.param_groups for p in g["params"]
+           for hit in [registry.taken(p)] if hit is not None and registry.find(p) is None]
+    if not old:
+        return None
+    unit, fqn = old[0]
+    more = f" and {len(old) - 1} more" if len(old) > 1 else ""
+    return (f"[rank {collectives.rank()}] {type(optimizer).__name__} holds parameter '{fqn}' of unit '{unit}'{more} "
+            "as it was before sharding: sharding replaced it, so it gets no gradient and the step would leave the "
+            "model untrained; create the optimizer after FullyShardedDataParallel(...) / fully_shard(...), from "
+            "model.parameters()")
+
+
+def _check_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Refuse a step of an optimizer made before the model was sharded (DDP trains such a one).
+
+    Raises:
+        RuntimeError: the optimizer holds parameters a unit took and replaced.
+    """
+    problem = optim_hooks.per_optimizer(_REPLACED, optimizer, _replaced)
+    if problem is not None:
+        raise RuntimeError(problem)
     return None
 
 

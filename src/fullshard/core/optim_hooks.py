@@ -13,14 +13,16 @@ before the step and in this order:
    step that raises, or whose own post-step hook raises (torch runs those
    before the global ones), runs no global post-step hook, yet may have
    written the shards.
-2. ``sharded optimizer`` (core/optim_guard.py): a non-element-wise
-   optimizer stepping on parameters spread over ranks raises; added when
-   the first unit is built.
-3. ``torch grad scaler`` (core/optim_guard.py): ``torch.amp.GradScaler``
+2. ``replaced parameters`` (core/optim_guard.py): an optimizer holding
+   original parameters that sharding replaced (made before wrapping) raises;
+   added when the first unit is built.
+3. ``sharded optimizer`` (core/optim_guard.py): a non-element-wise
+   optimizer stepping on parameters spread over ranks raises; added with 2.
+4. ``torch grad scaler`` (core/optim_guard.py): ``torch.amp.GradScaler``
    stepping over the wrapper's plain gradient shards raises; added with 2.
-4. ``converted state dtype`` (core/convert.py): optimizer state made before
+5. ``converted state dtype`` (core/convert.py): optimizer state made before
    a dtype conversion after wrapping raises; added at the first conversion.
-5. ``unit steps`` (core/stale_graph.py): counts the step for each unit whose
+6. ``unit steps`` (core/stale_graph.py): counts the step for each unit whose
    parameters it names, so a backward through a graph older than the step
    raises; added at the first forward.
 
@@ -42,7 +44,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 StepHook = Callable[[torch.optim.Optimizer, tuple, dict], None]
 
-PRE_STEP = ("step count", "sharded optimizer", "torch grad scaler", "converted state dtype", "unit steps")
+PRE_STEP = ("step count", "replaced parameters", "sharded optimizer", "torch grad scaler", "converted state dtype",
+            "unit steps")
 """The pre-step callbacks' names, in the order they run."""
 POST_STEP = ("step count",)
 """The post-step callbacks' names, in the order they run."""

@@ -27,6 +27,8 @@ from typing import Optional
 
 # id(registered parameter) -> (weakref of its unit, index of its slot in unit.slots)
 _SLOTS: dict[int, tuple[weakref.ref, int]] = {}
+# id(original parameter a unit took and replaced by its sharded one) -> (weakref of it, unit name, name in the unit)
+_TAKEN: dict[int, tuple[weakref.ref, str, str]] = {}
 
 
 def register(unit) -> None:
@@ -61,6 +63,24 @@ def holder(param) -> Optional[str]:
     """The name of the live unit that registered ``param``, or None."""
     found = find(param)
     return found[0].name if found is not None else None
+
+
+def mark_taken(param, unit: str, fqn: str) -> None:
+    """Record that unit ``unit`` took original parameter ``param`` (named ``fqn`` in it) and replaced it; the
+    original is held weakly (nothing registers it on a module any more)."""
+    key = id(param)
+
+    def forget(ref, key=key):
+        if _TAKEN.get(key, (None,))[0] is ref:
+            del _TAKEN[key]
+
+    _TAKEN[key] = (weakref.ref(param, forget), unit, fqn)
+
+
+def taken(param) -> Optional[tuple[str, str]]:
+    """``(unit name, name in the unit)`` of an original parameter a unit took and replaced, or None."""
+    entry = _TAKEN.get(id(param))
+    return entry[1:] if entry is not None and entry[0]() is param else None
 
 
 def size() -> int:
