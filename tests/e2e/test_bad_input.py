@@ -72,6 +72,9 @@ CASES = [  # (argv after DATA or with {placeholders}, expected text in the one l
     (["{data}", "--update-freq", "0"], "--update-freq must be >= 1"),
     (["{data}", "--lr", "0"], "--lr must be > 0"),
     (["{data}", "--lr=-1e-3"], "--lr must be > 0"),
+    (["{data}", "--seed=-1"], "--seed must be in [0, 2**32)"),
+    (["{data}", "--keep-interval-updates=-5"], "--keep-interval-updates must be >= -1"),
+    (["{data}", "--save-interval", "1"], "unrecognized arguments: --save-interval 1"),  # not --save-interval-updates
     (["{data}", "--dropout", "1.5"], "--dropout must be in [0, 1)"),
     (["{data}", "--adam-betas", "(0.9)"], "expected a pair"),
     (["{data}", "--adam-betas", "fast"], "expected a pair"),

@@ -41,6 +41,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from fullshard.core import collectives
+from fullshard.train.config import GlobalBatchError, derive_update_freq
 
 MicroBatchId = Tuple[int, int]
 """(epoch, global micro-batch index within the epoch)."""
@@ -118,3 +119,27 @@ def make_deterministic(device: torch.device) -> None:
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+
+
+def resolve_batch(args, world_size: int) -> tuple[int, Optional[int]]:
+    """``(update_freq, global_batch_size)`` of parsed arguments at ``world_size`` ranks.
+
+    With --global-batch-size, update_freq is derived from it; an explicit --update-freq must equal
+    the derived value. Without it, update_freq is --update-freq (default 1) and the global batch is
+    recorded only under --world-size-invariant (``batch_size * update_freq * world_size``), so ranks
+    restarted at another world size keep it.
+
+    Raises:
+        GlobalBatchError: one line: the global batch is not divisible, < 1, or conflicts with
+            --update-freq.
+    """
+    if args.global_batch_size is None:
+        k = 1 if args.update_freq is None else args.update_freq
+        return k, (args.batch_size * k * world_size if args.world_size_invariant else None)
+    k = derive_update_freq(args.global_batch_size, args.batch_size, world_size)
+    if args.update_freq is not None and args.update_freq != k:
+        raise GlobalBatchError(
+            f"--update-freq {args.update_freq} conflicts with --global-batch-size {args.global_batch_size}, which "
+            f"gives {args.global_batch_size} / (--batch-size {args.batch_size} x {world_size} ranks) = {k} "
+            "micro-batches per update; drop --update-freq (it is derived from --global-batch-size)")
+    return k, args.global_batch_size

@@ -32,11 +32,16 @@ from fullshard.train.config import (
     node_range,
 )
 from fullshard.train.flags import add_options, option_string, values_of
+from fullshard.train.invariance import resolve_batch  # noqa: F401 (also imported from here)
 from fullshard.train.optimizers import check_flags as check_optimizer_flags
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """ArgumentParser whose `fail()` prints exactly one ``prog: error: msg`` line."""
+    """One ``prog: error: msg`` line per error; no abbreviated flags (``--save-interval`` was read as
+    ``--save-interval-updates``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def fail(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message}\n")
@@ -140,6 +145,10 @@ def _check_positive(p: OneLineArgumentParser, args) -> None:
             p.fail(f"{option(name)} must be >= 0, got {getattr(args, name)}")
     if args.lr <= 0:
         p.fail(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.seed < 2**32:  # torch.manual_seed's range; a rank would fail after the launch
+        p.fail(f"--seed must be in [0, 2**32), got {args.seed}")
+    if args.keep_interval_updates < -1:
+        p.fail(f"--keep-interval-updates must be >= -1 (0 or -1 keep all), got {args.keep_interval_updates}")
     for name in ("collective_timeout_s", "rdzv_timeout_s"):
         if not getattr(args, name) > 0:
             p.fail(f"{option(name)} must be > 0 seconds, got {getattr(args, name)}")
@@ -157,30 +166,6 @@ def _check_schedule(p: OneLineArgumentParser, args) -> None:
             p.fail(f"--lr-scheduler {args.lr_scheduler} needs --total-num-update or --max-update")
         if total <= args.warmup_updates:
             p.fail(f"--total-num-update ({total}) must exceed --warmup-updates ({args.warmup_updates})")
-
-
-def resolve_batch(args, world_size: int) -> tuple[int, Optional[int]]:
-    """``(update_freq, global_batch_size)`` of parsed arguments at ``world_size`` ranks.
-
-    With --global-batch-size, update_freq is derived from it; an explicit --update-freq must equal
-    the derived value. Without it, update_freq is --update-freq (default 1) and the global batch is
-    recorded only under --world-size-invariant (``batch_size * update_freq * world_size``), so ranks
-    restarted at another world size keep it.
-
-    Raises:
-        GlobalBatchError: one line: the global batch is not divisible, < 1, or conflicts with
-            --update-freq.
-    """
-    if args.global_batch_size is None:
-        k = 1 if args.update_freq is None else args.update_freq
-        return k, (args.batch_size * k * world_size if args.world_size_invariant else None)
-    k = derive_update_freq(args.global_batch_size, args.batch_size, world_size)
-    if args.update_freq is not None and args.update_freq != k:
-        raise GlobalBatchError(
-            f"--update-freq {args.update_freq} conflicts with --global-batch-size {args.global_batch_size}, which "
-            f"gives {args.global_batch_size} / (--batch-size {args.batch_size} x {world_size} ranks) = {k} "
-            "micro-batches per update; drop --update-freq (it is derived from --global-batch-size)")
-    return k, args.global_batch_size
 
 
 def _check_invariance(p: OneLineArgumentParser, args, world_size: int) -> int:
