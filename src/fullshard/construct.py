@@ -15,7 +15,18 @@ import torch
 import torch.nn as nn
 
 from .api import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
-from .core import casting, collectives, consistency, deferred_init, invariant, mixed, placement, registry, state
+from .core import (
+    added_params,
+    casting,
+    collectives,
+    consistency,
+    deferred_init,
+    invariant,
+    mixed,
+    placement,
+    registry,
+    state,
+)
 from .core.module import UnitModule
 from .core.names import WRAPPER_SEGMENTS, clean_name  # noqa: F401 (re-exported: the names' old home)
 from .core.params import ParamSlot
@@ -104,7 +115,7 @@ def place_buffers(own: list[nn.Module], device: torch.device, buffer_dtype) -> d
 
 def build_unit(name: str, slots: list[ParamSlot], taken: list[nn.Parameter], groups: tuple,
                device: torch.device, *, mp, offload, settings: UnitSettings, post_forward_group=None,
-               invariant_where: Optional[str] = None) -> state.UnitRuntime:
+               invariant_where: Optional[str] = None, modules: tuple = ()) -> state.UnitRuntime:
     """Make one unit from what a front door resolved: its immutable
     :class:`UnitConfig`, its shards (:class:`Unit`, which takes ``settings``,
     the knobs the door may change later) and its schedule
@@ -121,6 +132,8 @@ def build_unit(name: str, slots: list[ParamSlot], taken: list[nn.Parameter], gro
         invariant_where: ``world_size_invariant=True`` (gradients folded in a
             fixed order, core/invariant.py): the door's name of the unit
             for errors; None: reduce-scattered and averaged.
+        modules: the modules the unit owns (not inside a nested unit), watched for parameters added later
+            (core/added_params.py).
     Parameters of several dtypes make a :class:`~fullshard.core.mixed.MixedUnit`
     (core/mixed.py [Note: units that mix dtypes]).
 
@@ -148,6 +161,7 @@ def build_unit(name: str, slots: list[ParamSlot], taken: list[nn.Parameter], gro
         registry.mark_taken(p, name, slot.fqn)
     with torch.no_grad():
         unit = mixed.make_unit(name, slots, cfg, settings)
+    added_params.record(unit, modules)
     return state.UnitRuntime(unit, forward_input_caster=casting.input_caster(mp))
 
 

@@ -169,7 +169,7 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
             backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
         self._runtime = construct.build_unit(name, slots, [s.param for s in slots], groups, device, mp=mp,
                                              offload=offload, settings=settings,
-                                             invariant_where=where if world_size_invariant else None)
+                                             invariant_where=where if world_size_invariant else None, modules=own)
         self._adopt(module, name, strategy, mp, ignored, ignored_params, own)
         self.use_orig_params = use_orig_params  # informational: original parameters are always exposed
         self._full_precision = (casting.FullPrecisionRun(self._runtime.unit.flat_shard.dtype)

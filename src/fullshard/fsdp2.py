@@ -336,7 +336,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
                             backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=False)
     runtime = construct.build_unit(name, slots, originals, (shard_group, replicate_group), device, mp=mp_policy,
                                    offload=offload_policy, settings=settings, post_forward_group=post_forward_group,
-                                   invariant_where=where if world_size_invariant else None)
+                                   invariant_where=where if world_size_invariant else None, modules=own)
     consistency.defer(runtime.unit, differ)
     shared = fsdp2_state.FSDPState(runtime, modules, own, mp_policy, mesh)
     for m in modules:

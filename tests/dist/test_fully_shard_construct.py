@@ -227,6 +227,19 @@ def _errors_case(rank, world):
     _raises(f"{where} {sparse}", lambda: fully_shard(nn.EmbeddingBag(8, 4, sparse=True)))
     _raises(f"{where} {sparse}", lambda: fullshard.FullyShardedDataParallel(nn.EmbeddingBag(8, 4, sparse=True)))
     fully_shard(nn.Embedding(8, 4, sparse=True).requires_grad_(False))
+    # A trainable parameter added to a unit's module after sharding (each rank trained its own copy: 1.1e-2
+    # apart in an audit, torch FSDP2 the same) is refused at the next forward; frozen ones and modules without
+    # parameters are fine.
+    for door in (FP.shard, fullshard.FullyShardedDataParallel):
+        model = door(FP.make())
+        block = (model.layers if door is FP.shard else model.module.layers)[0]
+        block.spare = nn.Identity()
+        block.frozen = nn.Parameter(torch.ones(3), requires_grad=False)
+        FP.loss_of(model, rank, 0).backward()
+        block.extra = nn.Parameter(torch.ones(3))
+        with pytest.raises(RuntimeError, match=rf"{where} unit '.*': parameter 'extra' of its .* was added after "
+                                               "sharding"):
+            FP.loss_of(model, rank, 1)
     # An optimizer made before sharding holds the replaced parameters: its step left the model untrained
     # (4.2e-2 off one process in an audit, no error); refused at its first step, both doors.
     for door in (FP.shard, fullshard.FullyShardedDataParallel):

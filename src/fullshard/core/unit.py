@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from . import collectives, comm, extensions, flat, grads, optim_guard, optim_hooks, placement, registry, torch_private
+from .added_params import check as check_added
 from .buffers import POOL
 from .full_writes import check as check_full_writes, record as record_full, written as full_written
 from .invariant import start_fold
@@ -209,11 +210,10 @@ class Unit:
             slot.layout = entry
 
     def check_views(self) -> None:
-        """Raise if a sharded parameter's memory is no longer its view of
-        ``flat_shard`` (``.half()`` / ``.to()`` called on a module inside the
-        unit instead of on the wrapper, or ``p.data = ...``), or a module's
-        registered parameter is no longer the sharded one (replaced): the
-        all-gather would read values the optimizer no longer updates."""
+        """Raise if a sharded parameter's memory is no longer its view of ``flat_shard`` (``.half()`` / ``.to()`` on
+        a module inside the unit instead of the wrapper, or ``p.data = ...``), a module's registered parameter is no
+        longer the sharded one (replaced), or a parameter was added (core/added_params.py): the all-gather would
+        read values the optimizer no longer updates, or no rank's gradient would be averaged."""
         if self.flat_shard.is_meta:
             raise RuntimeError(
                 f"[rank {collectives.rank()}] unit '{self.name}': its parameters are still on the meta device; "
@@ -222,6 +222,7 @@ class Unit:
             problem = slot.view_problem(self.flat_shard.dtype, registered=not self._installed)
             if problem:
                 raise RuntimeError(f"[rank {collectives.rank()}] unit '{self.name}': {problem}")
+        check_added(self)
 
     def _full_nbytes(self) -> int:
         return self.layout.unsharded_numel * self.flat_full.element_size()
@@ -235,9 +236,8 @@ class Unit:
         POOL.reclaim(self.flat_full.untyped_storage())  # see core/buffers.py [Note: buffer reuse]
 
     def unsharded_bytes(self) -> int:
-        """Bytes held now for full parameters: the unsharded flat's storage and
-        an all-gather output in flight (0 when resharded; 0 for an aliased
-        unit, which computes on its shard)."""
+        """Bytes held now for full parameters: the unsharded flat's storage and an all-gather output in flight (0
+        when resharded; 0 for an aliased unit, which computes on its shard)."""
         if self.aliased:
             return 0
         held = self.flat_full.untyped_storage().nbytes()
