@@ -93,6 +93,8 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
             tied parameter split between units by manual wrapping.
     """
 
+    _enclosed = False  # set on the units an enclosing unit's construction wraps or adopts
+
     def __init__(self, module: nn.Module, process_group=None,
                  sharding_strategy: Optional[ShardingStrategy] = None,
                  auto_wrap_policy: Optional[Callable | set | frozenset] = None,
@@ -177,6 +179,8 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
         _hook_direct_calls(self, module)
         self._sd_installed = False  # a state-dict save pre-hook registered values (see module_hooks)
         module_hooks.register(self)
+        for inner in self.units()[1:]:  # known before any lazy init: root-only methods refuse them at once
+            inner._enclosed = True
 
     def _adopt(self, module: nn.Module, name: str, strategy: ShardingStrategy, mp: MixedPrecision,
                ignored: set[int], ignored_params: list, own: list[nn.Module]) -> None:
@@ -283,10 +287,12 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
         return state.post_forward(rt, out, () if before is None else stored.stored_since(before))
 
     def _require_root_idle(self, what: str, root_only: bool = True) -> state.RootRuntime:
-        self._lazy_init()
-        root = self._runtime.root
-        if root_only and not self._runtime.is_root:
+        enclosed = root_only and self._enclosed  # known before the root's first forward (its lazy init) too
+        if not enclosed:
+            self._lazy_init()
+        if root_only and (enclosed or not self._runtime.is_root):
             raise RuntimeError(f"{what} must be called on the root FullyShardedDataParallel instance")
+        root = self._runtime.root
         state.require_idle(root, what)
         return root
 

@@ -212,6 +212,21 @@ def _replace_through_a_unit():
             model(x)
 
 
+def _root_only_on_a_nested_unit_before_forward():
+    """no_sync() on a nested unit before the root's first forward made that unit a root of its own, and the
+    backwards inside it still reduce-scattered (silently); it raises as after the first forward."""
+    model = FSDP(_twin(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    for _ in range(2):  # before the root's first forward, then after it
+        with pytest.raises(RuntimeError, match=r"no_sync\(\) must be called on the root"):
+            with model.module[0].no_sync():
+                pass
+        with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(\) must be called on the root"):
+            model.module[0].clip_grad_norm_(1.0)
+        model(torch.randn(2, 3)).sum().backward()
+    with model.no_sync():
+        model(torch.randn(2, 3)).sum().backward()
+
+
 # -------------------------------------------------------- clip_grad_norm_
 def _clip_no_gradients():
     model = FSDP(_twin(), mixed_precision=MixedPrecision(param_dtype=torch.float16))
@@ -255,7 +270,8 @@ def _clip_root_module():
 
 CASES = {f.__name__.lstrip("_"): f for f in (
     _unit_settings, _ignored_state_dict, _auto_wrap_over_units, _ignored_unit, _ignored_not_a_module,
-    _apply_in_summon, _replace_through_a_unit, _param_init_fn_not_callable, _state_dict_config_mismatch,
+    _apply_in_summon, _replace_through_a_unit, _root_only_on_a_nested_unit_before_forward, _param_init_fn_not_callable,
+    _state_dict_config_mismatch,
     _clip_no_gradients, _clip_low_precision_dtype, _clip_root_module)}
 
 
