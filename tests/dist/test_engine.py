@@ -206,6 +206,17 @@ def _features(rank, world):
         assert m.inner.a.weight.shape == (15, 15)
         m.inner.a.weight.add_(1.0)
     torch.testing.assert_close(m.inner.a.weight, shard_before + 1.0)
+    # A tensor assigned through .data is written back too (it was dropped: 7.33 off one process in an
+    # audit); one of another shape raises and writes nothing back.
+    with m.summon_full_params():
+        m.inner.a.weight.data = torch.full((15, 15), 7.0)
+    assert torch.equal(m.inner.a.weight, torch.full_like(shard_before, 7.0))
+    b_before = m.inner.b.weight.detach().clone()
+    with pytest.raises(ValueError, match="'a.weight' of unit .* was given shape \\(3, 3\\).*nothing was written"):
+        with m.summon_full_params():
+            m.inner.a.weight.data = torch.zeros(3, 3)
+            m.inner.b.weight.add_(1.0)
+    assert torch.equal(m.inner.a.weight, torch.full_like(shard_before, 7.0)) and torch.equal(m.inner.b.weight, b_before)
 
     # ignored_modules: kept whole, never sharded.
     ign_model = M.clone(mlp)

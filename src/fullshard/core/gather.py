@@ -53,6 +53,20 @@ def _gather_grads(unit) -> list[Optional[torch.Tensor]]:
     return [g if h else None for g, h in zip(full, has.tolist())]
 
 
+def _written(unit, full: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The values to write back: each summoned parameter's tensor now.
+
+    Raises:
+        ValueError: a ``p.data = t`` of another shape (nothing is written back then).
+    """
+    for p, lay in zip(full, unit.layout.params):
+        if tuple(p.shape) != tuple(lay.shape):
+            raise ValueError(f"[rank {collectives.rank()}] summon_full_params(writeback=True): '{lay.fqn}' of unit "
+                             f"'{unit.name}' was given shape {tuple(p.shape)} (p.data = ...), not its "
+                             f"{tuple(lay.shape)}; nothing was written back")
+    return [p.detach() for p in full]
+
+
 @contextlib.contextmanager
 def full_params(units: list, writeback: bool = True, rank0_only: bool = False,
                 offload_to_cpu: bool = False, with_grads: bool = False):
@@ -89,13 +103,20 @@ def full_params(units: list, writeback: bool = True, rank0_only: bool = False,
                     full.append(nn.Parameter(view, requires_grad=lay.requires_grad))
                     full[-1].grad = grad
                 unit.install_params(full)
-                gathered.append((unit, views))
+                gathered.append((unit, full))
         yield
     finally:
+        problem = None
         with torch.no_grad():
-            for unit, views in gathered:
-                if writeback:
-                    flat.shard_into(unit.flat_shard, unit.layout, views, unit.rank)
+            try:  # from each parameter's tensor now: `p.data = t` inside the context counts too
+                values = [_written(unit, full) if writeback else None for unit, full in gathered]
+            except ValueError as e:
+                problem, values = e, [None] * len(gathered)
+            for (unit, _), written in zip(gathered, values):
+                if written is not None:
+                    flat.shard_into(unit.flat_shard, unit.layout, written, unit.rank)
                 unit.restore_params()
         for unit in todo:
             unit.summoned = False
+        if problem is not None:
+            raise problem
