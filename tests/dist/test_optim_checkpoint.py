@@ -69,6 +69,17 @@ def _full_matches_one_device(rank, world, cases):
             worst = max(worst, float(np.abs(got[k].astype(np.float64) - want[k]).max(initial=0.0)))
         assert worst == 0.0 if opt_name == "muon" else worst < 1e-6, (where, worst)
         out[where] = worst
+        if how == "FULL_SHARD" and place is None:  # rank0_only: the other ranks pass {} to the load, as in torch
+            configs = (StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True),
+                       FullOptimStateDictConfig(rank0_only=True))
+            with FSDP.state_dict_type(model, *configs):
+                osd = FSDP.optim_state_dict(model, opt)
+            assert bool(osd) == (rank == 0), where
+            fresh, fresh_opt = _trained(rank, world, how, opt_name, place, 0)
+            with FSDP.state_dict_type(fresh, *configs):
+                fresh_opt.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_opt, osd))
+            again = full_optim_state(fresh, fresh_opt)
+            assert again.keys() == got.keys() and all(np.array_equal(again[k], got[k]) for k in got), where
         if how == FULLY_SHARD:  # torch's full-state load scatters it into a fresh optimizer's DTensors
             fresh, fresh_opt = _trained(rank, world, how, opt_name, place, 0)
             set_optimizer_state_dict(fresh, fresh_opt, get_optimizer_state_dict(

@@ -266,8 +266,10 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
     """Turn a by-name optimizer state dict (full or sharded, of any world
     size) into ``optim.load_state_dict``'s form for this rank's shards.
 
-    No collectives. Creates the optimizer's state first if it has none (see
-    :func:`init_optim_state`), to learn which values are per-row.
+    No collectives, except under ``FullOptimStateDictConfig(rank0_only=True)``: then only the model's first
+    rank needs ``osd`` (the others may pass ``{}``, as torch FSDP1 allows) and it is broadcast from there.
+    Creates the optimizer's state first for parameters that have none (see :func:`init_optim_state`), to
+    learn which values are per-row.
 
     Raises:
         ValueError: a different number of parameter groups, a group whose
@@ -277,6 +279,12 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
     """
     state_dicts.refuse_fully_shard(model, "FSDP.optim_state_dict_to_load()")
     state_dicts.check_idle(model, "optim_state_dict_to_load()")
+    st = state_dicts.settings(model)
+    if st.type is StateDictType.FULL_STATE_DICT and getattr(st.optim_config, "rank0_only", False):
+        cfg = model.unit.cfg
+        osd = collectives.broadcast_object(osd if state_dicts.first_rank(model) else None,
+                                           collectives.holding_group(cfg.shard_group, cfg.replicate_group),
+                                           tag="rank0_only optimizer state dict")
     _, ents = state_dicts.entries(model)
     info = _param_info(ents)
     order = _optim_params(optim, info)

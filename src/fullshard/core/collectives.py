@@ -476,6 +476,17 @@ def all_gather_object(obj, group=None, tag: str = "") -> list:
     return out
 
 
+def broadcast_object(obj, group=None, tag: str = ""):
+    """The picklable ``obj`` of ``group``'s first rank, on every rank of it (``obj`` for a one-rank group)."""
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    COUNTS["broadcast_object"] += 1
+    _run("broadcast_object", tag, group, None, False,
+         lambda: dist.broadcast_object_list(box, src=group_ranks(group)[0], group=group))
+    return box[0]
+
+
 def device_mesh(group, device_type: str):
     """A 1-D ``DeviceMesh`` over ``group`` (None = the world) for DTensor values.
 
