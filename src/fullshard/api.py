@@ -89,6 +89,9 @@ class MixedPrecision:
         cast_forward_inputs: cast floating-point tensors passed to each unit's
             forward (inside tensors, lists, tuples, dicts and dataclasses) to
             ``param_dtype``.
+        cast_root_forward_inputs: cast the root unit's floating-point forward
+            inputs to ``param_dtype`` also when ``cast_forward_inputs`` is
+            False (torch FSDP1's field and default).
         full_precision_module_classes: modules of these classes run in full
             precision when ``param_dtype`` is set: each becomes a unit of its
             own whose parameters and buffers stay in the master dtype, whose
@@ -106,6 +109,7 @@ class MixedPrecision:
     buffer_dtype: Optional[torch.dtype] = None
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = True
+    cast_root_forward_inputs: bool = True
     full_precision_module_classes: tuple[type, ...] = _NORM_CLASSES
 
 

@@ -162,7 +162,8 @@ def build_unit(name: str, slots: list[ParamSlot], taken: list[nn.Parameter], gro
     with torch.no_grad():
         unit = mixed.make_unit(name, slots, cfg, settings)
     added_params.record(unit, modules)
-    return state.UnitRuntime(unit, forward_input_caster=casting.input_caster(mp))
+    return state.UnitRuntime(unit, forward_input_caster=casting.input_caster(mp),
+                             root_input_caster=casting.input_caster(mp, root=True))
 
 
 def prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, device: torch.device,

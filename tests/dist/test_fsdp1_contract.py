@@ -227,6 +227,24 @@ def _root_only_on_a_nested_unit_before_forward():
         model(torch.randn(2, 3)).sum().backward()
 
 
+def _cast_root_forward_inputs():
+    """torch FSDP1's MixedPrecision.cast_root_forward_inputs (default True): the root casts its inputs even
+    with cast_forward_inputs=False (fp32 inputs failed in the first matmul); nested units do not."""
+    x = torch.randn(2, 3)
+    for root_cast in (True, False):
+        mp = MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=False, cast_root_forward_inputs=root_cast)
+        model = FSDP(_twin(), mixed_precision=mp, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        seen = []
+        model.module[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+        if root_cast:
+            assert model(x).dtype == torch.bfloat16 and seen == [torch.bfloat16]
+            with pytest.raises(RuntimeError, match="dtype"):
+                model.module[1](x)  # a nested unit's fp32 input: not cast
+        else:
+            with pytest.raises(RuntimeError, match="dtype"):
+                model(x)
+
+
 # -------------------------------------------------------- clip_grad_norm_
 def _clip_no_gradients():
     model = FSDP(_twin(), mixed_precision=MixedPrecision(param_dtype=torch.float16))
@@ -271,7 +289,7 @@ def _clip_root_module():
 CASES = {f.__name__.lstrip("_"): f for f in (
     _unit_settings, _ignored_state_dict, _auto_wrap_over_units, _ignored_unit, _ignored_not_a_module,
     _apply_in_summon, _replace_through_a_unit, _root_only_on_a_nested_unit_before_forward, _param_init_fn_not_callable,
-    _state_dict_config_mismatch,
+    _state_dict_config_mismatch, _cast_root_forward_inputs,
     _clip_no_gradients, _clip_low_precision_dtype, _clip_root_module)}
 
 

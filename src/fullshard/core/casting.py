@@ -26,9 +26,10 @@ class _InputCaster:
         return map_tensors(self._cast, args), map_tensors(self._cast, kwargs)
 
 
-def input_caster(mp) -> Optional[_InputCaster]:
-    """The forward-input caster for a MixedPrecision policy, or None."""
-    if mp.param_dtype is None or not mp.cast_forward_inputs:
+def input_caster(mp, root: bool = False) -> Optional[_InputCaster]:
+    """The forward-input caster of a unit (``root``: of the root unit) under a mixed-precision policy, or None."""
+    cast = mp.cast_forward_inputs or root and getattr(mp, "cast_root_forward_inputs", False)
+    if mp.param_dtype is None or not cast:
         return None
     return _InputCaster(mp.param_dtype)
 

@@ -103,10 +103,10 @@ class UnitRuntime:
     are the unit's :class:`~fullshard.core.settings.UnitSettings`
     (``settings``), read at each use."""
 
-    def __init__(self, unit: Unit, forward_input_caster=None):
+    def __init__(self, unit: Unit, forward_input_caster=None, root_input_caster=None):
         self.unit = unit
         self.state = TrainingState.IDLE
-        self.forward_input_caster = forward_input_caster
+        self.forward_input_caster, self.root_input_caster = forward_input_caster, root_input_caster
         self.root: Optional[RootRuntime] = None
         self.is_root = False
         self.pre_backward_done = False
@@ -283,9 +283,8 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
 
 
 def _cast_inputs(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    if rt.forward_input_caster is None:
-        return args, kwargs
-    return rt.forward_input_caster(args, kwargs)
+    caster = rt.root_input_caster if rt.is_root else rt.forward_input_caster
+    return (args, kwargs) if caster is None else caster(args, kwargs)
 
 
 class _FrozenPostBackward(torch.autograd.Function):
