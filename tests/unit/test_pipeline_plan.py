@@ -288,3 +288,20 @@ def test_cli_zero_bubble_schedules():
     rows = izb.stdout.splitlines()
     per_rank = rows.index(next(r for r in rows if r.startswith("per rank")))
     assert rows[per_rank + 1].split()[:4] == ["auto", "0", "0,", "2"]  # looped: rank 0 holds stages 0 and 2
+
+
+def test_last_stage_counts_no_adam_state_for_its_tied_copy():
+    """The last stage's copy of the tied embedding has a parameter and a gradient but no Adam moments (the
+    trainer's optimizer skips it): 8 bytes per element, not 16 (the plan overstated stage 1 by 8·V·C)."""
+    from fullshard.train import plan as memory_plan
+    from fullshard.train.pipeline_plan_cli import _stage_bytes
+
+    tied = 97 * 64
+    costs = PP.ModelCosts(PP.ItemCost("embed", 1.0, 1.0, tied + 16 * 64),
+                          tuple(PP.ItemCost(f"layer {i}", 1.0, 1.0, 1000) for i in range(4)),
+                          PP.ItemCost("head", 1.0, 1.0, tied + 128), tied_numel=tied)
+    work = memory_plan.gpt_workload("transformer_lm_gpt_mini", 1, 16, 97)
+    mem = _stage_bytes(work, costs, "1F1B", 2, 2, 1, torch.float32, False)
+    assert mem(0, 0, 2, 2)[0] == 16 * (tied + 16 * 64 + 2000)
+    assert mem(1, 2, 4, 2)[0] == 16 * (2000 + tied + 128) - 8 * tied
+    assert mem(0, 0, 4, 1)[0] == 16 * (tied + 16 * 64 + 4000 + 128)  # one stage: the weight once, stepped

@@ -51,6 +51,7 @@ def test_budget_lists_only_fitting_configs_in_speed_order():
 
 
 def _tracked_bytes(rank, world):
+    import fullshard
     from fullshard import FullyShardedDataParallel as FSDP
     from fullshard.models import TransformerBlock, build_model
     from fullshard.wrap import ModuleWrapPolicy
@@ -58,6 +59,16 @@ def _tracked_bytes(rank, world):
     model = FSDP(build_model("transformer_lm_gpt_mini", vocab_size=997, max_positions=32, seed=0),
                  auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    peak = [0]  # full parameters held at once: sampled in each block's forward and backward (at its Linears)
+
+    def sample(*_):
+        stats = fullshard.memory_stats(model)
+        peak[0] = max(peak[0], sum(v["unsharded_bytes"] for k, v in stats.items() if k != "pool"))
+
+    for block in model.modules():
+        if isinstance(block, TransformerBlock):
+            for linear in (m for m in block.modules() if isinstance(m, torch.nn.Linear)):
+                linear.register_forward_hook(lambda m, a, out: sample() or out.register_hook(sample) and None)
     tokens = torch.randint(0, 997, (2, 17))
     out = model(tokens[:, :-1])
     torch.nn.functional.cross_entropy(out.reshape(-1, 997), tokens[:, 1:].reshape(-1)).backward()
@@ -66,7 +77,7 @@ def _tracked_bytes(rank, world):
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     return {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
             "optimizer": nbytes(t for st in opt.state.values() for t in st.values()
-                                if torch.is_tensor(t) and t.dim() > 0)}
+                                if torch.is_tensor(t) and t.dim() > 0), "full_params": peak[0]}
 
 
 @pytest.mark.heavy

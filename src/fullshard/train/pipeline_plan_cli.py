@@ -90,8 +90,9 @@ def _stage_bytes(work, costs: ModelCosts, schedule: str, P: int, M: int, dp: int
                  checkpoint: bool) -> Callable[[int, int, int, int], tuple[float, float]]:
     """``f(stage, first_layer, end_layer, num_stages) -> (model-state bytes, activation bytes)`` of a
     stage on one rank: Adam's fp32 state of its parameters (16 bytes each: shard, gradient, two
-    moments) sharded over ``dp`` ranks, and the
-    activations (`plan.py`'s Korthikanti et al. counts) of the micro-batches it holds in flight."""
+    moments; 8 for the last stage's copy of the tied embedding, which the optimizer does not step)
+    sharded over ``dp`` ranks, and the activations (`plan.py`'s Korthikanti et al. counts) of the
+    micro-batches it holds in flight."""
     p = torch.finfo(dtype).bits // 8
     full = memory_plan.layer_activation_bytes(work, p)
     layer_act = memory_plan.checkpointed_layer_bytes(work, p) if checkpoint else full
@@ -103,7 +104,8 @@ def _stage_bytes(work, costs: ModelCosts, schedule: str, P: int, M: int, dp: int
         numel -= costs.tied_numel if S == 1 else 0
         per_mb = (j - i) * layer_act + (memory_plan.logits_bytes(work, p) if k == S - 1 else 0)
         flight = in_flight(schedule, stage_rank(k, P, schedule), P, M)
-        return 16 * numel / dp, per_mb * flight + recompute
+        copy = costs.tied_numel if k == S - 1 and S > 1 else 0  # trainer.py: join_stages(with_tied_copy=False)
+        return (16 * numel - 8 * copy) / dp, per_mb * flight + recompute
     return f
 
 
@@ -198,8 +200,8 @@ def format_pipeline(args, costs: ModelCosts, splits: dict, measured: dict, mem, 
                   "times; the profile does not split them)"]
     else:
         lines.append(f"bubble: not modelled for {schedule}")
-    lines.append(f"GB/rank: Adam's fp32 model state (16 bytes per parameter) / {args.world_size} data-parallel "
-                 "rank(s)")
+    lines.append(f"GB/rank: Adam's fp32 model state (16 bytes per parameter; 8 for the last stage's copy of the "
+                 f"tied embedding) / {args.world_size} data-parallel rank(s)")
     if schedule in SPLIT_BACKWARD:
         lines.append(f"  + activations of M micro-batches per stage: an upper bound ({schedule}'s in-flight count is "
                      "not modelled)")

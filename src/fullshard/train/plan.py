@@ -95,7 +95,7 @@ class Workload:
 
     Attributes:
         psi: Ψ, number of parameters.
-        largest_unit_numel: elements of the largest FSDP unit.
+        largest_unit_numel: elements of the largest FSDP unit (the root's included).
         root_unit_numel: elements of the root unit (embeddings, final norm).
         num_layers, embed_dim, num_heads, vocab_size: model shape (L, h, a, V).
         batch_size: sequences per rank (b).
@@ -103,6 +103,7 @@ class Workload:
         ffn_embed_dim: MLP hidden width F; None means 4·h.
         units: the units' parameters (:func:`fullshard.train.optim_state.gpt_units`); empty: count
             model state from Ψ alone (no padding, Adam).
+        largest_block_numel: elements of the largest transformer-block unit (0: ``largest_unit_numel``).
     """
 
     psi: int
@@ -116,6 +117,7 @@ class Workload:
     tokens_per_sample: int
     ffn_embed_dim: Optional[int] = None
     units: tuple = dataclasses.field(default=(), repr=False)
+    largest_block_numel: int = 0
 
 
 def gpt_workload(arch, batch_size: int, tokens_per_sample: int, vocab_size: int = 50257,
@@ -141,7 +143,7 @@ def gpt_workload(arch, batch_size: int, tokens_per_sample: int, vocab_size: int 
     root = psi - sum(blocks)
     return Workload(psi, max(blocks + [root]), root, cfg.num_layers, cfg.embed_dim, cfg.num_heads,
                     vocab_size, batch_size, tokens_per_sample, ffn_embed_dim=cfg.ffn_embed_dim,
-                    units=gpt_units(model))
+                    units=gpt_units(model), largest_block_numel=max(blocks))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +194,9 @@ def plan(work: Workload, cfg: Config) -> dict[str, int]:
     elif cfg.strategy is ShardingStrategy.SHARD_GRAD_OP:
         full = p * work.psi
     else:
-        full = p * (work.root_unit_numel + 2 * work.largest_unit_numel)
+        # The root stays gathered from forward into backward; beside it one block computes and the next is
+        # prefetched (counting the root as the largest unit twice more overstated this 2.8x).
+        full = p * (work.root_unit_numel + 2 * (work.largest_block_numel or work.largest_unit_numel))
     out["full_params"] = full
     out["full_grads"] = (p + 4) * work.largest_unit_numel
     out["activations"] = activation_bytes(work, p, cfg.checkpoint_activations)
@@ -327,6 +331,12 @@ def check_args(p: OneLineArgumentParser, args: argparse.Namespace) -> tuple:
     return shape, positions, dtype
 
 
+# How `fullshard train` runs each strategy (a NO_SHARD fit is for the library's wrapper).
+_TRAIN_FLAGS = {ShardingStrategy.FULL_SHARD: "",
+                ShardingStrategy.SHARD_GRAD_OP: "  (train: --no-reshard-after-forward)",
+                ShardingStrategy.NO_SHARD: "  (library only: fullshard train has no NO_SHARD)"}
+
+
 def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
     """Check the flags (one line, exit 2 on bad input), print the plan and what fits the budget."""
     if args.hf_model:
@@ -347,7 +357,7 @@ def run(p: OneLineArgumentParser, args: argparse.Namespace) -> int:
         print(f"configurations fitting {args.budget_gb:g} GB per rank, expected fastest first:"
               + ("" if fits else " none"))
         for c, est in fits:
-            print(f"  {est['device_total'] / 1e9:8.3f} GB  {c.label()}")
+            print(f"  {est['device_total'] / 1e9:8.3f} GB  {c.label()}{_TRAIN_FLAGS[c.strategy]}")
     return 0
 
 
