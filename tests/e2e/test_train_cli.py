@@ -20,7 +20,10 @@ COMMON = ["--nproc-per-node", "2", "--arch", ARCH, "--tokens-per-sample", "64", 
           "--clip-norm", "1.0", "--weight-decay", "0.01", "--adam-betas", "(0.9,0.98)", "--seed", "3",
           "--log-interval", "1"]
 VALID_KEYS = ["epoch", "valid_loss", "valid_ppl", "valid_wps", "valid_wpb", "valid_bsz", "valid_num_updates"]
-TRAIN_KEYS = ["epoch"] + ["train_" + k for k in TRAIN_INNER_KEYS[2:]]
+# With --clip-norm, fairseq's clip (percent of updates clipped) follows gnorm.
+CLIPPED_INNER_KEYS = TRAIN_INNER_KEYS[:TRAIN_INNER_KEYS.index("gnorm") + 1] + ["clip"] + \
+    TRAIN_INNER_KEYS[TRAIN_INNER_KEYS.index("gnorm") + 1:]
+TRAIN_KEYS = ["epoch"] + ["train_" + k for k in CLIPPED_INNER_KEYS[2:]]
 
 
 def simple_losses(text: str) -> list:
@@ -69,8 +72,9 @@ def test_log_records_have_every_field(runs, backend):
     assert "done training in " in stdout
     assert len(records["train_inner"]) == UPDATES
     for rec in records["train_inner"]:
-        assert list(rec) == TRAIN_INNER_KEYS
-        assert all(isinstance(rec[k], str) for k in TRAIN_INNER_KEYS[2:])
+        assert list(rec) == CLIPPED_INNER_KEYS
+        assert all(isinstance(rec[k], str) for k in CLIPPED_INNER_KEYS[2:])
+        assert float(rec["clip"]) == (100.0 if float(rec["gnorm"]) > 1.0 else 0.0), rec  # --clip-norm 1.0
         assert float(rec["ppl"]) == pytest.approx(2 ** float(rec["loss"]), rel=1e-2)
         assert rec["wpb"] == str(4 * 2 * 64) and rec["bsz"] == "8" and rec["loss_scale"] == "1"
     assert [int(r["num_updates"]) for r in records["train_inner"]] == list(range(1, UPDATES + 1))
@@ -79,6 +83,8 @@ def test_log_records_have_every_field(runs, backend):
     assert len(records["valid"]) == 1 and list(records["valid"][0]) == VALID_KEYS
     assert records["valid"][0]["valid_num_updates"] == str(UPDATES)
     assert len(records["train"]) == 1 and list(records["train"][0]) == TRAIN_KEYS
+    clipped = sum(float(r["clip"]) for r in records["train_inner"]) / UPDATES
+    assert float(records["train"][0]["train_clip"]) == pytest.approx(clipped, abs=0.06)
     # --log-file holds the same lines as stdout (rank 0 only: no duplicates).
     logged = (run["root"] / "train.log").read_text().splitlines()
     assert logged == [line for line in stdout.splitlines() if " | INFO | " in line]

@@ -272,9 +272,11 @@ class Run:
             updated = not out["overflow"]
             if updated:
                 for meters in (inner, whole):
-                    meters.add(out["loss_sum"], out["ntokens"], out["nsentences"], out["gnorm"], out["seconds"])
+                    meters.add(out["loss_sum"], out["ntokens"], out["nsentences"], out["gnorm"], out["seconds"],
+                               clipped=0 < cfg.clip_norm < out["gnorm"])
                 if n % cfg.log_interval == 0:
-                    stats = inner.stats(n, self.trainer.get_lr(), self.device, self.wall(), out["loss_scale"])
+                    stats = inner.stats(n, self.trainer.get_lr(), self.device, self.wall(), out["loss_scale"],
+                                        cfg.clip_norm)
                     stats.update(self.trainer.memory_record())  # --log-memory (all ranks: one all-reduce)
                     bar.log(stats, tag="train_inner")
                     inner.reset()
@@ -299,7 +301,7 @@ class Run:
         bar.close()
         logger.info(f"end of epoch {epoch} (average epoch stats below)")
         stats = whole.stats(self.trainer.num_updates, self.trainer.get_lr(), self.device, self.wall(),
-                            self.trainer.scaler.get_scale())
+                            self.trainer.scaler.get_scale(), cfg.clip_norm)
         progress_bar(cfg.log_format, epoch, len(groups), cfg.log_interval).print(stats, tag="train")
         return stop or self.stopped_by_sigterm
 

@@ -76,28 +76,33 @@ class UpdateMeters:
         self.nsentences = 0
         self.updates = 0
         self.gnorm_sum = 0.0
+        self.clipped = 0
         self.train_wall_seconds = 0.0
 
-    def add(self, loss_sum_nats: float, ntokens: int, nsentences: int, gnorm: float, seconds: float) -> None:
-        """Record one optimizer update."""
+    def add(self, loss_sum_nats: float, ntokens: int, nsentences: int, gnorm: float, seconds: float,
+            clipped: bool = False) -> None:
+        """Record one optimizer update (``clipped``: its gradient norm exceeded --clip-norm)."""
         self.loss_sum_nats += loss_sum_nats
         self.ntokens += ntokens
         self.nsentences += nsentences
         self.updates += 1
         self.gnorm_sum += gnorm
+        self.clipped += int(clipped)
         self.train_wall_seconds += seconds
 
     def stats(self, num_updates: int, lr: float, device: torch.device, wall_seconds: float,
-              loss_scale: float = 1.0) -> "OrderedDict[str, float]":
+              loss_scale: float = 1.0, clip_norm: float = 0.0) -> "OrderedDict[str, float]":
         """The fairseq train record, values already rounded like fairseq's meters.
 
         ``loss_scale`` is the current fp16 loss scale (1 without --fp16), logged
-        as its latest value like fairseq's weight-0 meter.
+        as its latest value like fairseq's weight-0 meter. With ``clip_norm`` > 0
+        ``clip`` is the percentage of updates whose gradient norm exceeded it,
+        as fairseq logs it.
         """
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         updates = max(self.updates, 1)
         loss = self.loss_sum_nats / max(self.ntokens, 1) / LN2
-        return OrderedDict(
+        out = OrderedDict(
             loss=safe_round(loss, 3),
             ppl=perplexity(loss),
             wps=safe_round(self.ntokens / elapsed, 1),
@@ -107,11 +112,16 @@ class UpdateMeters:
             num_updates=num_updates,
             lr=lr,
             gnorm=safe_round(self.gnorm_sum / updates, 3),
+        )
+        if clip_norm > 0:
+            out["clip"] = safe_round(100.0 * self.clipped / updates, 1)
+        out.update(
             loss_scale=safe_round(loss_scale, 4),
             train_wall=safe_round(self.train_wall_seconds, 0),
             gb_free=safe_round(gb_free(device), 1),
             wall=safe_round(wall_seconds, 0),
         )
+        return out
 
 
 def valid_stats(loss_sum_nats: float, ntokens: int, nsentences: int, steps: int, seconds: float, num_updates: int):
