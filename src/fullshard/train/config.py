@@ -385,7 +385,8 @@ class LoggingCheckpointOptions:
                              "(default: %(default)s; resumed automatically when it exists)")
     reset_optimizer: bool = flag(False, "resume the model only: fresh optimizer state and update counter")
     reset_dataloader: bool = flag(False, "resume at epoch 1, first batch")
-    reset_lr_scheduler: bool = flag(False, "do not restore the lr scheduler")
+    reset_lr_scheduler: bool = flag(False, "start the lr schedule again from its step 0 (warmup, then decay over "
+                                    "--total-num-update) while the update count goes on")
     reset_meters: bool = flag(False, "do not restore the train meters")
     # The agent of torch elastic SIGTERMs the ranks at a membership change too, and SIGKILLs them
     # 30 s later; the save must end before that (a cut-off save leaves the previous checkpoint).
