@@ -12,7 +12,6 @@ raises naming the first. Frozen ones are left alone: they get no gradient to ave
 """
 from __future__ import annotations
 
-import weakref
 from typing import Iterable, Iterator
 
 import torch.nn as nn
@@ -20,15 +19,13 @@ import torch.nn as nn
 from . import collectives, registry
 from .module import UnitModule
 
-# unit -> ([(module, number of parameters, number of children)], ids of the parameters below them then)
-_RECORDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
 
 def record(unit, modules: Iterable[nn.Module]) -> None:
-    """Remember ``modules`` (those the unit owns: not inside a nested unit) as they are now."""
+    """Remember ``modules`` (those the unit owns: not inside a nested unit) as they are now, on the unit
+    (``unit.watched``: its modules, as its slots' owners are, so a deleted model is one collectable cycle)."""
     modules = list(modules)
     known = {id(p) for m in modules for p in m.parameters()}  # ignored modules' and nested units' too
-    _RECORDS[unit] = ([(m, len(m._parameters), len(m._modules)) for m in modules], known)
+    unit.watched = ([(m, len(m._parameters), len(m._modules)) for m in modules], known)
 
 
 def _unheld(module: nn.Module, known: set) -> Iterator[str]:
@@ -48,7 +45,7 @@ def check(unit) -> None:
     Raises:
         RuntimeError: naming the module's class and the parameter.
     """
-    rec = _RECORDS.get(unit)
+    rec = getattr(unit, "watched", None)
     if rec is None:
         return
     rows, known = rec
