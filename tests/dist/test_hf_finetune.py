@@ -135,6 +135,10 @@ def _lora_group(rank: int, world: int, dirs: dict) -> dict:
             merge = name.startswith("full_shard_v1")
             cfg = _cfg(dirs["llama"], **LORA, **over, merge_lora=merge)
             saved = export(cfg, trainer.model, trainer.peft_model, os.path.join(dirs["out"], name))
+        if name in ("full_shard_v1", "fully_shard_v2"):  # the library's save, both doors
+            from fullshard.adapters import save_adapter
+
+            save_adapter(trainer.model, os.path.join(dirs["out"], name + "_library"))
         out[name] = dict(losses=losses, state=_np(adapters), logits=_np({"x": logits})["x"], saved=saved)
     return out
 
@@ -238,6 +242,12 @@ def test_lora_matches_single_process_peft(dirs):
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
         peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(dirs["llama"]), adapter)
         _close(peft_model(torch.tensor(PROMPT)).logits.numpy(), got["fully_shard_v2"]["logits"], "adapter logits")
+        # fullshard.adapters.save_adapter (PeftModel.save_pretrained inside the wrapper wrote no tensors): the
+        # same adapter from either door, giving the sharded model's logits over the base
+        for name in ("full_shard_v1", "fully_shard_v2"):
+            library = os.path.join(dirs["out"], name + "_library")
+            peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(dirs["llama"]), library)
+            _close(peft_model(torch.tensor(PROMPT)).logits.numpy(), got[name]["logits"], f"{name} library adapter")
         merged = AutoModelForCausalLM.from_pretrained(got["full_shard_v1"]["saved"])
         assert not any("lora" in n for n, _ in merged.named_parameters())
         _close(merged(torch.tensor(PROMPT)).logits.numpy(), got["full_shard_v1"]["logits"], "merged logits")

@@ -54,6 +54,7 @@ ALLOW: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
                   "activation_checkpointing"},
     # Top floors: train/ never imports bench/ or cli; bench/ never cli.
     "pipelining": {"core", "fsdp", "fsdp2"},  # torch.distributed.pipelining stages of our units
+    "adapters": {"api", "core", "fsdp", "fsdp2"},  # PEFT adapters of sharded models
     "train": {"fullshard", "api", "core", "construct", "wrap", "checkpoint", "optim", "memory", "amp", "pipelining",
               "activation_checkpointing", "models", "data", "faults"},
     "bench": {"fullshard", "core", "wrap", "optim", "models", "train"},
