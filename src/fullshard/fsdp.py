@@ -204,7 +204,14 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["_fsdp_wrapped_module"], name)
+            inner = self._modules["_fsdp_wrapped_module"]
+        try:
+            return getattr(inner, name)
+        except AttributeError as e:
+            if e.obj is not inner or e.name != name:  # raised inside a property of the module: its own error
+                raise
+            raise AttributeError(f"'{type(self).__name__}' object (wrapping {type(inner).__name__}) has no "
+                                 f"attribute '{name}'", name=name, obj=self) from None
 
     def _forwards(self, name: str) -> Optional[nn.Module]:
         """The wrapped module when ``name`` is its attribute and not the wrapper's: ``unit.weight = t`` (what

@@ -210,6 +210,10 @@ def _replace_through_a_unit():
         model.module[0].weight = nn.Parameter(torch.zeros(3, 3))  # lands on the Linear: the engine refuses it
         with pytest.raises(RuntimeError, match="'weight' was replaced"):
             model(x)
+    # A name neither the wrapper nor the wrapped module has: the error names the wrapper, not only the module
+    with pytest.raises(AttributeError, match=r"'FullyShardedDataParallel' object \(wrapping Sequential\) has no "
+                                             "attribute 'register_comm_hook'"):
+        model.register_comm_hook()
 
 
 def _root_only_on_a_nested_unit_before_forward():
