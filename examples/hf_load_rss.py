@@ -12,7 +12,7 @@ as `fullshard bench --lora` counts them; ``--base-dtype bf16`` (with ``--lora-ra
 bf16 beside fp32 adapters; ``--quantize-base nf4`` (with ``--lora-rank``, fsdp-version 2, torchao) stores the
 decoder layers' frozen Linear weights as NF4 (QLoRA, fullshard/train/qlora.py).
 
-    PYTHONPATH=src python examples/hf_load_rss.py [--fsdp-version 1|2] [--lora-rank R] [--base-dtype bf16]
+    PYTHONPATH=src .venv/bin/python examples/hf_load_rss.py [--fsdp-version 1|2] [--lora-rank R] [--base-dtype bf16]
         [--quantize-base nf4] [--steps N]
 """
 from __future__ import annotations

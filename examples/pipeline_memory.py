@@ -4,7 +4,7 @@ fullshard's collectives put on the wire in one update and the peak of the bytes 
 buffer pool in use), sampled after every pipeline micro-batch's backward; and the process's peak
 resident memory. pp=2 x dp=2 on 4 gloo CPU ranks, 1F1B, the trainer's own pipeline.
 
-    PYTHONPATH=src python examples/pipeline_memory.py [--microbatches 4] [--width 256]
+    PYTHONPATH=src .venv/bin/python examples/pipeline_memory.py [--microbatches 4] [--width 256]
 """
 from __future__ import annotations
 

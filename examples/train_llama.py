@@ -1,6 +1,6 @@
 """Train a small Llama with FSDP2 (``fully_shard``) the way torchtitan does, on CPU, and checkpoint with DCP.
 
-    torchrun --nproc-per-node 2 examples/train_llama.py --steps 5 --ckpt-dir /tmp/llama_ckpt
+    .venv/bin/torchrun --nproc-per-node 2 examples/train_llama.py --steps 5 --ckpt-dir /tmp/llama_ckpt
 
 Rank 0 prints the global loss and gradient norm of each step, also as ``float.hex()`` so runs can be compared
 bit for bit. The run saves ``<ckpt-dir>/step-<N>`` at the end; a later run with the same ``--ckpt-dir`` resumes
