@@ -242,10 +242,42 @@ def test_damaged_files_and_wrong_model_are_refused(tmp_path):
             self.inp = torch.nn.Linear(7, 16)
             self.extra = torch.nn.Linear(2, 2)
 
+    other = Other()
+    optimizer = torch.optim.AdamW(other.parameters())
     with pytest.raises(checkpoint.CheckpointError, match=r"missing from checkpoint: \['extra.weight', "
                        r"'extra.bias'\].*not in model: \[.*'scale'.*\].*'inp.weight': checkpoint \(15, 7\) vs "
                        r"model \(16, 7\)"):
-        checkpoint.load(path, Other())
+        checkpoint.load(path, other, optimizer)
+    assert not any(optimizer.state.values())  # refused before anything was loaded: no state (it had step 1)
+    model = make_model("mlp")
+    optimizer = torch.optim.AdamW(model.parameters())  # the checkpoint has no optimizer state
+    with pytest.raises(checkpoint.CheckpointError, match=r"holds no optimizer state of this optimizer's form "
+                       r"\(AdamW; Missing key in checkpoint state_dict: optim\..*load it without the optimizer"):
+        checkpoint.load(path, model, optimizer)
+    assert not any(optimizer.state.values())
+
+    # extra-rank0.pt: read_extra checks it against the manifest; a checkpoint that lost its manifest is refused
+    checkpoint.save(path, model, extra={"step": 7})
+    extra = os.path.join(path, "extra-rank0.pt")
+    blob = open(extra, "rb").read()
+    with open(extra, "wb") as f:
+        f.write(blob[:-30] + bytes([blob[-30] ^ 1]) + blob[-29:])
+    with pytest.raises(checkpoint.CheckpointError, match=r"extra-rank0.pt \(corrupted: sha256 differs\)"):
+        checkpoint.read_extra(path)
+    with open(extra, "wb") as f:
+        f.write(blob)
+    assert checkpoint.read_extra(path) == {"step": 7}
+    with open(os.path.join(path, "fullshard.json"), "r+") as f:
+        f.truncate(20)
+    with pytest.raises(checkpoint.CheckpointError, match=r"its fullshard.json is damaged"):
+        checkpoint.verify(path)
+    os.remove(os.path.join(path, "fullshard.json"))
+    for call in (checkpoint.verify, checkpoint.read_extra, lambda p: checkpoint.load(p, make_model("mlp"))):
+        with pytest.raises(checkpoint.CheckpointError, match=r"has lost its fullshard.json"):
+            call(path)
+    with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint at"):
+        checkpoint.verify(str(tmp_path / "nothing"))
+    checkpoint.save(path, model)
     os.remove(os.path.join(path, ".metadata"))
     with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata \(missing\)"):
         checkpoint.load(path, make_model("mlp"))

@@ -61,22 +61,17 @@ from ..api import StateDictType
 from ..core import collectives
 from ..core.module import unit_modules
 from . import optim as optim_state, state_dict as state_dicts
-
-MANIFEST = "fullshard.json"
-FORMAT = "fullshard-dcp-v1"
-DCP_METADATA = ".metadata"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded: corrupted, missing, or of another model."""
-
-
-def _world(group=None) -> int:
-    return collectives.group_size(group) if collectives.is_initialized() else 1
-
-
-def _rank(group=None) -> int:
-    return collectives.group_rank(group) if collectives.is_initialized() else 0
+from .manifest import (  # noqa: F401 (CheckpointError, read_extra, resolve, verify: also imported from here)
+    DCP_METADATA,
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    _rank,
+    _world,
+    read_extra,
+    resolve,
+    verify,
+)
 
 
 def _barrier(group=None) -> None:
@@ -307,57 +302,6 @@ def _agree(error: Optional[BaseException], final: str, tmp: str, phase: str, gro
                           f"{kept}; {hint} and save again")
 
 
-def resolve(checkpoint_dir: str) -> str:
-    """The directory holding the checkpoint ``checkpoint_dir`` names: itself, or
-    ``<dir>.old`` left by a save killed while publishing; or itself when it is
-    a plain ``torch.distributed.checkpoint`` directory (``.metadata``, no
-    manifest; DCP writes ``.metadata`` last, so its save finished).
-
-    Raises:
-        CheckpointError: none of these holds a finished checkpoint.
-    """
-    final = os.path.abspath(checkpoint_dir)
-    for path in (final, final + ".old"):
-        if os.path.isfile(os.path.join(path, MANIFEST)):
-            return path
-    if os.path.isfile(os.path.join(final, DCP_METADATA)):
-        return final
-    raise CheckpointError(f"[rank {collectives.rank()}] no checkpoint at {final} (neither {MANIFEST} nor "
-                          f"{DCP_METADATA}: the directory is missing or its save did not finish)")
-
-
-def verify(path: str, group=None) -> dict:
-    """Check every file of the manifest (size and sha256; files split over
-    the ranks of ``group``, None = the world); returns the manifest, or
-    ``{}`` for a plain ``torch.distributed.checkpoint`` directory (no
-    manifest, so no sizes or hashes to check; see :func:`resolve`).
-
-    Raises:
-        CheckpointError: naming each missing, truncated or corrupted file.
-    """
-    if not os.path.isfile(os.path.join(path, MANIFEST)) and os.path.isfile(os.path.join(path, DCP_METADATA)):
-        return {}
-    with open(os.path.join(path, MANIFEST)) as f:
-        manifest = json.load(f)
-    rank, world = _rank(group), _world(group)
-    bad = []
-    for i, (name, info) in enumerate(sorted(manifest["files"].items())):
-        if i % world != rank:
-            continue
-        full = os.path.join(path, name)
-        if not os.path.isfile(full):
-            bad.append(f"{name} (missing)")
-        elif os.path.getsize(full) != info["bytes"]:
-            bad.append(f"{name} (truncated: {os.path.getsize(full)} of {info['bytes']} bytes)")
-        elif file_sha256(full) != info["sha256"]:
-            bad.append(f"{name} (corrupted: sha256 differs)")
-    every = [b for theirs in (collectives.all_gather_object(bad, group) if world > 1 else [bad]) for b in theirs]
-    if every:
-        raise CheckpointError(f"[rank {collectives.rank()}] checkpoint {path} is damaged: {', '.join(every)}; "
-                              "load an earlier checkpoint")
-    return manifest
-
-
 def _flat_keys(state: dict, prefix: str = "") -> dict:
     """Leaves of nested dicts and lists (extra state) under dotted keys, as
     ``torch.distributed.checkpoint`` names them in its metadata."""
@@ -425,16 +369,25 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
     group = process_group if process_group is not None else _group(model)
     verify(path, group)
     fsdp = _is_fsdp(model)
+    had_state = {id(p) for p, s in optimizer.state.items() if s} if optimizer is not None else set()
     if optimizer is not None:
         optim_state.init_optim_state(optimizer)
-    state = _states_in_parts(model, optimizer, process_group)
-    check_model_keys(path, state["model"], process_group)
-    if optimizer is not None:
-        _only_saved_optim_state(path, state["optim"])
-    world = _world(group)
-    with warnings.catch_warnings():  # one rank: DCP's "assuming ... a single process" is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=world == 1)
+    try:
+        state = _states_in_parts(model, optimizer, process_group)
+        check_model_keys(path, state["model"], process_group)
+        if optimizer is not None:
+            _only_saved_optim_state(path, state["optim"])
+        with warnings.catch_warnings():  # one rank: DCP's "assuming ... a single process" is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=_world(group) == 1)
+    except BaseException as e:  # refused before anything was loaded: the optimizer as it was too
+        for p in [p for p in optimizer.state if id(p) not in had_state] if optimizer is not None else []:
+            del optimizer.state[p]  # the templates init_optim_state made
+        if "Missing key in checkpoint state_dict: optim." in str(e):
+            raise CheckpointError(f"[rank {collectives.rank()}] checkpoint {path} holds no optimizer state of this "
+                                  f"optimizer's form ({type(optimizer).__name__}; {_missing_key(e)}); load it without "
+                                  "the optimizer, or with the optimizer it was saved with") from None
+        raise
     if _is_fully_shard(model) and optimizer is None:
         set_model_state_dict(model, state["model"])
     elif _is_fully_shard(model):
@@ -456,6 +409,13 @@ def load(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.
             plain = optim_state.plain_optim_state_dict_to_load(_plain(model), optimizer, state["optim"])
             optimizer.load_state_dict(plain)
     return read_extra(path, _rank(group))
+
+
+def _missing_key(e: BaseException) -> str:
+    """The first key torch.distributed.checkpoint reported missing, for a one-line message."""
+    text = str(e)  # DCP's message holds its rank tracebacks (with the f-string's source) before the key
+    start = text.index("Missing key in checkpoint state_dict: optim.")
+    return text[start:].splitlines()[0].rstrip(".")
 
 
 def _only_saved_optim_state(path: str, optim: dict) -> None:
@@ -482,17 +442,3 @@ def _frozen_optim_state(model: nn.Module, optimizer, optim: dict) -> None:
             entry = optim.get("state", {}).get(names.get(id(p)))
             if not p.requires_grad and entry:
                 optimizer.state[p] = dict(entry)
-
-
-def read_extra(checkpoint_dir: str, rank: int = 0) -> Any:
-    """Rank ``rank``'s ``extra`` dict of a checkpoint (rank 0's when the saving
-    run had fewer ranks), or None; offline, no process group needed.
-
-    Raises:
-        CheckpointError: no finished checkpoint at ``checkpoint_dir``.
-    """
-    path = resolve(checkpoint_dir)
-    for name in (f"extra-rank{rank}.pt", "extra-rank0.pt"):
-        if os.path.isfile(os.path.join(path, name)):
-            return torch.load(os.path.join(path, name), weights_only=False)
-    return None
