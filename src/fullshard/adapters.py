@@ -1,4 +1,5 @@
-"""Saving a PEFT adapter trained under either front door.
+"""Saving a PEFT adapter trained under either front door, and :func:`write_dir`, the all-or-nothing
+write of a Hugging Face export directory (used by ``fullshard train --save-hf`` too).
 
 [Note: PEFT adapters of sharded models]
 ``PeftModel.save_pretrained`` picks the adapter's entries of ``state_dict()`` by the names of the modules
@@ -55,10 +56,10 @@ def save_adapter(model: nn.Module, out_dir: str, adapter_name: str = "default") 
     ``adapter_config.json`` and ``adapter_model.safetensors`` in ``out_dir``, which
     ``PeftModel.from_pretrained(base, out_dir)`` loads (see [Note: PEFT adapters of sharded models]).
 
-    Every rank calls it, outside forward and backward; the first rank writes (into a new sibling directory
-    whose files then replace those of ``out_dir``, so a failure leaves ``out_dir`` as it was; the first rank of
-    the model's groups, global rank 0 for a model on every rank). Only the
-    adapter's tensors are gathered, each to its full shape, in its own dtype.
+    Every rank calls it, outside forward and backward; the first rank of the model's groups (global rank 0
+    for a model on every rank) writes, through :func:`write_dir` (a failure leaves ``out_dir`` as it was; an
+    earlier export's weights there are removed). Only the adapter's tensors are gathered, each to its full
+    shape, in its own dtype.
 
     Args:
         model: a ``FullyShardedDataParallel`` root wrapping a ``peft.PeftModel``, or a ``PeftModel`` sharded
@@ -92,21 +93,39 @@ def save_adapter(model: nn.Module, out_dir: str, adapter_name: str = "default") 
     if first:
         config = copy.deepcopy(peft_model.peft_config[adapter_name])
         config.inference_mode = True  # as PeftModel.save_pretrained writes it
-        _write(out_dir, lambda tmp: (save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"),
+        write_dir(out_dir, lambda tmp: (save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"),
                                                metadata={"format": "pt"}), config.save_pretrained(tmp)))
     collectives.barrier(collectives.holding_group(cfg.shard_group, cfg.replicate_group), tag="save_adapter")
 
 
-def _write(out_dir: str, write) -> None:
-    """``write(tmp)`` into a new sibling of ``out_dir``, then its files into ``out_dir``; on failure nothing."""
+def _is_export_file(name: str) -> bool:
+    """A file of a Hugging Face model or PEFT adapter export: weights (one file or shards), their index,
+    the model or adapter config."""
+    weights = name.startswith(("model", "pytorch_model", "adapter_model")) and name.endswith((".safetensors", ".bin"))
+    return weights or name.endswith(".index.json") or name in ("config.json", "adapter_config.json")
+
+
+def write_dir(out_dir: str, write) -> None:
+    """Run ``write(tmp)`` on a new hidden sibling directory of ``out_dir``, then move its files into
+    ``out_dir`` (made if missing). Files of an earlier export there that this one did not write (an
+    adapter beside a merged model, weight shards of another count) are removed, since
+    ``from_pretrained`` would load them with the new ones; other files are kept. If ``write`` raises, the
+    sibling is removed and ``out_dir`` is untouched."""
     out_dir = os.path.abspath(out_dir)
-    tmp = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    parent, base = os.path.split(out_dir)
+    tmp = os.path.join(parent, f".{base}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed export by a process of the same id
     os.makedirs(tmp)
     try:
         write(tmp)
-        os.makedirs(out_dir, exist_ok=True)
-        for name in os.listdir(tmp):
+        if not os.path.exists(out_dir):
+            os.rename(tmp, out_dir)
+            return
+        written = set(os.listdir(tmp))
+        for name in written:  # same file system: each a rename
             os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+        for name in os.listdir(out_dir):
+            if name not in written and _is_export_file(name) and os.path.isfile(os.path.join(out_dir, name)):
+                os.remove(os.path.join(out_dir, name))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,7 +1,7 @@
-"""train/hf_export.py: write_dir writes an export beside its directory and moves it in only when
-complete, so a failure leaves the directory as it was and no partial sibling behind, and an earlier
-export's files the new one does not write go; merging an adapter on tied embeddings unties them first,
-so the merged model computes what was trained."""
+"""write_dir (fullshard/adapters.py; the CLI's exports and save_adapter) writes an export beside its
+directory and moves it in only when complete, so a failure leaves the directory as it was and no partial
+sibling behind, and an earlier export's files the new one does not write go; merging an adapter on tied
+embeddings unties them first, so the merged model computes what was trained."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from fullshard.train.hf_export import write_dir
+from fullshard.adapters import write_dir
 
 
 def _files(path) -> dict:

@@ -56,7 +56,7 @@ ALLOW: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "pipelining": {"core", "fsdp", "fsdp2"},  # torch.distributed.pipelining stages of our units
     "adapters": {"api", "core", "fsdp", "fsdp2"},  # PEFT adapters of sharded models
     "train": {"fullshard", "api", "core", "construct", "wrap", "checkpoint", "optim", "memory", "amp", "pipelining",
-              "activation_checkpointing", "models", "data", "faults"},
+              "adapters", "activation_checkpointing", "models", "data", "faults"},
     "bench": {"fullshard", "core", "wrap", "optim", "models", "train"},
     "cli": {"train", "bench", "checkpoint", "data"},
 }.items()}

@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fullshard import FSDPModule, FullyShardedDataParallel, StateDictType
+from fullshard.adapters import write_dir
 from fullshard.core import collectives
 from fullshard.train import hf_model, qlora
 
@@ -134,39 +135,6 @@ def export(cfg, model: nn.Module, peft_model=None, out_dir: str | None = None) -
         write_dir(out_dir, lambda tmp: _write(cfg, state, peft_model, tmp))
     collectives.barrier()
     return out_dir
-
-
-def _is_export_file(name: str) -> bool:
-    """A file of a Hugging Face model or PEFT adapter export: weights (one file or shards), their index,
-    the model or adapter config."""
-    weights = name.startswith(("model", "pytorch_model", "adapter_model")) and name.endswith((".safetensors", ".bin"))
-    return weights or name.endswith(".index.json") or name in (hf_model.CONFIG, "adapter_config.json")
-
-
-def write_dir(out_dir: str, write) -> None:
-    """Run ``write(tmp)`` on a new hidden sibling directory of ``out_dir``, then move its files into
-    ``out_dir`` (made if missing). Files of an earlier export there that this one did not write (an
-    adapter beside a merged model, weight shards of another count) are removed, since
-    ``from_pretrained`` would load them with the new ones; other files are kept. If ``write`` raises, the
-    sibling is removed and ``out_dir`` is untouched."""
-    out_dir = os.path.abspath(out_dir)
-    parent, base = os.path.split(out_dir)
-    tmp = os.path.join(parent, f".{base}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed export by a process of the same id
-    os.makedirs(tmp)
-    try:
-        write(tmp)
-        if not os.path.exists(out_dir):
-            os.rename(tmp, out_dir)
-            return
-        written = set(os.listdir(tmp))
-        for name in written:  # same file system: each a rename
-            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-        for name in os.listdir(out_dir):
-            if name not in written and _is_export_file(name) and os.path.isfile(os.path.join(out_dir, name)):
-                os.remove(os.path.join(out_dir, name))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write(cfg, state: dict, peft_model, out_dir: str) -> None:
