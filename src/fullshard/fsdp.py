@@ -486,8 +486,8 @@ def _wrap_nested(module: nn.Module, auto_wrap_policy, mp: MixedPrecision, ignore
     first, as full-precision units; then the modules ``auto_wrap_policy`` picks."""
 
     def unit_fn(full_precision: bool = False, **over: Any) -> Callable[..., nn.Module]:
-        return lambda child, name, skip_param_ids: FullyShardedDataParallel._nested(
-            child, name, skip_param_ids, full_precision, **{**options, **over})
+        return lambda child, name, skip_param_ids, **chosen: FullyShardedDataParallel._nested(
+            child, name, skip_param_ids, full_precision, **{**options, **over, **chosen})
 
     if mp.param_dtype is not None and mp.full_precision_module_classes:
         full_mp = MixedPrecision(cast_forward_inputs=False, full_precision_module_classes=())

@@ -86,6 +86,26 @@ class ModuleWrapPolicy:
         return f"ModuleWrapPolicy({[c.__name__ for c in self.module_classes]})"
 
 
+class CustomPolicy:
+    """torch FSDP1's ``CustomPolicy``: ``lambda_fn(module)`` returns False (not a unit), True (a unit built
+    with the wrapper's arguments) or a dict of constructor arguments that override the wrapper's for that
+    unit, e.g. ``{"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}`` or ``{"cpu_offload": ...}``.
+
+    Args:
+        lambda_fn: ``module -> bool | dict``.
+    Raises:
+        TypeError: ``lambda_fn`` is not callable; at wrapping, an argument the wrapper does not take.
+    """
+
+    def __init__(self, lambda_fn: Callable[[nn.Module], Any]):
+        if not callable(lambda_fn):
+            raise TypeError(f"CustomPolicy takes a callable module -> bool | dict, got {lambda_fn!r}")
+        self._lambda_fn = lambda_fn
+
+    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> Any:
+        return True if recurse else self._lambda_fn(module)
+
+
 def _owners(root: nn.Module) -> dict[int, tuple[weakref.ref, set[int]]]:
     """param id -> (weak reference to the param, ids of every module holding it),
     to keep tied weights in one unit. The reference tells an original
@@ -126,10 +146,11 @@ def recursive_wrap(module: nn.Module, policy: Callable, wrap_fn: Callable[..., n
     A policy may choose a module and some of its descendants (e.g.
     ``ModuleWrapPolicy({Block, nn.Linear})``): the descendants are wrapped
     first and their units nest inside the module's unit, as in torch FSDP1.
-    ``wrap_fn(child, name=..., skip_param_ids=...)`` builds a unit named by
+    ``wrap_fn(child, name=..., skip_param_ids=..., **overrides)`` builds a unit named by
     the child's path from ``module``; ``skip_param_ids`` are parameters the
     child shares with modules outside it, which stay with an enclosing unit
-    so tied weights stay tied. ``module`` itself is not wrapped (its caller
+    so tied weights stay tied; ``overrides`` are a dict a policy returned (``CustomPolicy``), else
+    none. ``module`` itself is not wrapped (its caller
     is the wrapper). Modules whose id is in ``ignored`` are not entered.
     """
     owners = _owners(module)
@@ -151,9 +172,11 @@ def recursive_wrap(module: nn.Module, policy: Callable, wrap_fn: Callable[..., n
             if not policy(module=child, recurse=True, nonwrapped_numel=numel_of(child)):
                 continue
             visit(child, full)
-            if policy(module=child, recurse=False, nonwrapped_numel=numel_of(child)):
+            chosen = policy(module=child, recurse=False, nonwrapped_numel=numel_of(child))
+            if chosen:  # a dict (CustomPolicy): this unit's own constructor arguments
                 skip = _shared_outside(child, owners)
-                setattr(m, child_name, wrap_fn(child, name=full, skip_param_ids=skip))
+                over = chosen if isinstance(chosen, dict) else {}
+                setattr(m, child_name, wrap_fn(child, name=full, skip_param_ids=skip, **over))
 
     visit(module, prefix)
     return module
@@ -208,5 +231,5 @@ def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
 
 __all__ = [
     "always_wrap_policy", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy", "lambda_auto_wrap_policy",
-    "ModuleWrapPolicy", "enable_wrap", "wrap",
+    "ModuleWrapPolicy", "CustomPolicy", "enable_wrap", "wrap",
 ]

@@ -249,6 +249,32 @@ def _cast_root_forward_inputs():
                 model(x)
 
 
+def _custom_policy():
+    """fullshard.wrap.CustomPolicy (torch FSDP1's): False, True, or a dict overriding the wrapper's
+    constructor arguments for that unit; the model still computes as the plain one."""
+    from fullshard.wrap import CustomPolicy
+
+    torch.manual_seed(0)
+    plain, x = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.ReLU()), torch.randn(2, 3)
+    first = plain[0]
+
+    def choose(module):
+        if module is first:
+            return {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP, "cpu_offload": CPUOffload(True)}
+        return isinstance(module, nn.Linear)
+
+    model = FSDP(plain, auto_wrap_policy=CustomPolicy(choose))
+    a, b = model.module[0], model.module[1]
+    assert isinstance(a, FSDP) and isinstance(b, FSDP) and not isinstance(model.module[2], FSDP)
+    assert (a.sharding_strategy, b.sharding_strategy) == (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD)
+    assert a.cpu_offload.offload_params and not b.cpu_offload.offload_params
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.ReLU())
+    torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="CustomPolicy takes a callable"):
+        CustomPolicy(3)
+
+
 # -------------------------------------------------------- clip_grad_norm_
 def _clip_no_gradients():
     model = FSDP(_twin(), mixed_precision=MixedPrecision(param_dtype=torch.float16))
@@ -293,7 +319,7 @@ def _clip_root_module():
 CASES = {f.__name__.lstrip("_"): f for f in (
     _unit_settings, _ignored_state_dict, _auto_wrap_over_units, _ignored_unit, _ignored_not_a_module,
     _apply_in_summon, _replace_through_a_unit, _root_only_on_a_nested_unit_before_forward, _param_init_fn_not_callable,
-    _state_dict_config_mismatch, _cast_root_forward_inputs,
+    _state_dict_config_mismatch, _cast_root_forward_inputs, _custom_policy,
     _clip_no_gradients, _clip_low_precision_dtype, _clip_root_module)}
 
 
