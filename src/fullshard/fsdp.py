@@ -181,6 +181,7 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
         module_hooks.register(self)
         for inner in self.units()[1:]:  # known before any lazy init: root-only methods refuse them at once
             inner._enclosed = True
+        self._built = True  # from here on, attributes of the wrapped module's own are set there (_forwards)
 
     def _adopt(self, module: nn.Module, name: str, strategy: ShardingStrategy, mp: MixedPrecision,
                ignored: set[int], ignored_params: list, own: list[nn.Module]) -> None:
@@ -218,7 +219,7 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
         ``torch.func.functional_call`` does through the original names) must land where the wrapped
         module's forward reads it and the engine checks it, not on the wrapper, where it was silently
         ignored (and left an attribute that broke the next ``functional_call``)."""
-        inner = self.__dict__.get("_modules", {}).get("_fsdp_wrapped_module")
+        inner = self.__dict__.get("_modules", {}).get("_fsdp_wrapped_module") if "_built" in self.__dict__ else None
         if inner is None or name in self.__dict__ or any(name in getattr(self, d) for d in _REGISTRIES):
             return None
         return inner if name in inner.__dict__ or any(name in getattr(inner, d) for d in _REGISTRIES) else None

@@ -210,6 +210,11 @@ def _replace_through_a_unit():
         model.module[0].weight = nn.Parameter(torch.zeros(3, 3))  # lands on the Linear: the engine refuses it
         with pytest.raises(RuntimeError, match="'weight' was replaced"):
             model(x)
+    # While the wrapper is built, its own attributes stay its own, even where the module has one of that name
+    holder = nn.Linear(3, 3)
+    holder.use_orig_params = "the module's"
+    wrapper = FSDP(holder)
+    assert holder.use_orig_params == "the module's" and "use_orig_params" in vars(wrapper)
     # A name neither the wrapper nor the wrapped module has: the error names the wrapper, not only the module
     with pytest.raises(AttributeError, match=r"'FullyShardedDataParallel' object \(wrapping Sequential\) has no "
                                              "attribute 'register_comm_hook'"):
