@@ -44,7 +44,9 @@ class _ModelNames:
                 yield clean_name(name), module
 
 
-def _sharded_state_dict(model: nn.Module) -> dict:
+def sharded_state_dict(model: nn.Module) -> dict:
+    """The state dict of a sharded model (wrapper root or ``fully_shard`` model) as ``DTensor`` shards under
+    the plain model's names: no gather."""
     if isinstance(model, FullyShardedDataParallel):
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             return model.state_dict()
@@ -81,7 +83,7 @@ def save_adapter(model: nn.Module, out_dir: str, adapter_name: str = "default") 
     if adapter_name not in peft_model.peft_config:
         raise ValueError(f"[rank {collectives.rank()}] save_adapter: no adapter {adapter_name!r}; the model has "
                          f"{sorted(peft_model.peft_config)}")
-    sharded = _sharded_state_dict(model)
+    sharded = sharded_state_dict(model)
     chosen = get_peft_model_state_dict(_ModelNames(peft_model), state_dict=sharded, adapter_name=adapter_name)
     cfg = model.unit.cfg
     first = collectives.is_first_rank(cfg.shard_group, cfg.replicate_group)

@@ -43,23 +43,6 @@ HYBRID_GROUPS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int], tuple[Any, 
 HYBRID_CHECKED: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id shard, id replicate) -> the groups
 
 
-def registered(reg: dict, obj) -> Optional[str]:
-    entry = reg.get(id(obj))
-    if entry is not None and entry[0]() is obj:
-        return entry[1]
-    return None
-
-
-def register(reg: dict, obj, name: str) -> None:
-    key = id(obj)
-
-    def forget(ref, reg=reg, key=key):
-        if reg.get(key, (None,))[0] is ref:
-            del reg[key]
-
-    reg[key] = (weakref.ref(obj, forget), name)
-
-
 def check_policies(name: str, strategy, mp, offload):
     """Validate and default the policy arguments: (strategy, MixedPrecision, CPUOffload)."""
     strategy = strategy or ShardingStrategy.FULL_SHARD
@@ -187,11 +170,16 @@ def prepare_values(slots: list[ParamSlot], own: list[nn.Module], param_init_fn, 
     return consistency.check_same_across_ranks([(s.fqn, s.param) for s in real], *groups, name, defer=defer)
 
 
+def mark_wrapped(module: nn.Module, name: str) -> None:
+    """Record that unit ``name`` wraps ``module`` (see :func:`check_not_wrapped`)."""
+    registry.remember(WRAPPED, module, name)
+
+
 def check_not_wrapped(module: nn.Module, name: str, is_unit) -> None:
     if is_unit(module):
         raise ValueError(f"[rank {collectives.rank()}] module '{name}' is already a FullyShardedDataParallel "
                          "unit; wrap each module once")
-    prior = registered(WRAPPED, module)
+    prior = registry.recall(WRAPPED, module)
     if prior is not None:
         raise ValueError(f"[rank {collectives.rank()}] module '{name}' was already wrapped as unit '{prior}'; "
                          "wrap each module once")

@@ -186,7 +186,7 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
     def _adopt(self, module: nn.Module, name: str, strategy: ShardingStrategy, mp: MixedPrecision,
                ignored: set[int], ignored_params: list, own: list[nn.Module]) -> None:
         """Take ``module`` in as the wrapped module and record what the unit was built with."""
-        construct.register(construct.WRAPPED, module, name)
+        construct.mark_wrapped(module, name)
         self._fsdp_wrapped_module = module
         self._strategy = strategy
         self._mixed_precision = mp

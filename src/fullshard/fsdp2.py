@@ -340,7 +340,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     consistency.defer(runtime.unit, differ)
     shared = fsdp2_state.FSDPState(runtime, modules, own, mp_policy, mesh)
     for m in modules:
-        construct.register(construct.WRAPPED, m, name)
+        construct.mark_wrapped(m, name)
         m.__class__ = _fsdp_class(type(m))
         m._runtime = runtime
         m._fsdp_state = shared

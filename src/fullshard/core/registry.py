@@ -27,8 +27,8 @@ from typing import Optional
 
 # id(registered parameter) -> (weakref of its unit, index of its slot in unit.slots)
 _SLOTS: dict[int, tuple[weakref.ref, int]] = {}
-# id(original parameter a unit took and replaced by its sharded one) -> (weakref of it, unit name, name in the unit)
-_TAKEN: dict[int, tuple[weakref.ref, str, str]] = {}
+# id(original parameter a unit took and replaced by its sharded one) -> (weakref of it, (unit name, its name))
+_TAKEN: dict[int, tuple[weakref.ref, tuple[str, str]]] = {}
 
 
 def register(unit) -> None:
@@ -65,22 +65,33 @@ def holder(param) -> Optional[str]:
     return found[0].name if found is not None else None
 
 
+def remember(table: dict, obj, value) -> None:
+    """``table[id(obj)] = (weakref to obj, value)``, the entry removed when ``obj`` is freed: a record about
+    an object that is never set as an attribute on it (construction's wrapped modules, taken parameters)."""
+    key = id(obj)
+
+    def forget(ref, key=key):
+        if table.get(key, (None,))[0] is ref:
+            del table[key]
+
+    table[key] = (weakref.ref(obj, forget), value)
+
+
+def recall(table: dict, obj):
+    """The value :func:`remember` recorded for this very object (not one of a reused id), or None."""
+    entry = table.get(id(obj))
+    return entry[1] if entry is not None and entry[0]() is obj else None
+
+
 def mark_taken(param, unit: str, fqn: str) -> None:
     """Record that unit ``unit`` took original parameter ``param`` (named ``fqn`` in it) and replaced it; the
     original is held weakly (nothing registers it on a module any more)."""
-    key = id(param)
-
-    def forget(ref, key=key):
-        if _TAKEN.get(key, (None,))[0] is ref:
-            del _TAKEN[key]
-
-    _TAKEN[key] = (weakref.ref(param, forget), unit, fqn)
+    remember(_TAKEN, param, (unit, fqn))
 
 
 def taken(param) -> Optional[tuple[str, str]]:
     """``(unit name, name in the unit)`` of an original parameter a unit took and replaced, or None."""
-    entry = _TAKEN.get(id(param))
-    return entry[1:] if entry is not None and entry[0]() is param else None
+    return recall(_TAKEN, param)
 
 
 def size() -> int:

@@ -31,8 +31,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fullshard import FSDPModule, FullyShardedDataParallel, StateDictType
-from fullshard.adapters import write_dir
+from fullshard.adapters import sharded_state_dict, write_dir
 from fullshard.core import collectives
 from fullshard.train import hf_model, qlora
 
@@ -49,11 +48,7 @@ def gather_state_dict(model: nn.Module, nf4: bool = True) -> dict[str, torch.Ten
         nf4: a torchao ``NF4Tensor`` weight (``--quantize-base nf4``) is gathered as NF4 and kept
             dequantized to its original dtype (:func:`qlora.dequantize`); False leaves it out.
     """
-    if isinstance(model, FSDPModule):
-        state = model.state_dict()
-    else:
-        with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-            state = model.state_dict()
+    state = sharded_state_dict(model)
     out, rank0 = {}, collectives.rank() == 0
     for name, value in state.items():
         packed = qlora.is_nf4(value.to_local() if isinstance(value, DTensor) else value)
