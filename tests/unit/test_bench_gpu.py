@@ -75,13 +75,19 @@ def test_from_json_renders_labelled_runs_against_their_own_baselines(tmp_path, c
         path = tmp_path / name
         path.write_text(json.dumps(dict(job=dataclasses.asdict(run_job), env=ENV, results=results)))
         return str(path)
-    now = dump("now.json", {"fully_shard": _res(110.0, 30.0), "fsdp2": _res(100.0, 40.0)})
+    # Sites as a run recorded them; the count is taken again from them (runs before the message check
+    # counted the one-time "prototype" warning of enabling the sync debug mode as a sync).
+    prototype = "gpu_trace.py:124: Synchronization debug mode is a prototype feature and does not yet detect all"
+    sync = "gpu.py:9: called a synchronizing CUDA operation"
+    now = dump("now.json", {"fully_shard": dict(_res(110.0, 30.0), host_syncs=1, host_sync_sites=[prototype]),
+                            "fsdp2": dict(_res(100.0, 40.0), host_syncs=2, host_sync_sites=[prototype, sync])})
     old = dump("old.json", {"fully_shard": _res(150.0, 40.0)})
     other = dump("other.json", {"fully_shard": _res(90.0, 30.0), "fsdp2": _res(60.0, 40.0)})
     out = tmp_path / "out"
     assert gpu.main(["--out-dir", str(out), "--from-json", now, f"before={old}", f"elsewhere={other}"]) == 0
     table = (out / "gpu.md").read_text()
     assert _row(table, "fullshard fully_shard")[6] == "1.10"
+    assert _row(table, "fullshard fully_shard")[10] == "0" and _row(table, "torch FSDP2")[10] == "1"
     assert _row(table, "before: fullshard fully_shard")[6] == "1.50"  # no torch row of its own: the first run's
     assert _row(table, "elsewhere: fullshard fully_shard")[6] == "1.50"  # its own torch row (60 ms)
     assert "Rows from: `python -m fullshard.bench.gpu --out-dir d` (H100); before: `" in table

@@ -83,6 +83,9 @@ def test_host_sync_sites_name_the_frames_of_each_warned_sync(monkeypatch):
     def sync_here():
         warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
         warnings.warn("something else", stacklevel=1)
+        # what enabling the mode emits once (torch 2.11): not a sync, and counted as one per step before
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                      "synchronizing operations", stacklevel=1)
 
     sites = gpu_trace.host_sync_sites(sync_here, frames=2)
     assert modes == ["warn", "default"] and len(sites) == 1, (modes, sites)

@@ -225,7 +225,7 @@ def run_mode(name: str, job: GpuJob, init_file: str) -> dict:
         syncs = hidden = sites = None
         if cuda and job.trace_dir:
             sites = gpu_trace.host_sync_sites(lambda: one_step(steps))
-            syncs = len(sites)
+            syncs = gpu_trace.count_syncs(sites)
             hidden = gpu_trace.profile_step(lambda: one_step(steps + 1),
                                             os.path.join(job.trace_dir, f"trace_{name}.json"))
         return dict(mode=name, step_ms=1e3 * statistics.median(timed), step_ms_all=[1e3 * t for t in timed],
@@ -358,7 +358,10 @@ def _render(sources: list[str], out_dir: str, argv: list[str]) -> int:
             raise ValueError(f"--from-json: {path} ran another job than {sources[0]}; one table holds one job")
         job, env = job or this, env or dict(run["env"])
         runs.append(f"{label + ': ' if label else ''}`{run['env']['command']}` ({run['env']['gpu']})")
-        results.update({(f"{label}/{name}" if label else name): res for name, res in run["results"].items()})
+        for name, res in run["results"].items():
+            if res.get("host_sync_sites") is not None:  # recounted: runs before the fix counted a non-sync warning
+                res["host_syncs"] = gpu_trace.count_syncs(res["host_sync_sites"])
+            results[f"{label}/{name}" if label else name] = res
     env.update(command="python -m fullshard.bench.gpu " + " ".join(argv), runs=runs)
     os.makedirs(out_dir, exist_ok=True)
     print(_write(out_dir, results, job, env))

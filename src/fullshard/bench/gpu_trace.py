@@ -106,6 +106,9 @@ def kernels_of_trace(path: str) -> list[Kernel]:
                        for e in events if e.get("cat") == "kernel" and "ts" in e)
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"  # c10/cuda/CUDAFunctions.cpp, warn_or_error_on_sync
+
+
 def host_sync_sites(step: Callable[[], None], frames: int = 6) -> list[str]:
     """Run ``step`` under ``torch.cuda.set_sync_debug_mode("warn")``; one entry per synchronizing CUDA
     call it warned about (CUDA only): ``"file:line < caller:line < ...: message"``, the innermost
@@ -113,7 +116,9 @@ def host_sync_sites(step: Callable[[], None], frames: int = 6) -> list[str]:
     sites = []
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message).lower():
+        # torch's warning for each synchronizing call; not the one-time "Synchronization debug mode is a
+        # prototype feature" warning that enabling the mode itself emits (it was counted as 1 sync per step).
+        if SYNC_WARNING in str(message):
             stack = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
             where = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(stack[-frames:]))
             sites.append(f"{where}: {str(message).splitlines()[0][:160]}")
@@ -127,6 +132,12 @@ def host_sync_sites(step: Callable[[], None], frames: int = 6) -> list[str]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sites
+
+
+def count_syncs(sites: list[str]) -> int:
+    """How many of :func:`host_sync_sites`' entries are synchronizing calls (entries that runs before the
+    message check recorded for the mode's own prototype warning are not)."""
+    return sum(SYNC_WARNING in site for site in sites)
 
 
 def profile_step(step: Callable[[], None], path: str) -> dict[str, dict[str, float]]:
