@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import itertools
 import threading
@@ -75,7 +76,7 @@ def _stand_in_streams(log: list, drop=None):
     every op gets the next value of the clock; yields (clock, the stack of current streams). ``drop``:
     (event's stream name, waiting stream name) pairs whose waits are skipped (the detector's live checks)."""
     clock, compute = itertools.count(1), _Stream("compute")
-    sides = streams.StreamSet(*(_Stream(n) for n in ("copy_in", "all_gather", "reduce_scatter", "all_reduce")))
+    sides = streams.StreamSet(*(_Stream(f.name) for f in dataclasses.fields(streams.StreamSet)))
     current = [compute]
 
     @contextlib.contextmanager

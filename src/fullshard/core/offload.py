@@ -16,9 +16,16 @@ loop allocates no host memory for gradients, and a kept gradient is never
 overwritten.
 
 On CUDA, when no ``.grad`` is added to (every written parameter had
-``grad None``), the copy into a pinned buffer is non-blocking on the current
-stream, ordered after the reduce, and an event recorded after it is what
-the host waits on before it reads the values: the parameters'
+``grad None``), the copy into a pinned buffer is non-blocking, and an event
+recorded after it is what the host waits on before it reads the values.
+With side streams (core/streams.py) the copy runs on the device-to-host
+stream, after an event the compute stream records once the reduced block is
+final, so the next units' backward does not queue behind it (torch FSDP2
+copies on its reduce-scatter stream); the device block it reads is kept
+alive until the copy's event has completed (checked without blocking at
+each later copy, or waited on), never given back to the allocator while the
+copy may still read it. Without side streams the copy is on the compute
+stream, ordered after the reduce. The host waits on the event in the parameters'
 post-accumulate-grad hooks (core/post_accumulate.py), the grads-ready
 callbacks below (the overlapped optimizer, ``fullshard.optim.OffloadAdamW``)
 and, for every unit, the end of backward (so ``.grad`` is final when
@@ -44,6 +51,12 @@ class _HostGrads:
     def __init__(self):
         self.buffers: list[torch.Tensor] = []
         self.event = None  # torch.cuda.Event of a pending non-blocking copy, or None
+        self.source: Optional[torch.Tensor] = None  # the device block a side-stream copy reads, until it is done
+
+
+# States whose side-stream copy may still read their source: the sources are dropped (given back to the
+# caching allocator) only once the copy's event has completed. Touched on the thread that runs backward.
+_IN_FLIGHT: list[_HostGrads] = []
 
 
 _STATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # unit -> _HostGrads
@@ -81,10 +94,33 @@ def to_host(unit, reduced: torch.Tensor, dtype: torch.dtype, blocking: bool) -> 
         The host buffer (1-D, ``reduced.numel()`` elements, ``dtype``).
     """
     buf = _free(unit, reduced.numel(), dtype)
+    st = _state(unit)
     async_copy = not blocking and reduced.device.type == "cuda" and buf.is_pinned()
-    buf.copy_(reduced, non_blocking=async_copy)
-    _state(unit).event = streams.host_copy_event(reduced.device) if async_copy else None
+    sides = streams.side(reduced.device) if async_copy else None
+    if sides is None:
+        buf.copy_(reduced, non_blocking=async_copy)
+        st.event = streams.host_copy_event(reduced.device) if async_copy else None
+        return buf
+    _release_copied()
+    if reduced.dtype != dtype:  # cast on the compute stream, where the engine allocates (core/streams.py)
+        reduced = reduced.to(dtype)
+    streams.wait(streams.record(streams.current(reduced.device)), sides.to_host)  # the block is final
+    with streams.on(sides.to_host):
+        buf.copy_(reduced, non_blocking=True)
+        st.event = streams.record(sides.to_host)
+    st.source = reduced  # its memory must not be reused before the copy has read it
+    if st not in _IN_FLIGHT:
+        _IN_FLIGHT.append(st)
     return buf
+
+
+def _release_copied() -> None:
+    """Drop the sources of side-stream copies that have completed (waited on, or ``event.query()``,
+    which does not block the host)."""
+    for st in list(_IN_FLIGHT):
+        if st.source is None or st.event is None or st.event.query():
+            st.source = None
+            _IN_FLIGHT.remove(st)
 
 
 def zeros(unit, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -116,12 +152,15 @@ def wait(unit) -> None:
     event = None if found is None else found.event
     if event is not None:
         event.synchronize()
+        if found.event is event:  # the copy has read its source (dropped from _IN_FLIGHT at the next sweep)
+            found.source = None
 
 
 def wait_all(units) -> None:
     """:func:`wait` for each of ``units`` (the end of backward)."""
     for unit in units:
         wait(unit)
+    _release_copied()
 
 
 def on_grads_ready(unit, key: object, fn: Optional[Callable]) -> None:

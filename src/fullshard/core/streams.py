@@ -7,16 +7,15 @@ wrong result, so tests/dist/test_cuda.py (``test_streams_on_equal_streams_off``:
 side streams slowed after each wait, NCCL at world size 1 and gloo with 2
 ranks on one GPU; ``test_no_host_sync_in_forward_backward``) checks it;
 ``scripts/gpu_check.sh`` runs them. They passed on an NVIDIA H200 with
-torch 2.11.0+cu130, before the forward all-gathers' earlier waits below
-(not yet run on a GPU). ``FULLSHARD_STREAMS=0`` gives the single-stream path.
+torch 2.11.0+cu130. ``FULLSHARD_STREAMS=0`` gives the single-stream path.
 
 [Note: streams and events]
 
 The stream that runs forward and backward (the *compute* stream) is
 whatever stream is current when the engine runs; it is never stored. Per
-compute device there are four side streams (torch FSDP2's set): copy-in,
-all-gather, reduce-scatter and all-reduce (HYBRID_SHARD's replicas). What
-waits on what:
+compute device there are five side streams: torch FSDP2's four, copy-in,
+all-gather, reduce-scatter and all-reduce (HYBRID_SHARD's replicas), and a
+device-to-host stream for offloaded gradients. What waits on what:
 
 * unshard: the compute stream records an event *after* the all-gather
   output buffer is taken (the shard's values are final: optimizer step,
@@ -61,6 +60,14 @@ waits on what:
   last event before anything reads the reduced block (the all-reduce hook,
   the division, the accumulation into ``.grad``, the used flags) and before
   the reduce-scatter input goes back to the pool.
+* offloaded gradients: the device-to-host stream waits on a compute event
+  recorded once the reduced block is final (after the division and the
+  all-reduce hook), copies it into the unit's pinned host buffer and records
+  the event the host waits on before reading ``.grad``; the block stays
+  referenced until that event has completed (core/offload.py [Note:
+  offloaded gradient buffers]). Torch FSDP2 copies on its reduce-scatter
+  stream; a stream of its own keeps the copy from delaying the next
+  reduce-scatter.
 * buffers: every allocation the engine makes is on the compute stream, and
   a side stream touches a buffer only after waiting on a compute event
   recorded after the buffer was taken, so the caching allocator's
@@ -115,6 +122,7 @@ class StreamSet:
     all_gather: "torch.cuda.Stream"
     reduce_scatter: "torch.cuda.Stream"
     all_reduce: "torch.cuda.Stream"
+    to_host: "torch.cuda.Stream"  # offloaded units' reduced gradients to pinned host memory (core/offload.py)
 
 
 def side(device: torch.device) -> Optional[StreamSet]:
@@ -128,7 +136,7 @@ def side(device: torch.device) -> Optional[StreamSet]:
     found = _SETS.get(device)
     if found is None:
         # High priority, as torch FSDP2's: communication is on the critical path of the compute it feeds.
-        found = StreamSet(*(torch.cuda.Stream(device=device, priority=-1) for _ in range(4)))
+        found = StreamSet(*(torch.cuda.Stream(device=device, priority=-1) for _ in dataclasses.fields(StreamSet)))
         _SETS[device] = found
     return found
 
