@@ -77,7 +77,8 @@ class FSDPModule(CommMethods, UnitModule):
     def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
         """All-gather this unit's full parameters now (ahead of its forward);
         they stay gathered until its forward/backward reshards them, or, if
-        the shards change first (an optimizer step), until the next forward.
+        the shards change first (an optimizer step, an in-place write; not a
+        write through ``p.data``), until the next forward.
 
         Returns:
             With ``async_op``, an :class:`UnshardHandle` whose ``wait()``
@@ -157,8 +158,11 @@ class FSDPModule(CommMethods, UnitModule):
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """With False, full parameters stay gathered after backward, so the
         next micro-batch's forward needs no all-gather. They are reused only
-        while the shards are unchanged: after an optimizer step the next
-        forward gathers again."""
+        while the shards are unchanged: after an optimizer step (or an
+        in-place write to a parameter) the next forward gathers again, of
+        the root or of a unit called on its own. A write through ``p.data``
+        or a ``torch._foreach_*`` call outside an optimizer step is not
+        seen: reshard first (``reshard()``)."""
         for m in self._targets(recurse):
             m._runtime.settings.reshard_after_backward = bool(reshard_after_backward)
 

@@ -154,7 +154,9 @@ class CommMethods:
         DDP's with ``find_unused_parameters``). fullshard reduces every
         parameter of a unit either way, so ranks that use different
         parameters (MoE, conditional branches) never issue mismatched
-        collectives."""
+        collectives. A unit whose output no loss used runs no backward and
+        keeps ``grad None`` either way (torch FSDP2 gives it zeros when it
+        stayed gathered after forward, ``reshard_after_forward=False``)."""
         for m in self._targets(recurse):
             m._runtime.settings.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 

@@ -246,14 +246,22 @@ def _foreach_sgd_post_hook_fails(model):
     return opt
 
 
-def _reshard_loop(model, opt, rank, sharded, *, after_forward=True, after_backward=True, step_between=False):
+def _reshard_loop(model, opt, rank, sharded, *, after_forward=True, after_backward=True, step_between=False,
+                  direct=False):
+    """``direct``: every second backward is of a block called on its own, not through the root, on the same
+    input on every rank (so DDP's unreduced gradient is the average); a block kept gathered across the step
+    before must gather the stepped shards (it reused the old full weights)."""
     out = []
     if sharded:
         model.set_reshard_after_forward(after_forward)
         model.set_reshard_after_backward(after_backward)
     for step in range(3):
         for i in range(2):
-            loss = FP.loss_of(model, rank, 2 * step + i)
+            if direct and i:
+                x = torch.randn(2, 4, FP.DIM, generator=torch.Generator().manual_seed(step))
+                loss = getattr(model, "module", model).layers[1](x).pow(2).mean()
+            else:
+                loss = FP.loss_of(model, rank, 2 * step + i)
             if sharded and not after_forward:
                 assert model.layers[0].unit.state is ShardedState.UNSHARDED  # kept for backward
             loss.backward()
@@ -280,6 +288,8 @@ def _reshard_case(rank, world):
             rank, lambda *a: _reshard_loop(*a, after_backward=False, step_between=True)),
         "both_false_step": FP.parity(
             rank, lambda *a: _reshard_loop(*a, after_forward=False, after_backward=False, step_between=True)),
+        "after_backward_false_step_direct": FP.parity(
+            rank, lambda *a: _reshard_loop(*a, after_backward=False, step_between=True, direct=True)),
         "after_backward_false_step_foreach": FP.parity(
             rank, lambda *a: _reshard_loop(*a, after_backward=False, step_between=True),
             optimizer=_foreach_sgd),

@@ -1,8 +1,7 @@
 """The training-state machine and every hook the engine installs.
 
-One :class:`UnitRuntime` per FSDP unit; the outermost unit that runs forward
-first becomes the root and owns a :class:`RootRuntime` shared by all units
-below it (execution order, pending reduce-scatters, the end-of-backward
+One :class:`UnitRuntime` per FSDP unit; the outermost unit that runs forward first becomes the root and owns a
+:class:`RootRuntime` shared by all units below it (execution order, pending reduce-scatters, the end-of-backward
 callback).
 
 [Note: one iteration]
@@ -214,9 +213,8 @@ def start_iteration(root: RootRuntime, discard: bool = False) -> None:
         rt.settings.forward_depth = 0
         unit = rt.unit
         unit.pooled_grad.release(unit.take_full_grad()[0])  # a partial gradient of a backward that raised
-        if broken:
-            unit.stash.abandon()
         if broken:  # reset_iter_state, or sums of a window a backward broke (reported: stash.lost_windows)
+            unit.stash.abandon()
             unit.stash.drop_held()
         unit.restore_all_params()  # a state-dict call that raised between install and restore
         if unit.state is not ShardedState.SHARDED and (broken or not unit.kept_fresh()):
@@ -264,6 +262,9 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
     rt.transition(TrainingState.FORWARD)
     if root.position(rt, root.order) < 0:
         root.order.append(rt)
+    if not in_bwd and rt.unit.kept_stale():  # kept gathered past a shard change, called without the root
+        rt.unit.reshard()
+        rt.unit.reset_views()
     rt.unit.ensure_unsharded(after)
     rt.unit.use_full_params()
     for other in rt.settings.forward_prefetch_units or ():

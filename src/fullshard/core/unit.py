@@ -91,16 +91,12 @@ class UnitStateError(RuntimeError):
 class Unit:
     """Shards of one unit's parameters and their unsharded counterpart.
 
-    The sharded ``nn.Parameter`` objects (what the optimizer sees and
-    ``named_parameters()`` returns) are views of ``flat_shard`` (fp32 master,
-    1-D, ``layout.shard_numel`` elements); their ``.grad`` is in
-    ``grad_dtype``. While unsharded, each owning module attribute resolves to
-    a view of ``flat_full`` (param-major, ``N · S`` elements,
-    ``compute_dtype``), which is an autograd leaf whose ``.grad`` collects
-    the unit's full gradient. Per-parameter work is the slots'
-    (:class:`~fullshard.core.params.ParamSlot`); the ``no_sync`` stash is
-    ``stash`` (core/stash.py); value replacement after wrapping is in
-    core/convert.py.
+    The sharded ``nn.Parameter`` objects (what the optimizer sees and ``named_parameters()`` returns) are views of
+    ``flat_shard`` (fp32 master, 1-D, ``layout.shard_numel`` elements); their ``.grad`` is in ``grad_dtype``. While
+    unsharded, each owning module attribute resolves to a view of ``flat_full`` (param-major, ``N · S`` elements,
+    ``compute_dtype``), which is an autograd leaf whose ``.grad`` collects the unit's full gradient. Per-parameter
+    work is the slots' (:class:`~fullshard.core.params.ParamSlot`); the ``no_sync`` stash is ``stash``
+    (core/stash.py); value replacement after wrapping is in core/convert.py.
     """
 
     side: tuple = ()  # frozen parts of other dtypes (core/mixed.py [Note: units that mix dtypes])
@@ -403,6 +399,10 @@ class Unit:
         or any other in-place write bumps one of the version counters of :meth:`shard_versions`)."""
         return self._kept_version is not None and self._kept_version == self.shard_versions()
 
+    def kept_stale(self) -> bool:
+        """Whether the unit was kept gathered and a shard changed since: its full parameters must not be reused."""
+        return self._kept_version is not None and not self.kept_fresh()
+
     def shard_versions(self) -> tuple[int, ...]:
         """Version counters of the flat shard, each registered parameter and its local tensor. All are needed:
         an in-place op on a DTensor parameter (every optimizer step under ``fully_shard``) bumps only the DTensor's
@@ -476,9 +476,8 @@ class Unit:
         return True
 
     def take_full_grad(self) -> tuple[Optional[torch.Tensor], list[bool]]:
-        """Detach and return the accumulated unsharded gradient (or None) and
-        which parameters received a gradient since the last call. The caller
-        passes the gradient to ``pooled_grad.release`` when done with it."""
+        """Detach and return the accumulated unsharded gradient (or None) and which parameters received a gradient
+        since the last call. The caller passes the gradient to ``pooled_grad.release`` when done with it."""
         g = self.flat_full.grad
         self.flat_full.grad = None
         used = [s.used for s in self.slots]
@@ -487,13 +486,12 @@ class Unit:
         return g, used
 
     def reduce_grads(self, full_grad: Optional[torch.Tensor], used: list[bool]) -> PendingReduce:
-        """Reduce-scatter ``full_grad`` (param-major, ``N·S`` elements; None =
-        zeros) into a gradient shard, averaged over the data-parallel world.
-        Asynchronous: the gradient reaches ``.grad`` when the returned
+        """Reduce-scatter ``full_grad`` (param-major, ``N·S`` elements; None = zeros) into a gradient shard, averaged
+        over the data-parallel world. Asynchronous: the gradient reaches ``.grad`` when the returned
         :class:`~fullshard.core.reduce.PendingReduce` is finished.
 
-        ``used[i]``: whether this rank's backward gave layout parameter i a
-        gradient; a parameter no rank used keeps ``grad None`` (see core/reduce.py).
+        ``used[i]``: whether this rank's backward gave layout parameter i a gradient; a parameter no rank used
+        keeps ``grad None`` (see core/reduce.py).
         """
         if self.cfg.invariant_layout is not None:
             return start_fold(self, full_grad, used)
