@@ -54,6 +54,7 @@ class FSDPModule(CommMethods, UnitModule):
             for other in runtimes:  # parameters replaced since fully_shard (torch: reset_sharded_param)
                 if other.root is None:
                     fsdp2_state.adopt_replaced(other)
+            fsdp2_state.name_units(self, runtimes)  # before any collective's tag names a unit
             state.lazy_init_root(rt, runtimes)
 
     def _run_as_forward(self, fn, args: tuple, kwargs: dict) -> Any:

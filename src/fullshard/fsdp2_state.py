@@ -196,3 +196,20 @@ def adopt_replaced(rt: state.UnitRuntime) -> bool:
         slot.take_over(new)
     registry.register(unit)  # the registry follows the adopted objects
     return True
+
+
+def name_units(root: nn.Module, runtimes: list) -> None:
+    """Name each unit below ``root`` by its module path in ``root`` (``layers.1``; a unit of several modules
+    joins their paths with ``+``), as the wrapper names its auto-wrapped units. ``fully_shard`` starts from the
+    class names, which are ambiguous in messages and in the collectives' tags that debug mode compares across
+    ranks: two blocks of one class and shape would pass for each other. The root keeps its class name."""
+    paths: dict[int, list[str]] = {}
+    ids = {id(rt) for rt in runtimes}
+    for path, m in root.named_modules():
+        if path and m is not root and id(getattr(m, "_runtime", None)) in ids:
+            paths.setdefault(id(m._runtime), []).append(path.replace("_checkpoint_wrapped_module.", ""))
+    for rt in runtimes:
+        if rt is not getattr(root, "_runtime", None) and id(rt) in paths:
+            rt.unit.name = "+".join(paths[id(rt)])
+            for part in rt.unit.side:  # frozen parts of other dtypes (core/mixed.py)
+                part.name = rt.unit.name

@@ -443,7 +443,7 @@ def _unshard_in_backward_case(rank, world):
     def fails_once(model, opt, rank, sharded):
         if sharded:
             model.layers[1].set_unshard_in_backward(False)
-            with pytest.raises(RuntimeError, match=r"\[rank \d\] unit 'Block'.*set_unshard_in_backward\(True\)"):
+            with pytest.raises(RuntimeError, match=r"\[rank \d\] unit 'layers\.\d'.*set_unshard_in_backward\(True\)"):
                 FP.loss_of(model, rank, 0).backward()
             opt.zero_grad()
             model.layers[1].set_unshard_in_backward(True)

@@ -347,6 +347,7 @@ def _replaced_case(rank, world):
     model = FP.shard(FP.make())
     FP.loss_of(model, rank, 0).backward()
     model.layers[0].lin1.weight = nn.Parameter(_shard_of(_new_values()[0], model.layers[0].lin1.weight))
+    where = r"\[rank \d\] unit 'layers\.0': parameter 'lin1.weight'"  # units are named by path once the root ran
     with pytest.raises(RuntimeError, match=f"{where} was replaced .* after sharding"):
         FP.loss_of(model, rank, 1)
     return res

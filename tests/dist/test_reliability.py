@@ -26,37 +26,47 @@ class TwoBlocks(nn.Module):
         return self.b2(x)
 
 
-def _wrap(skip_rank: int, group):
-    from fullshard import FullyShardedDataParallel as FSDP
+def _wrap(skip_rank: int, group, door: str = "wrapper"):
+    from fullshard import FullyShardedDataParallel as FSDP, fully_shard
 
     torch.manual_seed(0)
     model = TwoBlocks(skip_rank)
-    return FSDP(model, process_group=group, auto_wrap_policy={nn.Linear})
+    if door == "wrapper":
+        return FSDP(model, process_group=group, auto_wrap_policy={nn.Linear})
+    fully_shard(model.b1)
+    fully_shard(model.b2)
+    return fully_shard(model)
 
 
 def _debug_mismatch(rank, world):
     from fullshard.core import collectives as C
 
-    model = _wrap(skip_rank=1, group=None)
-    C.set_debug(True)
-    start = time.monotonic()
-    try:
-        model(torch.ones(2, 8)).sum().backward()
-    except C.CollectiveError as e:
-        return str(e), time.monotonic() - start
-    finally:
-        C.set_debug(None)
-    return "no error", 0.0
+    out = {}
+    for door in ("wrapper", "fully_shard"):
+        model = _wrap(skip_rank=1, group=None, door=door)
+        C.set_debug(True)
+        start = time.monotonic()
+        try:
+            model(torch.ones(2, 8)).sum().backward()
+            out[door] = "no error", 0.0
+        except C.CollectiveError as e:
+            out[door] = str(e), time.monotonic() - start
+        finally:
+            C.set_debug(None)
+    return out
 
 
 def test_debug_mode_reports_rank_dependent_unit_with_per_rank_diff():
     """Same shapes, so without the check the all-gathers would pair up silently (b1's shards
-    with b2's); with it both ranks fail at once and show what each was about to issue."""
-    for rank, (msg, seconds) in enumerate(run_ranks(_debug_mismatch, 2, timeout_s=300)):
-        assert msg.startswith(f"[rank {rank}] ranks issue different collectives"), msg
-        assert "rank 0: all_gather of unit 'b1' (36 x float32)" in msg, msg
-        assert "rank 1: all_gather of unit 'b2' (36 x float32)" in msg, msg
-        assert "\n" not in msg and seconds < 10, (msg, seconds)
+    with b2's); with it both ranks fail at once and show what each was about to issue. Under
+    fully_shard too, whose units are named by their path at the root's first forward (named by
+    class, both were 'Linear', and the check passed them: outputs 0.25 and 0.40 off)."""
+    for rank, found in enumerate(run_ranks(_debug_mismatch, 2, timeout_s=300)):
+        for door, (msg, seconds) in found.items():
+            assert msg.startswith(f"[rank {rank}] ranks issue different collectives"), (door, msg)
+            assert "rank 0: all_gather of unit 'b1' (36 x float32)" in msg, (door, msg)
+            assert "rank 1: all_gather of unit 'b2' (36 x float32)" in msg, (door, msg)
+            assert "\n" not in msg and seconds < 10, (door, msg, seconds)
 
 
 def _stuck_peer(rank, world):
