@@ -46,6 +46,14 @@ class FSDPModule(CommMethods, UnitModule):
         # Only a container's ``type(self)(...)`` (a slice) constructs this class.
         return fsdp2_state.new_original(cls, args, kwargs)
 
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except BaseException as e:
+            if not isinstance(e, Exception):  # KeyboardInterrupt: torch runs always_call hooks for Exception only
+                _post_forward(self, args, kwargs, None)
+            raise
+
     # ------------------------------------------------------------ schedule
     def _lazy_init(self) -> None:
         rt = self._runtime
@@ -62,8 +70,8 @@ class FSDPModule(CommMethods, UnitModule):
         args, kwargs = _pre_forward(self, args, kwargs)
         try:
             out = fn(*args, **kwargs)
-        except Exception:
-            _post_forward(self, args, kwargs, None)  # as the forward hook does (always_call)
+        except BaseException:
+            _post_forward(self, args, kwargs, None)  # as the forward hook does (always_call; also KeyboardInterrupt)
             raise
         return _post_forward(self, args, kwargs, out)
 
@@ -291,12 +299,10 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     Raises:
         RuntimeError: no initialized process group.
         ValueError: a module already passed to ``fully_shard`` or wrapped by
-            ``FullyShardedDataParallel``; an ``nn.ModuleList``/``ModuleDict``
-            (no forward); a mesh of more than 2 dimensions;
-            a ``reshard_after_forward`` int that does not divide the shard
-            group size; policies of
-            the wrong type; a DTensor parameter placed other than ``Shard``/``Replicate``
-            or on a mesh that is not a disjoint slice of ``mesh``'s root.
+            ``FullyShardedDataParallel``; an ``nn.ModuleList``/``ModuleDict`` (no forward); a mesh of more
+            than 2 dimensions; a ``reshard_after_forward`` int that does not divide the shard group size;
+            policies of the wrong type; a DTensor parameter placed other than ``Shard``/``Replicate`` or on a
+            mesh that is not a disjoint slice of ``mesh``'s root.
             At the first forward (not here, so a full state dict loaded
             after ``fully_shard`` can fix them): parameters that differed
             across the ranks of the mesh and were not written since.

@@ -110,15 +110,22 @@ def _interrupted(rank, world):
         return loss.detach()
     out["forward_raises"] = P.compare(rank, forward_raises, steps=4, ref_step_fn=_skip_ref)
 
-    def nested_forward_raises(model, opt, rank, step):  # inside the nested unit, after its all-gather
-        if step == 1:
-            handle = P.inner(model).b.register_forward_pre_hook(lambda m, a: _raise(None))
-            with pytest.raises(_Boom):
+    def interrupt(m, a):
+        raise KeyboardInterrupt  # not an Exception: torch runs no always_call forward hook for it
+
+    def nested_forward_raises(model, opt, rank, step, hook=lambda m, a: _raise(None), error=_Boom):
+        if step == 1:  # inside the nested unit, after its all-gather
+            handle = P.inner(model).b.register_forward_pre_hook(hook)
+            with pytest.raises(error):
                 model(P.batch(rank, step)[0])
             handle.remove()
             return None
         return _skip_ref(model, opt, rank, step)
     out["nested_forward_raises"] = P.compare(rank, nested_forward_raises, steps=4, ref_step_fn=_skip_ref)
+    # A KeyboardInterrupt there left fully_shard's units counted as in forward: the next two iterations failed.
+    out["nested_forward_interrupted"] = P.compare(
+        rank, lambda *a: nested_forward_raises(*a, hook=interrupt, error=KeyboardInterrupt), steps=3,
+        ref_step_fn=_skip_ref)
     # A graph kept with retain_graph=True across its optimizer step, or a load_state_dict between a forward and
     # its backward: one process and DDP refuse the backward (autograd's in-place check), so does fullshard
     # (core/stale_graph.py); training then goes on as DDP's.
