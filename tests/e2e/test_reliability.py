@@ -118,26 +118,33 @@ def test_disk_full_during_save_keeps_previous_checkpoint(cli, corpus_dir, tmp_pa
 
 
 def test_max_restarts_resumes_after_sigkill_bit_identical(cli, corpus_dir, tmp_path):
-    """Rank 1 SIGKILLed mid-update 3 with --max-restarts 1: every rank restarts, resumes from the
-    update-2 checkpoint and ends with the same logged losses and bit-identical parameters as an
-    uninterrupted run."""
+    """A run that resumes an earlier one with --reset-lr-scheduler; rank 1 SIGKILLed mid-update 5 with
+    --max-restarts 1: every rank restarts, resumes from its own update-4 checkpoint without resetting the
+    schedule again (it restarted the warmup at update 4: other losses) and ends with the same logged losses
+    and bit-identical parameters as an uninterrupted run."""
+    import shutil
+
     import torch
 
     from tests.e2e.common import checkpoint_params, json_records
 
-    args = [*FAST, "--nproc-per-node", "2", "--max-update", "4", "--save-interval-updates", "2",
+    args = [*FAST, "--nproc-per-node", "2", "--save-interval-updates", "2",
             "--lr-scheduler", "polynomial_decay", "--warmup-updates", "1", "--clip-norm", "1.0"]
+    first = cli("train", str(corpus_dir), *args, "--max-update", "2", "--save-dir", str(tmp_path / "a"), timeout=300)
+    assert first.returncode == 0, first.stderr
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    args += ["--max-update", "6", "--reset-lr-scheduler"]
     straight = cli("train", str(corpus_dir), *args, "--save-dir", str(tmp_path / "a"), timeout=300)
     assert straight.returncode == 0, straight.stderr
     start = time.monotonic()
     (tmp_path / "tmp").mkdir()
-    with _with_fault("kill:1:3", tmp_path / "tmp"):
+    with _with_fault("kill:1:5", tmp_path / "tmp"):
         proc = cli("train", str(corpus_dir), *args, "--save-dir", str(tmp_path / "b"), "--max-restarts", "1",
                    timeout=300)
     assert proc.returncode == 0, proc.stderr
     _assert_no_launcher_dirs(tmp_path / "tmp")  # two attempts, one log directory, removed
-    assert "restart 1 of at most 1" in proc.stdout and "loaded checkpoint" in proc.stdout
-    assert "epoch 1 offset 2 @ 2 updates" in proc.stdout
+    assert "restart 1 of at most 1" in proc.stdout and "which an earlier start of this run wrote" in proc.stdout
+    assert "@ 4 updates" in proc.stdout, proc.stdout
 
     def losses(p):
         return [(r["num_updates"], r["loss"], r["gnorm"], r["lr"]) for r in json_records(p.stdout)["train_inner"]]
@@ -146,7 +153,7 @@ def test_max_restarts_resumes_after_sigkill_bit_identical(cli, corpus_dir, tmp_p
     assert resumed[-2:] == losses(straight)[-2:], (resumed, losses(straight))
     a, _ = checkpoint_params(corpus_dir, tmp_path / "a" / "checkpoint_last")
     b, extra = checkpoint_params(corpus_dir, tmp_path / "b" / "checkpoint_last")
-    assert extra["train_state"]["num_updates"] == 4
+    assert extra["train_state"]["num_updates"] == 6
     for k in a:
         assert torch.equal(a[k], b[k]), k
     print(f"kill + restart + resume + 2 updates: {time.monotonic() - start:.1f} s")

@@ -18,6 +18,7 @@ world size (``samples // (batch_size * update_freq * world)``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -31,8 +32,9 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fullshard import checkpoint, faults
+from fullshard.checkpoint.manifest import resolve
 from fullshard.core import collectives
-from fullshard.train import pipeline
+from fullshard.train import checkpoint_record, pipeline
 
 logger = logging.getLogger("fullshard.train")
 _INTERVAL = re.compile(r"^checkpoint_(\d+)_(\d+)$")
@@ -134,20 +136,42 @@ def _prune(save_dir: str, keep: int) -> None:
         shutil.rmtree(os.path.join(save_dir, name))
 
 
-def _restore_path(cfg) -> Optional[str]:
+_FIRST_START = ("restore_file", "reset_optimizer", "reset_dataloader", "reset_lr_scheduler", "reset_meters")
+
+
+def _restore_path(cfg) -> tuple[Optional[str], bool]:
+    """(the checkpoint to resume from or None, whether it is this run's own ``checkpoint_last``).
+
+    ``--restore-file`` and ``--reset-*`` act at a run's first start only: when ``<save-dir>/checkpoint_last``
+    was written by a start with the same values of those flags (a restart after a failure, under
+    ``--max-restarts`` or torchrun, or the same command run again), the run resumes from it as it stands;
+    applying them again would throw away its progress or reset it a second time."""
+    last = os.path.join(cfg.save_dir, "checkpoint_last")
+    if os.path.isdir(last) or os.path.isdir(last + ".old"):
+        try:
+            saved = checkpoint_record.read(resolve(last))[0] or {}
+        except (checkpoint.CheckpointError, OSError, ValueError):
+            saved = {}  # the load below reports what is wrong with it
+        mine = cfg.to_dict()
+        if saved and all(saved.get(k) == mine[k] for k in _FIRST_START):
+            return last, any(mine[k] for k in _FIRST_START[1:]) or cfg.restore_file != "checkpoint_last"
     path = cfg.restore_file
     if not os.path.isabs(path) and not os.path.exists(path):
         path = os.path.join(cfg.save_dir, path)
     if os.path.isdir(path) or os.path.isdir(path + ".old"):
-        return path
-    return None
+        return path, False
+    return None, False
 
 
 def load(run) -> tuple[int, int]:
     """Resume if a checkpoint exists (else fine-tune from --finetune-from-model);
     returns the data position ``(epoch, offset)`` to start from."""
     cfg, trainer = run.cfg, run.trainer
-    path = _restore_path(cfg)
+    path, own = _restore_path(cfg)
+    if own:
+        logger.info(f"resuming {path}, which an earlier start of this run wrote: --restore-file and --reset-* "
+                    "took effect at that start (to start over from them, use another --save-dir)")
+        cfg = dataclasses.replace(cfg, **{k: False for k in _FIRST_START[1:]})
     if path is None:
         if cfg.finetune_from_model:
             start = time.perf_counter()
@@ -169,7 +193,10 @@ def load(run) -> tuple[int, int]:
     if not cfg.reset_optimizer:
         trainer.num_updates = ts["num_updates"]
         trainer.scaler.load_state_dict(extra["loss_scaler"])
-    _schedule_at(trainer, 0 if cfg.reset_lr_scheduler else trainer.num_updates)
+    # The schedule's own step count: the updates since it last started again (--reset-lr-scheduler at an
+    # earlier start), which --reset-optimizer restarts with the update counter.
+    steps = (extra.get("lr_scheduler") or {}).get("last_epoch", trainer.num_updates)
+    _schedule_at(trainer, 0 if cfg.reset_lr_scheduler or cfg.reset_optimizer else steps)
     if not cfg.reset_meters:
         _restore_meters(run.inner, extra["meters"])
         _restore_meters(run.epoch_meters, extra.get("epoch_meters", {}))
