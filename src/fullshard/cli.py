@@ -80,7 +80,9 @@ def _launch(command: str, job, entry) -> int:
         sys.stderr.write(f"fullshard {command}: error: {e}\n")
         return 1
     except Interrupted as e:
-        saved = " after the ranks saved checkpoint_last" if command == "train" and job.save_on_sigterm else ""
+        # Ranks save only on SIGTERM (train/sigterm.py); a Ctrl-C stops them without a save.
+        saved = " after the ranks saved checkpoint_last" if command == "train" and job.save_on_sigterm and \
+            e.signal == signal.SIGTERM else ""
         sys.stderr.write(f"fullshard {command}: {e}{saved}; the same command resumes from the last checkpoint\n")
         return 128 + e.signal
     stops = [r for r in results if isinstance(r, StoppedBySigterm)]
@@ -138,6 +140,13 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "preprocess":
         return int(preprocess_cli.run(args) or 0)
+    rank_env = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    missing = [k for k in rank_env if k not in os.environ]
+    if args.command in ("train", "eval-lm", "bench") and 0 < len(missing) < 3:
+        # Without all three this process would launch its own ranks: an independent job per process.
+        sub.error(f"{', '.join(k for k in rank_env if k not in missing)} set but not {', '.join(missing)}: set "
+                  "all three as torchrun does (with MASTER_ADDR and MASTER_PORT), or none to let fullshard "
+                  "launch the ranks")
     if args.command in ("train", "eval-lm", "bench") and not under_torchrun():
         # This process only launches the ranks. With one intra-op thread it never starts OpenMP's
         # thread pool, which does not survive a fork: a rank forked from it (--start-method fork)

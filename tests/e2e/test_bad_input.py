@@ -256,6 +256,33 @@ def test_bad_inputs_one_line_exit_2_nothing_written(paths, tmp_path, capsys):
                                             "method (spawn, fork, forkserver); fix or unset it, or give "
                                             "--start-method\n"), err
     assert not (tmp_path / "ck").exists()
+    # RANK and WORLD_SIZE without LOCAL_RANK: each process launched its own one-rank job
+    os.environ.update(RANK="0", WORLD_SIZE="2")
+    try:
+        with pytest.raises(SystemExit) as info:
+            main(["train", paths["data"], "--arch", ARCH, "--save-dir", str(tmp_path / "ck")])
+    finally:
+        del os.environ["RANK"], os.environ["WORLD_SIZE"]
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith("fullshard train: error: RANK, WORLD_SIZE set but not "
+                                                   "LOCAL_RANK: set all three as torchrun does"), err
+    assert not (tmp_path / "ck").exists()
+
+
+def test_ctrl_c_under_save_on_sigterm_claims_no_save(monkeypatch, capsys):
+    """Ranks save on SIGTERM only: a SIGINT stop does not say they saved (it did, and no save was made)."""
+    import signal
+    import types
+
+    from fullshard import cli
+    from fullshard.train.launcher import Interrupted
+
+    job = types.SimpleNamespace(save_on_sigterm=True)
+    for sig, says in ((signal.SIGINT, False), (signal.SIGTERM, True)):
+        monkeypatch.setattr(cli, "launch", lambda job, entry, sig=sig: (_ for _ in ()).throw(Interrupted(sig)))
+        assert cli._launch("train", job, None) == 128 + sig
+        err = capsys.readouterr().err
+        assert ("after the ranks saved checkpoint_last" in err) == says, err
 
 
 SEED_COMMAND = """fullshard train data-bin/wikitext-103-roberta-bpe-bin \\
