@@ -174,6 +174,13 @@ def _trainer_group(rank: int, world: int, path: str) -> dict:
                       weight_decay=WD, seed=SEED, hf_model=path, fsdp_version=2, lora_rank=4, lora_alpha=8.0,
                       lora_target_modules="q_proj,v_proj", base_dtype="bf16", quantize_base="nf4",
                       fp16_scale_window=4)
+    # The FSDP1 wrapper (TrainConfig's default fsdp_version) cannot hold NF4 weights: refused (it trained the
+    # base unquantized, silently: the plain bf16 losses)
+    try:
+        Trainer(dataclasses.replace(cfg, fsdp_version=1), torch.device("cpu"))
+        raise AssertionError("quantize_base='nf4' with fsdp_version=1 was accepted")
+    except ValueError as e:
+        assert "quantize_base='nf4' needs fsdp_version=2" in str(e), e
     trainer = Trainer(cfg, torch.device("cpu"))
     losses = [trainer.train_step([_batch(rank, s)])["loss_sum"] / (B * T * 2) for s in range(STEPS)]
     kinds = {type(_local(p)).__name__ for p in trainer.model.parameters() if not p.requires_grad}

@@ -55,3 +55,24 @@ def test_after_write_hook_runs_before_publish_and_its_error_fails_the_save(tmp_p
     with pytest.raises(checkpoint.CheckpointError, match="No space left on device"):
         checkpoint.save(str(tmp_path / "bad"), model, after_write=fail)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]
+
+
+def test_qlora_checkpoint_is_refused_at_another_world_size_and_by_consolidate(tmp_path, capsys):
+    """A checkpoint whose recorded arguments say --quantize-base nf4 holds each rank's rows of a frozen NF4
+    base, which torch.distributed.checkpoint cannot cut at other rows: resuming it at another world size,
+    eval-lm at another and consolidate crashed in DCP / torch.load; they are refused in one line."""
+    from fullshard import checkpoint
+    from fullshard.cli import main
+    from fullshard.train.checkpoint_record import nf4_problem
+
+    path = str(tmp_path / "q")
+    checkpoint.save(path, nn.Linear(2, 2), extra={"args": {"quantize_base": "nf4"}, "world_size": 2})
+    saved = {"quantize_base": "nf4"}
+    assert nf4_problem(path, saved, [2]) is None and nf4_problem(path, {"quantize_base": "none"}, [3]) is None
+    assert nf4_problem(path, saved, [3]).endswith("its quantized base loads at that world size only, not at 3 "
+                                                 "ranks: use --nproc-per-node 2")
+    with pytest.raises(SystemExit) as info:
+        main(["consolidate", path, str(tmp_path / "q.safetensors")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "its quantized base cannot be written into one file" in err, err
+    assert not (tmp_path / "q.safetensors").exists()

@@ -28,8 +28,10 @@ from typing import ClassVar
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from fullshard.checkpoint.manifest import resolve
 from fullshard.data import DataError, TokenBlockDataset
 from fullshard.data.tokenizer import different_tokenizers
+from fullshard.train import checkpoint_record
 from fullshard.train.checkpoint_utils import load_weights
 from fullshard.train.config import DatasetOptions, DistributedOptions, LoggingCheckpointOptions, TrainConfig
 from fullshard.train.flags import add_options, flag
@@ -120,6 +122,10 @@ def prepare(p: OneLineArgumentParser, args) -> EvalJob:
     except (DataError, ValueError) as e:
         p.fail(str(e))
     world = launched_world_size(args.nproc_per_node)
+    if os.path.isdir(args.path):
+        problem = checkpoint_record.nf4_problem(resolve(args.path), saved, [world])
+        if problem is not None:
+            p.fail(problem)
     # The run's recorded flags (none for a .pt file: `fullshard train`'s defaults); the loss-scale
     # window only matters to training.
     cfg = TrainConfig.from_saved(saved, data_dir=args.data_dir, max_positions=spec.max_positions,

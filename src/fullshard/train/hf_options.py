@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from fullshard.train import hf_model, qlora
+from fullshard.train import checkpoint_record, hf_model, qlora
 from fullshard.train.config import DEFAULT_FSDP_VERSION
 
 
@@ -88,3 +88,24 @@ def _check_quantize(p, args) -> None:
                "packed bytes; the FSDP1 wrapper's flat parameters cannot hold them)")
     if not qlora.nf4_available():
         p.fail(f"--quantize-base {args.quantize_base} needs torchao (pip install torchao==0.18.0)")
+
+
+def check_nf4_restore(p, args, worlds: list) -> None:
+    """A QLoRA checkpoint this run would resume (its own ``checkpoint_last``, else ``--restore-file``) loads
+    at the world size it was saved at only (``checkpoint_record.nf4_problem``); ``worlds``: this run's."""
+    from fullshard.checkpoint import CheckpointError  # lazy: start-up speed (see options._check_restore)
+    from fullshard.checkpoint.manifest import resolve
+
+    path = args.restore_file
+    if not os.path.isabs(path) and not os.path.exists(path):
+        path = os.path.join(args.save_dir, path)
+    last = os.path.join(args.save_dir, "checkpoint_last")
+    for candidate in (last, path):
+        try:
+            resolved = resolve(candidate)
+            problem = checkpoint_record.nf4_problem(resolved, checkpoint_record.read(resolved)[0], worlds)
+        except (CheckpointError, OSError, ValueError):
+            continue  # none there, or unreadable: loading it names the problem
+        if problem is not None:
+            p.fail(f"cannot resume from {candidate!r}: {problem}")
+        return

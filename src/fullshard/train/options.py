@@ -443,6 +443,8 @@ def validate(p: OneLineArgumentParser, args) -> TrainConfig:
                    f"tokenizer {source}, {args.data_dir!r} with {meta['tokenizer']}; fine-tune on data of that one")
     if hf_positions is None:  # --hf-model: the checkpoint's keys are checked when it loads
         _check_restore(p, args, shape, int(meta["vocab_size"]), meta.get("tokenizer"))
+    elif args.quantize_base != "none":
+        hf_options.check_nf4_restore(p, args, elastic_world_sizes(args.nproc_per_node, args.nnodes))
     _warn_fp16_on_cpu(args)
     cfg = config_from_args(args, shape=shape, vocab_size=int(meta["vocab_size"]), world_size=world_size,
                            scale_window=scale_window, rdzv_endpoint=rdzv_endpoint)

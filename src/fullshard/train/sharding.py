@@ -98,9 +98,13 @@ def shard_model(model: nn.Module, cfg: TrainConfig, device: torch.device, init_f
         The model to train: a FullyShardedDataParallel root (version 1) or ``model`` itself, now a
         ``FSDPModule`` with DTensor parameters (version 2).
     Raises:
-        ValueError: an fsdp version other than 1 or 2.
+        ValueError: an fsdp version other than 1 or 2; ``prepare`` (QLoRA's quantizer) with version 1.
     """
     if cfg.fsdp_version == 1:
+        if prepare is not None:  # QLoRA's quantizer: it would be dropped, the base trained unquantized
+            raise ValueError(f"[rank {collectives.rank()}] quantize_base='nf4' needs fsdp_version=2 (fully_shard "
+                             "gathers NF4 weights as packed bytes; the FSDP1 wrapper's flat parameters cannot "
+                             "hold them)")
         classes = {TransformerBlock} if blocks is None else {type(_inner(b)) for b in blocks}
         return _fsdp1(model, cfg, device, init_fn, classes)
     if cfg.fsdp_version == 2:
