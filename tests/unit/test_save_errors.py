@@ -76,3 +76,30 @@ def test_qlora_checkpoint_is_refused_at_another_world_size_and_by_consolidate(tm
     err = capsys.readouterr().err
     assert info.value.code == 2 and "its quantized base cannot be written into one file" in err, err
     assert not (tmp_path / "q.safetensors").exists()
+
+
+def test_interval_copy_that_fills_the_disk_leaves_no_tmp_and_says_so(tmp_path, monkeypatch):
+    """The interval checkpoint is a copy of checkpoint_last made by rank 0 alone; a disk that filled during it
+    raised out of the save on rank 0 only (rank 1 then failed in the barrier with a C++ trace) and left the
+    half-written ``.tmp``. Now the copy returns what failed (every rank then acts on it alike)."""
+    import shutil
+
+    from fullshard.train.checkpoint_utils import _copy_interval
+
+    last = tmp_path / "checkpoint_last"
+    last.mkdir()
+    (last / "a.distcp").write_bytes(b"x" * 10)
+    (tmp_path / "checkpoint_1_2").mkdir()  # an older copy of the same name stays until one replaces it
+    real = shutil.copytree
+
+    def full_disk(src, dst, **kw):
+        real(src, dst, **kw)  # written in part
+        raise shutil.Error([(os.path.join(src, "a.distcp"), dst, "[Errno 28] No space left on device")])
+    monkeypatch.setattr(shutil, "copytree", full_disk)
+    failed = _copy_interval(str(last), str(tmp_path / "checkpoint_1_4"), keep=-1)
+    assert failed == (f"copying {last} to {tmp_path / 'checkpoint_1_4'} failed: [Errno 28] No space left on "
+                      "device; free disk space"), failed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1_2", "checkpoint_last"]
+    monkeypatch.setattr(shutil, "copytree", real)
+    assert _copy_interval(str(last), str(tmp_path / "checkpoint_1_4"), keep=1) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1_4", "checkpoint_last"]

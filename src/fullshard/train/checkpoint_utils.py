@@ -113,18 +113,40 @@ def save(run, epoch: int, offset: int, end_of_epoch: bool) -> str:
         logger.error(f"{e}; continuing without this checkpoint (--on-save-error continue)")
         return None
     saved = [last]
-    if collectives.rank() == 0 and cfg.save_interval_updates > 0 and n % cfg.save_interval_updates == 0:
+    if cfg.save_interval_updates > 0 and n % cfg.save_interval_updates == 0:
         interval = os.path.join(cfg.save_dir, f"checkpoint_{epoch if not end_of_epoch else epoch - 1}_{n}")
-        shutil.rmtree(interval + ".tmp", ignore_errors=True)
-        shutil.copytree(last, interval + ".tmp")
-        shutil.rmtree(interval, ignore_errors=True)
-        os.rename(interval + ".tmp", interval)
-        saved.append(interval)
-        _prune(cfg.save_dir, cfg.keep_interval_updates)
+        failed = _copy_interval(last, interval, cfg.keep_interval_updates) if collectives.rank() == 0 else None
+        # Every rank acts on the copy's outcome alike (a disk that filled during it: one line, --on-save-error).
+        failed = collectives.broadcast_object(failed, tag="interval checkpoint copy")
+        if failed is None:
+            saved.append(interval)
+        elif cfg.on_save_error == "stop":
+            raise checkpoint.CheckpointError(f"[rank {collectives.rank()}] {failed}; checkpoint_last was saved; "
+                                             f"stopped at update {n} (--on-save-error stop)")
+        else:
+            logger.error(f"{failed}; checkpoint_last was saved; continuing (--on-save-error continue)")
     collectives.barrier()
     logger.info(f"saved checkpoint {', '.join(saved)} (epoch {epoch} @ {n} updates) "
                 f"(writing took {seconds:.2f} seconds)")
     return last
+
+
+def _copy_interval(last: str, interval: str, keep: int) -> Optional[str]:
+    """Copy ``last`` to ``interval`` through ``<interval>.tmp`` (published by a rename), then keep the last
+    ``keep`` interval checkpoints; None, or what failed (the ``.tmp`` removed, an older ``interval`` kept)."""
+    try:
+        shutil.rmtree(interval + ".tmp", ignore_errors=True)
+        shutil.copytree(last, interval + ".tmp")
+        shutil.rmtree(interval, ignore_errors=True)
+        os.rename(interval + ".tmp", interval)
+    except OSError as e:
+        shutil.rmtree(interval + ".tmp", ignore_errors=True)
+        # copytree collects each file's error as (source, destination, why) in a shutil.Error
+        why = str(e.args[0][0][2]) if isinstance(e, shutil.Error) and e.args and e.args[0] else e.strerror or str(e)
+        hint = "; free disk space" if "No space left" in why else ""
+        return f"copying {last} to {interval} failed: {why}{hint}"
+    _prune(os.path.dirname(interval), keep)
+    return None
 
 
 def _prune(save_dir: str, keep: int) -> None:
