@@ -269,6 +269,22 @@ def test_bad_inputs_one_line_exit_2_nothing_written(paths, tmp_path, capsys):
     assert not (tmp_path / "ck").exists()
 
 
+def test_a_train_split_of_exactly_one_batch_is_accepted(corpus_dir, tmp_path):
+    """B samples of T tokens need B * T + 1 tokens (they overlap by one); B * (T + 1) was asked, refusing
+    splits that hold a whole batch."""
+    from fullshard.train.options import OneLineArgumentParser, add_train_args, validate
+
+    tokens = json.loads((corpus_dir / "meta.json").read_text())["splits"]["train"]["num_tokens"]
+    batch = (tokens - 1) // 64
+    assert batch * 65 > tokens  # the old count refused it
+    p = OneLineArgumentParser(prog="fullshard train")
+    add_train_args(p)
+    argv = [str(corpus_dir), "--arch", ARCH, "--tokens-per-sample", "64", "--save-dir", str(tmp_path / "ck")]
+    assert validate(p, p.parse_args([*argv, "--batch-size", str(batch)])).batch_size == batch
+    with pytest.raises(SystemExit):
+        validate(p, p.parse_args([*argv, "--batch-size", str(batch + 1)]))
+
+
 def test_ctrl_c_under_save_on_sigterm_claims_no_save(monkeypatch, capsys):
     """Ranks save on SIGTERM only: a SIGINT stop does not say they saved (it did, and no save was made)."""
     import signal

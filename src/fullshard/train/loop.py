@@ -352,7 +352,9 @@ def train_main(cfg: TrainConfig) -> Optional[StoppedBySigterm]:
     setup_logging(int(os.environ.get("RANK", "0")), cfg.log_file)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
-        logger.info(f"restart {restart} of at most {cfg.max_restarts}: every rank restarted, resuming "
+        # Under torchrun its --max-restarts counts (torch elastic passes it on), not ours.
+        most = os.environ.get("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts)
+        logger.info(f"restart {restart} of at most {most}: every rank restarted, resuming "
                     "from the last checkpoint")
     stopped = None
     try:

@@ -225,15 +225,16 @@ def _check_split_sizes(p: OneLineArgumentParser, args, meta: dict, world_size: i
             p.fail(f"no {split!r} split in {args.data_dir!r}; re-run `fullshard preprocess` to write train and "
                    "valid splits")
         # Training needs one full global batch; validation runs on what the split has (one sample or more).
-        need = (args.batch_size * world_size if split == "train" else 1) * (args.tokens_per_sample + 1)
+        # Samples of T tokens overlap by one (the last target of one is the first input of the next).
+        need = (args.batch_size * world_size if split == "train" else 1) * args.tokens_per_sample + 1
         if split == "valid" and have < need:
             p.fail(f"the 'valid' split of {args.data_dir!r} has {have:,} tokens, fewer than one sample of "
                    f"--tokens-per-sample {args.tokens_per_sample} + 1; lower --tokens-per-sample or preprocess "
                    "more text")
         if have < need:
             p.fail(f"the {split!r} split of {args.data_dir!r} has {have:,} tokens, fewer than one batch "
-                   f"(--batch-size {args.batch_size} x {world_size} ranks x (--tokens-per-sample "
-                   f"{args.tokens_per_sample} + 1) = {need:,}); lower --batch-size, --tokens-per-sample or "
+                   f"(--batch-size {args.batch_size} x {world_size} ranks x --tokens-per-sample "
+                   f"{args.tokens_per_sample} + 1 = {need:,}); lower --batch-size, --tokens-per-sample or "
                    f"--nproc-per-node, or preprocess more text")
         try:  # checks the split file against meta.json
             blocks = len(TokenBlockDataset(args.data_dir, split, args.tokens_per_sample))
