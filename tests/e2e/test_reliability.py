@@ -157,3 +157,17 @@ def test_max_restarts_resumes_after_sigkill_bit_identical(cli, corpus_dir, tmp_p
     for k in a:
         assert torch.equal(a[k], b[k]), k
     print(f"kill + restart + resume + 2 updates: {time.monotonic() - start:.1f} s")
+
+
+def test_max_epoch_end_is_saved_once(cli, corpus_dir, tmp_path):
+    """The last update of the last --max-epoch epoch, a multiple of --save-interval-updates, was saved twice
+    (the interval save, then the run's final save of the same state)."""
+    import json
+
+    tokens = json.loads((corpus_dir / "meta.json").read_text())["splits"]["train"]["num_tokens"]
+    per_epoch = (tokens - 1) // 64 // 4  # samples of 64 tokens, 4 per update (a partial last one is dropped)
+    proc = cli("train", str(corpus_dir), *FAST, "--nproc-per-node", "1", "--max-epoch", "1", "--log-format",
+               "simple", "--save-interval-updates", str(per_epoch), "--save-dir", str(tmp_path / "s"), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    saves = [line for line in proc.stdout.splitlines() if "saved checkpoint" in line]
+    assert len(saves) == 1 and f"@ {per_epoch} updates" in saves[0], saves

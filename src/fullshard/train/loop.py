@@ -292,7 +292,8 @@ class Run:
             if stop or end_of_epoch or periodic:
                 self.validate(epoch)
             interval = cfg.save_interval_updates
-            if updated and not cfg.no_save and interval > 0 and n % interval == 0 and not stop:
+            last = stop or (end_of_epoch and 0 < cfg.max_epoch <= epoch)  # the run's final save follows
+            if updated and not cfg.no_save and interval > 0 and n % interval == 0 and not last:
                 checkpoint_utils.save(self, epoch, i + 1, end_of_epoch)
             if stop:
                 self.position = (epoch, i + 1, end_of_epoch)
