@@ -93,7 +93,7 @@ def _sharded(rank: int, world: int, nf4: bool) -> dict:
     plain = collectives.all_gather
 
     def counting(out, shard, group, async_op=True, tag=""):
-        if "DecoderLayer" in tag:  # the decoder layers' units (not the root's embeddings, norm, lm_head)
+        if ".layers." in tag:  # the decoder layers' units, named by path (not the root's embeddings, norm, lm_head)
             sent["layers"] += out.numel() * out.element_size()
         return plain(out, shard, group, async_op=async_op, tag=tag)
 
