@@ -171,3 +171,23 @@ def test_max_epoch_end_is_saved_once(cli, corpus_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     saves = [line for line in proc.stdout.splitlines() if "saved checkpoint" in line]
     assert len(saves) == 1 and f"@ {per_epoch} updates" in saves[0], saves
+
+
+def test_first_start_flags_apply_again_to_a_changed_command(cli, corpus_dir, tmp_path):
+    """--restore-file and --reset-* act again when the command changed: another --optimizer with
+    --reset-optimizer (it was taken for a restart and refused the saved optimizer state), and a rewind to an
+    interval checkpoint of the save dir asked for a second time (it was ignored)."""
+    save = ["--nproc-per-node", "1", "--log-format", "simple", "--save-dir", str(tmp_path / "s")]
+    args = [a for a in FAST if a not in ("--log-format", "json")]
+
+    def train(*extra):
+        proc = cli("train", str(corpus_dir), *args, *save, *extra, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+    train("--max-update", "4", "--save-interval-updates", "2")
+    train("--max-update", "5", "--reset-optimizer", "--optimizer", "adafactor")
+    out = train("--max-update", "3", "--reset-optimizer", "--optimizer", "adam")
+    assert "@ 0 updates" in out and "earlier start of this run" not in out, out
+    for _ in range(2):  # a rewind, twice
+        out = train("--max-update", "6", "--restore-file", "checkpoint_1_2")
+        assert "checkpoint_1_2 (epoch 1 offset 2 @ 2 updates" in out, out

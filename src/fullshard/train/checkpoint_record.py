@@ -54,3 +54,38 @@ def nf4_problem(path: str, saved: Optional[dict], worlds: Optional[list]) -> Opt
                 "--save-hf DIR` at the end of a run, or fullshard.adapters.save_adapter)")
     return (f"{head} loads at that world size only, not at {' or '.join(map(str, worlds))} ranks: use "
             f"--nproc-per-node {saved_world}")
+
+
+FIRST_START = ("restore_file", "reset_optimizer", "reset_dataloader", "reset_lr_scheduler", "reset_meters")
+"""The flags that act at a run's first start only (see :func:`resume_path`)."""
+
+
+def resume_path(save_dir: str, restore_file: str, flags: dict) -> tuple[Optional[str], bool]:
+    """(the checkpoint directory a run resumes, None for none; whether it is the run's own ``checkpoint_last``,
+    which it resumes as it stands).
+
+    ``--restore-file`` and ``--reset-*`` act at a run's first start: when ``<save-dir>/checkpoint_last`` was
+    written by a start with the same values of those flags and the same ``--optimizer`` (``flags``: this run's
+    values by field name), this run is a restart (``--max-restarts``, torchrun, or the same command run again)
+    and continues it; applying them again would throw away its progress or reset it a second time. A
+    ``--restore-file`` naming another checkpoint of ``save_dir`` (a rewind) is loaded whenever it is given."""
+    last = os.path.join(save_dir, "checkpoint_last")
+    path = restore_file
+    if not os.path.isabs(path) and not os.path.exists(path):
+        path = os.path.join(save_dir, path)
+    rewind = os.path.dirname(os.path.abspath(path)) == os.path.abspath(save_dir) and \
+        os.path.abspath(path) != os.path.abspath(last)
+    if not rewind and (os.path.isdir(last) or os.path.isdir(last + ".old")):
+        from fullshard.checkpoint import CheckpointError  # lazy: start-up speed (see `read`)
+        from fullshard.checkpoint.manifest import resolve
+
+        try:
+            saved = read(resolve(last))[0] or {}
+        except (CheckpointError, OSError, ValueError):
+            saved = {}  # loading it reports what is wrong with it
+        if saved and all(saved.get(k) == flags[k] for k in (*FIRST_START, "optimizer")):
+            return last, any(flags[k] for k in FIRST_START[1:]) or restore_file != "checkpoint_last"
+    if os.path.isdir(path) or os.path.isdir(path + ".old"):
+        return path, False
+    return None, False
+

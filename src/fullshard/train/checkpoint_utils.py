@@ -32,7 +32,6 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fullshard import checkpoint, faults
-from fullshard.checkpoint.manifest import resolve
 from fullshard.core import collectives
 from fullshard.train import checkpoint_record, pipeline
 
@@ -158,42 +157,15 @@ def _prune(save_dir: str, keep: int) -> None:
         shutil.rmtree(os.path.join(save_dir, name))
 
 
-_FIRST_START = ("restore_file", "reset_optimizer", "reset_dataloader", "reset_lr_scheduler", "reset_meters")
-
-
-def _restore_path(cfg) -> tuple[Optional[str], bool]:
-    """(the checkpoint to resume from or None, whether it is this run's own ``checkpoint_last``).
-
-    ``--restore-file`` and ``--reset-*`` act at a run's first start only: when ``<save-dir>/checkpoint_last``
-    was written by a start with the same values of those flags (a restart after a failure, under
-    ``--max-restarts`` or torchrun, or the same command run again), the run resumes from it as it stands;
-    applying them again would throw away its progress or reset it a second time."""
-    last = os.path.join(cfg.save_dir, "checkpoint_last")
-    if os.path.isdir(last) or os.path.isdir(last + ".old"):
-        try:
-            saved = checkpoint_record.read(resolve(last))[0] or {}
-        except (checkpoint.CheckpointError, OSError, ValueError):
-            saved = {}  # the load below reports what is wrong with it
-        mine = cfg.to_dict()
-        if saved and all(saved.get(k) == mine[k] for k in _FIRST_START):
-            return last, any(mine[k] for k in _FIRST_START[1:]) or cfg.restore_file != "checkpoint_last"
-    path = cfg.restore_file
-    if not os.path.isabs(path) and not os.path.exists(path):
-        path = os.path.join(cfg.save_dir, path)
-    if os.path.isdir(path) or os.path.isdir(path + ".old"):
-        return path, False
-    return None, False
-
-
 def load(run) -> tuple[int, int]:
     """Resume if a checkpoint exists (else fine-tune from --finetune-from-model);
     returns the data position ``(epoch, offset)`` to start from."""
     cfg, trainer = run.cfg, run.trainer
-    path, own = _restore_path(cfg)
+    path, own = checkpoint_record.resume_path(cfg.save_dir, cfg.restore_file, cfg.to_dict())
     if own:
         logger.info(f"resuming {path}, which an earlier start of this run wrote: --restore-file and --reset-* "
                     "took effect at that start (to start over from them, use another --save-dir)")
-        cfg = dataclasses.replace(cfg, **{k: False for k in _FIRST_START[1:]})
+        cfg = dataclasses.replace(cfg, **{k: False for k in checkpoint_record.FIRST_START[1:]})
     if path is None:
         if cfg.finetune_from_model:
             start = time.perf_counter()

@@ -271,12 +271,13 @@ def _check_restore(p: OneLineArgumentParser, args, shape: ArchSpec, vocab_size: 
     path = args.restore_file
     if not os.path.isabs(path) and not os.path.exists(path):
         path = os.path.join(args.save_dir, path)
-    if not os.path.exists(path):
+    if os.path.exists(path) and not os.path.isdir(path):
+        p.fail(f"--restore-file {path!r} is not a checkpoint directory")
+    path = checkpoint_record.resume_path(args.save_dir, args.restore_file, vars(args))[0]  # what the run loads
+    if path is None:
         if args.restore_file != "checkpoint_last":
             p.fail(f"--restore-file {args.restore_file!r} does not exist; give a checkpoint directory")
         return
-    if not os.path.isdir(path):
-        p.fail(f"--restore-file {path!r} is not a checkpoint directory")
     try:
         resolved = resolve(path)
         verify(resolved)
