@@ -148,7 +148,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.command == "preprocess":
         return int(preprocess_cli.run(args) or 0)
     rank_env = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-    missing = [k for k in rank_env if k not in os.environ]
+    missing = [k for k in rank_env if not os.environ.get(k)]  # an empty value is not set either
     if args.command in ("train", "eval-lm", "bench") and 0 < len(missing) < 3:
         # Without all three this process would launch its own ranks: an independent job per process.
         sub.error(f"{', '.join(k for k in rank_env if k not in missing)} set but not {', '.join(missing)}: set "

@@ -287,7 +287,7 @@ class FullyShardedDataParallel(FSDP1Attributes, StateDictMethods, UnitModule):
         settings.forward_depth += 1  # calls of the wrapped module inside are this forward's (forward_methods.py)
         try:
             out = fn(*args, **kwargs)
-        except Exception:
+        except BaseException:  # KeyboardInterrupt too
             state.post_forward(rt, None)  # leave FORWARD: no_sync() and friends see an idle unit
             raise
         finally:

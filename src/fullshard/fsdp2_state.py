@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from .api import MixedPrecisionPolicy
 from .core import collectives, registry, state, stored
+from .core.names import clean_name
 from .core.unit import ShardedState, Unit
 
 
@@ -206,8 +207,9 @@ def name_units(root: nn.Module, runtimes: list) -> None:
     paths: dict[int, list[str]] = {}
     ids = {id(rt) for rt in runtimes}
     for path, m in root.named_modules():
-        if path and m is not root and id(getattr(m, "_runtime", None)) in ids:
-            paths.setdefault(id(m._runtime), []).append(path.replace("_checkpoint_wrapped_module.", ""))
+        # vars(): a wrapper forwarding attribute reads (checkpoint_wrapper) is not a module of the unit
+        if path and m is not root and id(vars(m).get("_runtime")) in ids:
+            paths.setdefault(id(m._runtime), []).append(clean_name(path))
     for rt in runtimes:
         if rt is not getattr(root, "_runtime", None) and id(rt) in paths:
             rt.unit.name = "+".join(paths[id(rt)])

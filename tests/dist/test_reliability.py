@@ -53,6 +53,14 @@ def _debug_mismatch(rank, world):
             out[door] = str(e), time.monotonic() - start
         finally:
             C.set_debug(None)
+    # Names by path with wrapper segments dropped: a checkpoint_wrapper put around a sharded block forwards
+    # attribute reads to it and was counted as a second module of the unit ('b2+b2._checkpoint_wrapped_module').
+    from fullshard.activation_checkpointing import CheckpointWrapper
+
+    model = _wrap(skip_rank=-1, group=None, door="fully_shard")
+    model.b2 = CheckpointWrapper(model.b2)
+    model(torch.ones(2, 8))
+    out["names"] = sorted(m._runtime.unit.name for m in (model.b1, model.b2._checkpoint_wrapped_module))
     return out
 
 
@@ -62,6 +70,7 @@ def test_debug_mode_reports_rank_dependent_unit_with_per_rank_diff():
     fully_shard too, whose units are named by their path at the root's first forward (named by
     class, both were 'Linear', and the check passed them: outputs 0.25 and 0.40 off)."""
     for rank, found in enumerate(run_ranks(_debug_mismatch, 2, timeout_s=300)):
+        assert found.pop("names") == ["b1", "b2"], found
         for door, (msg, seconds) in found.items():
             assert msg.startswith(f"[rank {rank}] ranks issue different collectives"), (door, msg)
             assert "rank 0: all_gather of unit 'b1' (36 x float32)" in msg, (door, msg)

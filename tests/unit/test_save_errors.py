@@ -101,5 +101,16 @@ def test_interval_copy_that_fills_the_disk_leaves_no_tmp_and_says_so(tmp_path, m
                       "device; free disk space"), failed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1_2", "checkpoint_last"]
     monkeypatch.setattr(shutil, "copytree", real)
+    # An older copy that cannot be removed (a busy NFS file) costs disk only: not a failed save on rank 0 alone.
+    rmtree = shutil.rmtree
+
+    def busy(path, *a, **kw):
+        if str(path).endswith("checkpoint_1_2"):
+            raise OSError(16, "Device or resource busy")
+        return rmtree(path, *a, **kw)
+    monkeypatch.setattr(shutil, "rmtree", busy)
+    assert _copy_interval(str(last), str(tmp_path / "checkpoint_1_4"), keep=1) is None
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1_2", "checkpoint_1_4", "checkpoint_last"]
     assert _copy_interval(str(last), str(tmp_path / "checkpoint_1_4"), keep=1) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1_4", "checkpoint_last"]

@@ -144,7 +144,10 @@ def _copy_interval(last: str, interval: str, keep: int) -> Optional[str]:
         why = str(e.args[0][0][2]) if isinstance(e, shutil.Error) and e.args and e.args[0] else e.strerror or str(e)
         hint = "; free disk space" if "No space left" in why else ""
         return f"copying {last} to {interval} failed: {why}{hint}"
-    _prune(os.path.dirname(interval), keep)
+    try:
+        _prune(os.path.dirname(interval), keep)
+    except OSError as e:  # an older copy that cannot be removed (a busy NFS file) costs disk only
+        logger.warning(f"could not remove an older interval checkpoint of {os.path.dirname(interval)}: {e}")
     return None
 
 

@@ -121,7 +121,7 @@ def launched_world_size(nproc_per_node: int, nnodes: int = 1) -> int:
 
 def under_torchrun() -> bool:
     """True when this process is already a rank started by torchrun / elastic."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    return all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
 def _resolve_log_format(fmt: Optional[str]) -> str:
