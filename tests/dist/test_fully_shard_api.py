@@ -247,10 +247,11 @@ def _foreach_sgd_post_hook_fails(model):
 
 
 def _reshard_loop(model, opt, rank, sharded, *, after_forward=True, after_backward=True, step_between=False,
-                  direct=False):
+                  direct=False, metric=False):
     """``direct``: every second backward is of a block called on its own, not through the root, on the same
     input on every rank (so DDP's unreduced gradient is the average); a block kept gathered across the step
-    before must gather the stepped shards (it reused the old full weights)."""
+    before must gather the stepped shards (it reused the old full weights). ``metric``: a forward without
+    backward after each backward (with ``after_forward=False`` it leaves the blocks gathered: the same)."""
     out = []
     if sharded:
         model.set_reshard_after_forward(after_forward)
@@ -268,6 +269,8 @@ def _reshard_loop(model, opt, rank, sharded, *, after_forward=True, after_backwa
             if sharded and not after_backward:
                 assert all(m.unit.state is ShardedState.UNSHARDED for m in _units(model))
             out.append(FP.snap(model, loss))
+            if metric:  # DDP's reference runs it past DDP (its reducer refuses a forward without backward)
+                FP.loss_of(model if sharded else model.module, rank, 99)
             if step_between:
                 try:
                     opt.step()  # the kept full weights are stale now
@@ -290,6 +293,8 @@ def _reshard_case(rank, world):
             rank, lambda *a: _reshard_loop(*a, after_forward=False, after_backward=False, step_between=True)),
         "after_backward_false_step_direct": FP.parity(
             rank, lambda *a: _reshard_loop(*a, after_backward=False, step_between=True, direct=True)),
+        "after_forward_false_metric_step_direct": FP.parity(
+            rank, lambda *a: _reshard_loop(*a, after_forward=False, step_between=True, direct=True, metric=True)),
         "after_backward_false_step_foreach": FP.parity(
             rank, lambda *a: _reshard_loop(*a, after_backward=False, step_between=True),
             optimizer=_foreach_sgd),

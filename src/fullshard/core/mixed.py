@@ -148,6 +148,9 @@ class MixedUnit(Unit):
     def kept_fresh(self) -> bool:
         return super().kept_fresh() and all(p.kept_fresh() for p in self.side)
 
+    def kept_stale(self) -> bool:
+        return super().kept_stale() or any(p.kept_stale() for p in self.side)
+
     def check_views(self) -> None:
         super().check_views()
         for p in self.side:

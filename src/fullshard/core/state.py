@@ -262,7 +262,7 @@ def pre_forward(rt: UnitRuntime, args: tuple, kwargs: dict) -> tuple[tuple, dict
     rt.transition(TrainingState.FORWARD)
     if root.position(rt, root.order) < 0:
         root.order.append(rt)
-    if not in_bwd and rt.unit.kept_stale():  # kept gathered past a shard change, called without the root
+    if not in_bwd and rt.unit.kept_stale():  # gathered before a shard change (kept, or a forward without backward)
         rt.unit.reshard()
         rt.unit.reset_views()
     rt.unit.ensure_unsharded(after)

@@ -124,6 +124,7 @@ class Unit:
         # Shard versions when the unit was deliberately left unsharded
         # (FSDPModule.unshard, reshard_after_backward=False); see kept_fresh.
         self._kept_version: Optional[tuple[int, ...]] = None
+        self._gather_version: Optional[tuple[int, ...]] = None  # shard_versions() when the last all-gather began
         self.full_version: Optional[int] = None  # core/full_writes.py [Note: writes to gathered parameters]
         # Reduce-scatter outputs summed while requires_all_reduce is False (HSDP), until the replicas' all-reduce.
         self.partial_out: Optional[torch.Tensor] = None
@@ -266,6 +267,7 @@ class Unit:
         extensions.start(self)
         if self.aliased or not self.slots:
             return
+        self._gather_version = self.shard_versions()
         numel, dtype, device, tag = self.layout.unsharded_numel, self.compute_dtype, self.cfg.compute_device, \
             f"unit '{self.name}'"
         send, group, cast = self.flat_shard, self.cfg.shard_group, None
@@ -400,8 +402,8 @@ class Unit:
         return self._kept_version is not None and self._kept_version == self.shard_versions()
 
     def kept_stale(self) -> bool:
-        """Whether the unit was kept gathered and a shard changed since: its full parameters must not be reused."""
-        return self._kept_version is not None and not self.kept_fresh()
+        """Whether the unit holds full parameters gathered before a shard changed: they must not be reused."""
+        return self.state is not ShardedState.SHARDED and self._gather_version not in (None, self.shard_versions())
 
     def shard_versions(self) -> tuple[int, ...]:
         """Version counters of the flat shard, each registered parameter and its local tensor. All are needed:
