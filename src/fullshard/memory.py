@@ -103,8 +103,9 @@ def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
         ``{unit_name: {field: int}, ..., "pool": {field: int}}``. A unit's name
         is its module path in ``model`` as ``named_parameters()`` shows it
         (wrapper segments ``_fsdp_wrapped_module`` and
-        ``_checkpoint_wrapped_module`` removed; ``""`` for ``model`` itself),
-        in module order. All sizes are bytes of memory held now on this rank
+        ``_checkpoint_wrapped_module`` removed; ``""`` for ``model`` itself;
+        a unit of several modules, ``fully_shard([a, b])``: their paths
+        joined by ``+``), in module order. All sizes are bytes of memory held now on this rank
         (storage sizes: buffers of 1 MiB and more come from the pool rounded
         up to a multiple of 1 MiB). N is the unit's shard-group size and S
         the elements of its flat shard. Per unit:
@@ -162,7 +163,7 @@ def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
     Raises:
         ValueError: a unit's name is ``"pool"`` (it would hide the pool entry).
     """
-    out: dict[str, dict[str, int]] = {}
+    units: dict[int, tuple[list[str], UnitModule]] = {}  # id(runtime) -> (its modules' paths, a module of it)
     for name, module in model.named_modules():
         if isinstance(module, UnitModule):
             key = clean_name(name)
@@ -171,7 +172,12 @@ def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
                     f"[rank {collectives.rank()}] memory_stats: the unit at module path {POOL_KEY!r} would hide the "
                     "buffer pool's entry; "
                     "rename that submodule, or call memory_stats(model.pool) for that unit alone")
-            out.setdefault(key, _unit_entry(module, optimizer))
+            # A unit of several modules (fully_shard([a, b])) is one entry: counted once per module, it was
+            # summed twice by memory_totals.
+            paths = units.setdefault(id(module._runtime), ([], module))[0]
+            if key not in paths:
+                paths.append(key)
+    out = {"+".join(paths): _unit_entry(module, optimizer) for paths, module in units.values()}
     stats = POOL.stats()
     out[POOL_KEY] = {k: int(stats[k]) for k in POOL_FIELDS}
     return out

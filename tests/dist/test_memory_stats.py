@@ -296,6 +296,14 @@ def _lora_cases(rank, world):
             assert stats[n]["by_dtype"] == want[n], (door, n)
         opt.zero_grad(set_to_none=True)
         assert all(e["grad_bytes"] == 0 for k, e in memory_stats(model).items() if k != "pool"), door
+    # One unit of both layers (fully_shard([a, b])): one entry named by both paths (it was listed under each
+    # path, so memory_totals counted its shard twice).
+    plain = _Lora()
+    fullshard.fully_shard([plain.layers[0], plain.layers[1]])
+    stats = memory_stats(fullshard.fully_shard(plain))
+    assert sorted(stats) == ["", "layers.0+layers.1", "pool"], sorted(stats)
+    assert stats["layers.0+layers.1"]["by_dtype"] == {"float32": {"trainable_bytes": 56 + 88, "frozen_bytes": 0},
+                                                      "bfloat16": {"trainable_bytes": 0, "frozen_bytes": 54 + 48}}
     return "ok"
 
 
