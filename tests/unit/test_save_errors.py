@@ -71,6 +71,18 @@ def test_qlora_checkpoint_is_refused_at_another_world_size_and_by_consolidate(tm
     assert nf4_problem(path, saved, [2]) is None and nf4_problem(path, {"quantize_base": "none"}, [3]) is None
     assert nf4_problem(path, saved, [3]).endswith("its quantized base loads at that world size only, not at 3 "
                                                  "ranks: use --nproc-per-node 2")
+    # fullshard train's check of the checkpoint it would resume (here --restore-file q in the save dir)
+    import types
+
+    from fullshard.train.hf_options import check_nf4_restore
+    from fullshard.train.options import OneLineArgumentParser
+
+    args = types.SimpleNamespace(save_dir=str(tmp_path), restore_file="q")
+    check_nf4_restore(OneLineArgumentParser(prog="fullshard train"), args, [2])
+    with pytest.raises(SystemExit) as info:
+        check_nf4_restore(OneLineArgumentParser(prog="fullshard train"), args, [3])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "cannot resume from" in err and "use --nproc-per-node 2" in err, err
     with pytest.raises(SystemExit) as info:
         main(["consolidate", path, str(tmp_path / "q.safetensors")])
     err = capsys.readouterr().err

@@ -91,21 +91,18 @@ def _check_quantize(p, args) -> None:
 
 
 def check_nf4_restore(p, args, worlds: list) -> None:
-    """A QLoRA checkpoint this run would resume (its own ``checkpoint_last``, else ``--restore-file``) loads
-    at the world size it was saved at only (``checkpoint_record.nf4_problem``); ``worlds``: this run's."""
+    """A QLoRA checkpoint this run would resume (``checkpoint_record.resume_path``) loads at the world size it
+    was saved at only (``checkpoint_record.nf4_problem``); ``worlds``: this run's."""
     from fullshard.checkpoint import CheckpointError  # lazy: start-up speed (see options._check_restore)
     from fullshard.checkpoint.manifest import resolve
 
-    path = args.restore_file
-    if not os.path.isabs(path) and not os.path.exists(path):
-        path = os.path.join(args.save_dir, path)
-    last = os.path.join(args.save_dir, "checkpoint_last")
-    for candidate in (last, path):
-        try:
-            resolved = resolve(candidate)
-            problem = checkpoint_record.nf4_problem(resolved, checkpoint_record.read(resolved)[0], worlds)
-        except (CheckpointError, OSError, ValueError):
-            continue  # none there, or unreadable: loading it names the problem
-        if problem is not None:
-            p.fail(f"cannot resume from {candidate!r}: {problem}")
+    path = checkpoint_record.resume_path(args.save_dir, args.restore_file, vars(args))[0]
+    if path is None:
         return
+    try:
+        resolved = resolve(path)
+        problem = checkpoint_record.nf4_problem(resolved, checkpoint_record.read(resolved)[0], worlds)
+    except (CheckpointError, OSError, ValueError):
+        return  # unreadable: loading it names the problem
+    if problem is not None:
+        p.fail(f"cannot resume from {path!r}: {problem}")
