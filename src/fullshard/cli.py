@@ -96,15 +96,12 @@ def _launch(command: str, job, entry) -> int:
 def _consolidate(p: OneLineArgumentParser, args) -> int:
     from fullshard.checkpoint import CheckpointError  # lazy: start-up speed (see the top)
     from fullshard.checkpoint.consolidate import consolidate
-    from fullshard.checkpoint.manifest import resolve
     from fullshard.train import checkpoint_record
 
     try:
-        if os.path.isdir(args.checkpoint):
-            resolved = resolve(args.checkpoint)
-            problem = checkpoint_record.nf4_problem(resolved, checkpoint_record.read(resolved)[0], None)
-            if problem is not None:
-                raise ValueError(problem)
+        problem = checkpoint_record.nf4_problem(args.checkpoint, None) if os.path.isdir(args.checkpoint) else None
+        if problem is not None:
+            raise ValueError(problem)
         r = consolidate(args.checkpoint, args.out)
     except (CheckpointError, OSError, ValueError) as e:
         p.fail(str(e))

@@ -65,11 +65,11 @@ def test_qlora_checkpoint_is_refused_at_another_world_size_and_by_consolidate(tm
     from fullshard.cli import main
     from fullshard.train.checkpoint_record import nf4_problem
 
-    path = str(tmp_path / "q")
+    path, plain = str(tmp_path / "q"), str(tmp_path / "plain")
     checkpoint.save(path, nn.Linear(2, 2), extra={"args": {"quantize_base": "nf4"}, "world_size": 2})
-    saved = {"quantize_base": "nf4"}
-    assert nf4_problem(path, saved, [2]) is None and nf4_problem(path, {"quantize_base": "none"}, [3]) is None
-    assert nf4_problem(path, saved, [3]).endswith("its quantized base loads at that world size only, not at 3 "
+    checkpoint.save(plain, nn.Linear(2, 2), extra={"args": {"quantize_base": "none"}, "world_size": 2})
+    assert nf4_problem(path, [2]) is None and nf4_problem(plain, [3]) is None
+    assert nf4_problem(path, [3]).endswith("its quantized base loads at that world size only, not at 3 "
                                                  "ranks: use --nproc-per-node 2")
     # fullshard train's check of the checkpoint it would resume (here --restore-file q in the save dir)
     import types

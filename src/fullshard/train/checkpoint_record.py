@@ -33,18 +33,25 @@ def read(path: str) -> tuple[Optional[dict], Optional[int], Optional[str]]:
     return None, None, None
 
 
-def nf4_problem(path: str, saved: Optional[dict], worlds: Optional[list]) -> Optional[str]:
-    """Why the checkpoint directory ``path``, whose recorded ``saved`` arguments may say ``--quantize-base
-    nf4`` (QLoRA), cannot be read at the world sizes ``worlds`` (None: into one file, as ``fullshard
-    consolidate`` writes); None when it can. torch.distributed.checkpoint cuts the rows each rank saved of the
-    frozen NF4 base to the rows a loading rank holds, and torchao's ``NF4Tensor`` cannot be cut at other rows
-    (nor read back as a plain tensor), so such a checkpoint loads at the world size it was saved at only."""
-    quantized = (saved or {}).get("quantize_base") or "none"
+def nf4_problem(checkpoint_dir: str, worlds: Optional[list]) -> Optional[str]:
+    """Why the checkpoint directory ``checkpoint_dir``, when its recorded arguments say ``--quantize-base nf4``
+    (QLoRA), cannot be read at the world sizes ``worlds`` (None: into one file, as ``fullshard consolidate``
+    writes); None when it can. torch.distributed.checkpoint cuts the rows each rank saved of the frozen NF4 base
+    to the rows a loading rank holds, and torchao's ``NF4Tensor`` cannot be cut at other rows (nor read back as
+    a plain tensor), so such a checkpoint loads at the world size it was saved at only.
+
+    Raises:
+        CheckpointError, OSError, ValueError: an unreadable checkpoint.
+    """
+    from fullshard.checkpoint import read_extra  # lazy: start-up speed (see `read`)
+    from fullshard.checkpoint.manifest import resolve
+
+    path = resolve(checkpoint_dir)
+    extra = read_extra(path) or {}
+    quantized = (extra.get("args") or {}).get("quantize_base") or "none"
     if quantized == "none":
         return None
-    from fullshard.checkpoint import read_extra  # lazy: start-up speed (see `read`)
-
-    saved_world = (read_extra(path) or {}).get("world_size")
+    saved_world = extra.get("world_size")
     if worlds is not None and set(worlds) == {saved_world}:
         return None
     head = (f"{path} is a QLoRA checkpoint (--quantize-base {quantized}) saved by {saved_world} ranks; its "
@@ -88,4 +95,3 @@ def resume_path(save_dir: str, restore_file: str, flags: dict) -> tuple[Optional
     if os.path.isdir(path) or os.path.isdir(path + ".old"):
         return path, False
     return None, False
-

@@ -28,7 +28,6 @@ from typing import ClassVar
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from fullshard.checkpoint.manifest import resolve
 from fullshard.data import DataError, TokenBlockDataset
 from fullshard.data.tokenizer import different_tokenizers
 from fullshard.train import checkpoint_record
@@ -123,7 +122,7 @@ def prepare(p: OneLineArgumentParser, args) -> EvalJob:
         p.fail(str(e))
     world = launched_world_size(args.nproc_per_node)
     if os.path.isdir(args.path):
-        problem = checkpoint_record.nf4_problem(resolve(args.path), saved, [world])
+        problem = checkpoint_record.nf4_problem(args.path, [world])
         if problem is not None:
             p.fail(problem)
     # The run's recorded flags (none for a .pt file: `fullshard train`'s defaults); the loss-scale

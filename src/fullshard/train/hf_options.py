@@ -94,14 +94,12 @@ def check_nf4_restore(p, args, worlds: list) -> None:
     """A QLoRA checkpoint this run would resume (``checkpoint_record.resume_path``) loads at the world size it
     was saved at only (``checkpoint_record.nf4_problem``); ``worlds``: this run's."""
     from fullshard.checkpoint import CheckpointError  # lazy: start-up speed (see options._check_restore)
-    from fullshard.checkpoint.manifest import resolve
 
     path = checkpoint_record.resume_path(args.save_dir, args.restore_file, vars(args))[0]
     if path is None:
         return
     try:
-        resolved = resolve(path)
-        problem = checkpoint_record.nf4_problem(resolved, checkpoint_record.read(resolved)[0], worlds)
+        problem = checkpoint_record.nf4_problem(path, worlds)
     except (CheckpointError, OSError, ValueError):
         return  # unreadable: loading it names the problem
     if problem is not None:
